@@ -1,0 +1,45 @@
+# pagekeeper: `make serve` starts the service on its embedded defaults, `make test` runs the
+# whole suite. Both create the virtualenv and install everything on a fresh machine.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: all venv serve test lint typecheck stubs check-stubs bench soak fuzz crash clean
+
+all: test
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip setuptools wheel
+	# The CPU wheel of torch lies on disk; naming the version keeps the CUDA build out.
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[service,worker,dev]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+# Regenerate the committed gRPC stubs from proto/ (tests check that this changes nothing).
+stubs: $(STAMP)
+	$(PY) scripts/gen_stubs.py
+
+serve: $(STAMP)
+	$(VENV)/bin/pagekeeper serve
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check service client tests bench scripts
+	$(VENV)/bin/ruff format --check service client tests bench scripts
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy service/pagekeeper/core client/pagekeeper_client
+
+bench: $(STAMP)
+	@for f in bench/bench_*.py; do echo "== $$f"; $(PY) $$f || exit 1; done
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis
