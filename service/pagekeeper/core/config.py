@@ -45,7 +45,9 @@ class GroupConfig:
         if not isinstance(self.kind, GroupKind):
             raise ConfigError(f"{where}.kind", f"unknown kind {self.kind!r}")
         if not isinstance(self.page_size, int) or self.page_size < 1:
-            raise ConfigError(f"{where}.page_size", f"must be a positive int, got {self.page_size!r}")
+            raise ConfigError(
+                f"{where}.page_size", f"must be a positive int, got {self.page_size!r}"
+            )
         if self.kind is GroupKind.SLIDING_WINDOW:
             if not isinstance(self.window, int) or self.window < 1:
                 raise ConfigError(f"{where}.window", f"must be an int >= 1, got {self.window!r}")
@@ -76,7 +78,14 @@ class GroupConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], where: str = "groups[0]") -> GroupConfig:
-        unknown = set(data) - {"kind", "page_size", "window", "chunk", "enable_state_caching", "name"}
+        unknown = set(data) - {
+            "kind",
+            "page_size",
+            "window",
+            "chunk",
+            "enable_state_caching",
+            "name",
+        }
         if unknown:
             raise ConfigError(f"{where}.{sorted(unknown)[0]}", "unknown field")
         try:
@@ -114,7 +123,8 @@ class PoolConfig:
     def validate(self) -> None:
         if not isinstance(self.num_pages, int) or self.num_pages < 2:
             raise ConfigError(
-                "num_pages", f"must be an int >= 2 (page 0 is the null page), got {self.num_pages!r}"
+                "num_pages",
+                f"must be an int >= 2 (page 0 is the null page), got {self.num_pages!r}",
             )
         if self.num_pages >= 2**31 - 1:
             raise ConfigError("num_pages", "must fit in int32")
@@ -129,9 +139,11 @@ class PoolConfig:
                 "hash_algorithm", f"unknown {self.hash_algorithm!r}; one of {list(HASH_ALGORITHMS)}"
             )
         if not isinstance(self.max_model_len, int) or self.max_model_len < 1:
-            raise ConfigError("max_model_len", f"must be a positive int, got {self.max_model_len!r}")
+            raise ConfigError(
+                "max_model_len", f"must be a positive int, got {self.max_model_len!r}"
+            )
         # Several groups share one chain of page hashes computed at the smallest page size;
-        # a larger page's hash joins the hashes of the small pages it covers (as vLLM does).
+        # a larger page is named by the last small-page hash it covers (as vLLM does).
         hash_page_size = min(g.page_size for g in self.groups)
         for i, group in enumerate(self.groups):
             if group.page_size % hash_page_size != 0:
@@ -143,7 +155,8 @@ class PoolConfig:
         if self.num_pages < 1 + len(self.groups):
             raise ConfigError(
                 "num_pages",
-                f"too few pages: {self.num_pages} cannot give each of {len(self.groups)} groups one page",
+                f"too few pages: {self.num_pages} cannot give each of "
+                f"{len(self.groups)} groups one page",
             )
 
     @property
@@ -162,7 +175,11 @@ class PoolConfig:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> PoolConfig:
         unknown = set(data) - {
-            "num_pages", "groups", "enable_prefix_caching", "hash_algorithm", "max_model_len"
+            "num_pages",
+            "groups",
+            "enable_prefix_caching",
+            "hash_algorithm",
+            "max_model_len",
         }
         if unknown:
             raise ConfigError(sorted(unknown)[0], "unknown field")

@@ -9,7 +9,6 @@ assigned by the core in order (deterministic: a replay yields the same numbers).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,4 +42,4 @@ class AllCleared:
     seq: int
 
 
-KVEvent = Union[PageStored, PageRemoved, AllCleared]
+KVEvent = PageStored | PageRemoved | AllCleared

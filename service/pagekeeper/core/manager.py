@@ -1,17 +1,44 @@
-"""The facade: one object owning the pool, the prefix cache, every request's pages.
+"""The facade: one object that owns the pool, the prefix cache and every request's pages.
 
-SKELETON: signatures are fixed (other modules code against them); bodies land next.
+A scheduler embeds it in-process, or the service drives it from gRPC. It mirrors vLLM v1's
+``KVCacheManager``: on a single full-attention group with prefix caching it hands out the
+same page ids, finds the same hits and evicts the same pages for the same operations.
+
+Token regions of a request when it is allocated (``admit`` or ``allocate``)::
+
+    |<------------- token_ids (all tokens known: prompt + output so far) ------------>|
+    | computed before | cached hit (admission only) | new: scheduled now | lookahead  |
+    0                 c0                            c                    c+n          c+n+l
+    |<------ pages already held ----->|<---- pages allocated by this call -------------->|
+    |<--- full pages entered into the prefix cache after this call: up to min(c+n, len) ->|
+
+``c`` (``num_computed_tokens``) only grows: each successful call advances it by ``n``.
+The prompt's last token is never a cache hit (its logits must be computed).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass, field
+from math import lcm
 
 import numpy as np
 
-from pagekeeper.core.config import PoolConfig
+from pagekeeper.core.config import GroupKind, PoolConfig
+from pagekeeper.core.errors import (
+    AlreadyExists,
+    InvalidArgument,
+    InvariantViolation,
+    NotFound,
+)
 from pagekeeper.core.events import KVEvent
+from pagekeeper.core.groups import GroupManager, make_group_manager
+from pagekeeper.core.hashing import hash_pages
+from pagekeeper.core.pool import NULL_PAGE, PagePool
+from pagekeeper.core.tables import build_batch_tables
 from pagekeeper.core.types import (
+    NO_EXTRA_KEYS,
     Allocation,
     BatchTables,
     ExtraKeys,
@@ -20,47 +47,252 @@ from pagekeeper.core.types import (
     RequestInfo,
 )
 
+TokenIds = Sequence[int] | np.ndarray
+
+
+@dataclass(slots=True)
+class _Request:
+    request_id: str
+    token_ids: list[int]
+    extra_keys: ExtraKeys
+    owner: str
+    # Hashes of the request's full pages at the hash page size (the smallest page size).
+    hashes: list[bytes] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    # The token range of the last allocation: what a published batch writes.
+    scheduled_start: int = 0
+    num_scheduled: int = 0
+
+
+def _as_token_list(token_ids: TokenIds, what: str) -> list[int]:
+    if isinstance(token_ids, np.ndarray):
+        if token_ids.ndim != 1 or token_ids.dtype.kind not in "iu":
+            raise InvalidArgument(f"{what} must be a 1-D integer array")
+        tokens: list[int] = token_ids.tolist()
+    else:
+        tokens = list(token_ids)
+        for t in tokens:
+            if type(t) is not int:
+                if isinstance(t, (int, np.integer)) and not isinstance(t, bool):
+                    continue
+                raise InvalidArgument(f"{what} must be integers, got {type(t).__name__}")
+        tokens = [int(t) for t in tokens]
+    if tokens and min(tokens) < 0:
+        raise InvalidArgument(f"{what} must be non-negative")
+    return tokens
+
 
 class PageManager:
     """Owns physical page allocation and block-table construction for one pool.
 
-    Single writer, deterministic, no I/O. Mirrors vLLM v1's ``KVCacheManager`` on a single
-    full-attention group with prefix caching (same page ids, hits and evictions).
+    Single writer, deterministic, no I/O. Not thread-safe: the service calls it from one
+    event loop. Every method either succeeds or raises a :class:`PagekeeperError` having
+    changed nothing; running out of pages is not an error but a ``None`` answer.
+
+    Example::
+
+        manager = PageManager(PoolConfig(num_pages=1024))
+        first = manager.admit("a", list(range(100)))      # 7 pages of 16 tokens
+        second = manager.admit("b", list(range(100)))     # reuses a's 6 full pages
+        assert second.num_cached_tokens == 96
+        manager.allocate("a", 1, new_token_ids=[42])      # one decode step
+        tables = manager.build_batch(["a", "b"], [16])    # what a kernel reads
+        manager.free("a")
     """
 
     def __init__(self, config: PoolConfig) -> None:
+        config.validate()
         self.config = config
+        self.enable_caching = config.enable_prefix_caching
+        self.pool = PagePool(config.num_pages, enable_caching=config.enable_prefix_caching)
+        self.pool.ensure_groups(len(config.groups))
+        self.groups: list[GroupManager] = [
+            make_group_manager(i, g, self.pool, config.max_model_len)
+            for i, g in enumerate(config.groups)
+        ]
+        self.hash_page_size = config.hash_page_size
+        self._hash_factors = [g.page_size // self.hash_page_size for g in config.groups]
+        # A hit must end where every group's page ends.
+        self._hit_alignment = lcm(*(g.page_size for g in config.groups))
+        self._requests: dict[str, _Request] = {}
+        self._stats = PoolStats(num_pages=config.num_pages)
+
+    # -- helpers -------------------------------------------------------------------------
+    def _group_hashes(self, group_id: int, hashes: list[bytes]) -> list[bytes]:
+        # A larger page is named by the last small-page hash inside it (the chain already
+        # covers the whole prefix), as vLLM's BlockHashListWithBlockSize does.
+        factor = self._hash_factors[group_id]
+        return hashes if factor == 1 else hashes[factor - 1 :: factor]
+
+    def _compute_hashes(
+        self, tokens: list[int], extra_keys: ExtraKeys, page_hashes: Sequence[bytes] | None
+    ) -> list[bytes]:
+        if page_hashes is not None:
+            hashes = list(page_hashes)
+            num_full = len(tokens) // self.hash_page_size
+            if len(hashes) > num_full:
+                raise InvalidArgument(
+                    f"{len(hashes)} page hashes for {len(tokens)} tokens "
+                    f"(at most {num_full} full pages of {self.hash_page_size})"
+                )
+            for h in hashes:
+                if not isinstance(h, bytes) or not h:
+                    raise InvalidArgument("page hashes must be non-empty bytes")
+            if len(hashes) < num_full:
+                # Complete the chain from the client's last hash.
+                start = len(hashes)
+                hashes += hash_pages(
+                    tokens[start * self.hash_page_size :],
+                    self.hash_page_size,
+                    extra_keys=extra_keys,
+                    algorithm=self.config.hash_algorithm,
+                    parent=hashes[-1] if hashes else None,
+                    first_page_index=start,
+                )
+            return hashes
+        return hash_pages(
+            tokens,
+            self.hash_page_size,
+            extra_keys=extra_keys,
+            algorithm=self.config.hash_algorithm,
+        )
+
+    def _find_common_hit(self, hashes: list[bytes], max_length: int) -> tuple[list[list[int]], int]:
+        """The longest prefix every group can reuse (vLLM's hybrid coordinator): shrink the
+        candidate length until each group's hit covers it, then trim every group to it."""
+        groups = self.groups
+        align = self._hit_alignment
+        length = (max_length // align) * align
+        group_hashes = [self._group_hashes(g.group_id, hashes) for g in groups]
+        while True:
+            hits = [
+                g.find_cache_hit(gh, length) for g, gh in zip(groups, group_hashes, strict=True)
+            ]
+            new_length = min(len(h) * g.page_size for h, g in zip(hits, groups, strict=True))
+            new_length = (new_length // align) * align
+            if new_length == length or len(groups) == 1:
+                length = new_length
+                break
+            length = new_length
+        trimmed = [h[: length // g.page_size] for h, g in zip(hits, groups, strict=True)]
+        return trimmed, length
+
+    def _check_new_request(self, request_id: str, tokens: list[int]) -> None:
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidArgument("request_id must be a non-empty string")
+        if request_id in self._requests:
+            raise AlreadyExists(f"request {request_id!r} already holds pages")
+        if not tokens:
+            raise InvalidArgument(f"request {request_id!r}: token_ids must not be empty")
+        if len(tokens) > self.config.max_model_len:
+            raise InvalidArgument(
+                f"request {request_id!r}: {len(tokens)} tokens exceed max_model_len "
+                f"{self.config.max_model_len}"
+            )
+
+    def _get(self, request_id: str) -> _Request:
+        req = self._requests.get(request_id)
+        if req is None:
+            raise NotFound(f"request {request_id!r} holds no pages")
+        return req
 
     # -- reads ---------------------------------------------------------------------------
     def lookup(
         self,
-        token_ids: Sequence[int] | np.ndarray,
+        token_ids: TokenIds,
         *,
         extra_keys: ExtraKeys | None = None,
         page_hashes: Sequence[bytes] | None = None,
     ) -> LookupResult:
-        """Longest cached prefix (all groups agree on it), no side effects."""
-        raise NotImplementedError
+        """Longest cached prefix of ``token_ids`` that every group can reuse, touching
+        nothing (for routers). Unlike admission, it may cover every token."""
+        tokens = _as_token_list(token_ids, "token_ids")
+        if not self.enable_caching or not tokens:
+            return LookupResult(0, tuple(() for _ in self.groups), ())
+        hashes = self._compute_hashes(tokens, extra_keys or NO_EXTRA_KEYS, page_hashes)
+        hits, length = self._find_common_hit(hashes, len(tokens))
+        return LookupResult(
+            num_hit_tokens=length,
+            page_ids=tuple(tuple(h) for h in hits),
+            page_hashes=tuple(hashes[: length // self.hash_page_size]),
+        )
 
     def has_request(self, request_id: str) -> bool:
-        raise NotImplementedError
+        return request_id in self._requests
+
+    def request_ids(self) -> list[str]:
+        return list(self._requests)
 
     def request_info(self, request_id: str) -> RequestInfo:
-        """Raises NotFound."""
-        raise NotImplementedError
+        req = self._get(request_id)
+        return RequestInfo(
+            request_id=request_id,
+            num_tokens=len(req.token_ids),
+            num_computed_tokens=req.num_computed_tokens,
+            num_cached_tokens=req.num_cached_tokens,
+            page_ids=tuple(tuple(g.pages(request_id)) for g in self.groups),
+            owner=req.owner,
+        )
 
     def page_table(self, request_id: str, group_id: int = 0) -> np.ndarray:
-        """The request's physical table (int32 copy; null page 0 where skipped)."""
-        raise NotImplementedError
+        self._get(request_id)
+        if not 0 <= group_id < len(self.groups):
+            raise InvalidArgument(f"group_id {group_id} out of range [0, {len(self.groups)})")
+        group = self.groups[group_id]
+        return group.rows.row(group.request_rows[request_id]).copy()
 
     def stats(self) -> PoolStats:
-        raise NotImplementedError
+        s = self._stats
+        pool = self.pool
+        s.num_free_pages = pool.num_free_pages
+        s.num_used_pages = pool.num_used_pages
+        s.num_cached_pages = pool.num_cached_pages
+        s.num_free_cached_pages = int(np.count_nonzero(pool._cached_np[pool._pos_np >= 0]))
+        s.num_requests = len(self._requests)
+        s.usage = pool.usage()
+        s.num_evictions = pool.num_evictions
+        s.num_allocated_pages_total = pool.num_allocated_total
+        s.num_freed_pages_total = pool.num_freed_total
+        s.padding_tokens_per_group = self._padding_tokens()
+        return PoolStats(**{k: getattr(s, k) for k in s.__slots__})  # a copy
+
+    def _padding_tokens(self) -> list[int]:
+        out = []
+        for g in self.groups:
+            waste = 0
+            for rid in g.request_rows:
+                req = self._requests[rid]
+                n = max(len(req.token_ids), req.num_computed_tokens)
+                held = g.num_pages(rid) * g.page_size
+                waste += max(held - n, 0) if g.config.kind is not GroupKind.MAMBA else 0
+            out.append(waste)
+        return out
+
+    def page_states(self) -> dict[str, np.ndarray]:
+        """Per-page arrays for introspection: ``ref_count`` (int32), ``is_cached`` (bool),
+        ``is_free`` (bool) and ``group`` (int16, -1 when no group holds or caches it)."""
+        pool = self.pool
+        group = np.full(pool.num_pages, -1, dtype=np.int16)
+        for g in self.groups:
+            for rid, row in g.request_rows.items():
+                del rid
+                pages = g.rows.row(row)
+                group[pages[pages != NULL_PAGE]] = g.group_id
+        for page, (gid, _h) in pool._page_key.items():
+            group[page] = gid
+        return {
+            "ref_count": pool._ref_np.copy(),
+            "is_cached": pool._cached_np.astype(bool),
+            "is_free": pool._pos_np >= 0,
+            "group": group,
+        }
 
     # -- mutations -----------------------------------------------------------------------
     def admit(
         self,
         request_id: str,
-        token_ids: Sequence[int] | np.ndarray,
+        token_ids: TokenIds,
         *,
         num_new_tokens: int | None = None,
         extra_keys: ExtraKeys | None = None,
@@ -72,36 +304,186 @@ class PageManager:
         """Prefix lookup + touch + allocation for a new (or resumed) request, atomically.
 
         ``token_ids``: every token known (prompt, plus output so far for a resumed request).
-        ``num_new_tokens``: tokens to compute now, after the cached prefix (default: all the
-        rest). Returns None (and changes nothing but sliding-window releases) when pages
-        run out. Raises AlreadyExists / InvalidArgument.
+        ``num_new_tokens``: tokens to compute now after the cached prefix (default: all the
+        rest; fewer for a chunked prefill). Returns None, changing nothing, when pages run
+        out. Raises AlreadyExists, InvalidArgument.
         """
-        raise NotImplementedError
+        tokens = _as_token_list(token_ids, "token_ids")
+        self._check_new_request(request_id, tokens)
+        if num_lookahead_tokens < 0:
+            raise InvalidArgument("num_lookahead_tokens must be >= 0")
+        extra = extra_keys or NO_EXTRA_KEYS
+        hashes = self._compute_hashes(tokens, extra, page_hashes) if self.enable_caching else []
+        read_cache = self.enable_caching and enable_cache_read
+        if read_cache:
+            hits, num_hit = self._find_common_hit(hashes, len(tokens) - 1)
+        else:
+            hits, num_hit = [[] for _ in self.groups], 0
+        if num_new_tokens is None:
+            num_new_tokens = len(tokens) - num_hit
+        if not 0 < num_new_tokens <= len(tokens) - num_hit:
+            raise InvalidArgument(
+                f"request {request_id!r}: num_new_tokens {num_new_tokens} must be in "
+                f"[1, {len(tokens) - num_hit}] after a {num_hit}-token cached prefix"
+            )
+        num_slots = min(num_hit + num_new_tokens + num_lookahead_tokens, self.config.max_model_len)
+        needed = sum(
+            g.num_pages_to_allocate(request_id, num_slots, h, num_hit)
+            for g, h in zip(self.groups, hits, strict=True)
+        )
+        if needed > self.pool.num_free_pages:
+            self._stats.num_no_capacity += 1
+            return None
+        if read_cache:
+            # Counted per admission, as vLLM's scheduler records them (not per attempt).
+            stats = self._stats
+            stats.prefix_queries_requests += 1
+            stats.prefix_queries_tokens += len(tokens)
+            stats.prefix_hits_tokens += num_hit
+            stats.prefix_hits_requests += num_hit > 0
+        req = _Request(request_id, tokens, extra, owner, hashes)
+        self._requests[request_id] = req
+        for g, h in zip(self.groups, hits, strict=True):
+            g.save_hits(request_id, h, num_hit)
+        new_pages = tuple(tuple(g.allocate_new(request_id, num_slots)) for g in self.groups)
+        self._cache(req, num_hit + num_new_tokens)
+        req.num_computed_tokens = num_hit + num_new_tokens
+        req.num_cached_tokens = num_hit
+        req.scheduled_start, req.num_scheduled = num_hit, num_new_tokens
+        return Allocation(
+            request_id=request_id,
+            num_cached_tokens=num_hit,
+            new_page_ids=new_pages,
+            hit_page_ids=tuple(tuple(h) for h in hits),
+        )
 
     def allocate(
         self,
         request_id: str,
         num_new_tokens: int,
         *,
-        new_token_ids: Sequence[int] | np.ndarray = (),
+        new_token_ids: TokenIds = (),
         num_computed_tokens: int | None = None,
         num_lookahead_tokens: int = 0,
+        new_page_hashes: Sequence[bytes] | None = None,
     ) -> Allocation | None:
         """Grow a running request: append ``new_token_ids`` (tokens generated since its last
         step), then make room for ``num_new_tokens`` more computed tokens (+ lookahead).
-        ``num_computed_tokens`` defaults to what the manager tracked. None = no capacity."""
-        raise NotImplementedError
+        ``num_computed_tokens`` defaults to what the manager tracked. Returns None when pages
+        run out; then only sliding-window releases have happened (as in vLLM) and the tokens
+        are not appended."""
+        req = self._get(request_id)
+        new_tokens = _as_token_list(new_token_ids, "new_token_ids")
+        if num_new_tokens < 1:
+            raise InvalidArgument(f"request {request_id!r}: num_new_tokens must be >= 1")
+        if num_lookahead_tokens < 0:
+            raise InvalidArgument("num_lookahead_tokens must be >= 0")
+        num_tokens = len(req.token_ids) + len(new_tokens)
+        if num_tokens > self.config.max_model_len:
+            raise InvalidArgument(
+                f"request {request_id!r}: {num_tokens} tokens exceed max_model_len "
+                f"{self.config.max_model_len}"
+            )
+        computed = req.num_computed_tokens if num_computed_tokens is None else num_computed_tokens
+        if not 0 <= computed <= num_tokens:
+            raise InvalidArgument(
+                f"request {request_id!r}: num_computed_tokens {computed} outside [0, {num_tokens}]"
+            )
+        if computed + num_new_tokens > num_tokens + num_lookahead_tokens:
+            raise InvalidArgument(
+                f"request {request_id!r}: {computed} computed + {num_new_tokens} new tokens "
+                f"exceed its {num_tokens} tokens"
+            )
+        if new_page_hashes is not None and not self.enable_caching:
+            new_page_hashes = None
+        num_slots = min(computed + num_new_tokens + num_lookahead_tokens, self.config.max_model_len)
+        groups = self.groups
+        if len(groups) == 1:
+            group = groups[0]
+            group.remove_skipped(request_id, computed)
+            needed = group.num_pages_to_allocate(request_id, num_slots, (), computed)
+        else:
+            for g in groups:
+                g.remove_skipped(request_id, computed)
+            needed = sum(
+                g.num_pages_to_allocate(request_id, num_slots, (), computed) for g in groups
+            )
+        if needed > self.pool.num_free_pages:
+            self._stats.num_no_capacity += 1
+            return None
+        if new_tokens:
+            self._append_tokens(req, new_tokens, new_page_hashes)
+        if needed:
+            new_pages = tuple(tuple(g.allocate_new(request_id, num_slots)) for g in groups)
+        else:
+            new_pages = tuple(() for _ in groups)
+        if self.enable_caching:
+            self._cache(req, computed + num_new_tokens)
+        req.num_computed_tokens = computed + num_new_tokens
+        req.scheduled_start, req.num_scheduled = computed, num_new_tokens
+        return Allocation(request_id, 0, new_pages)
+
+    def _append_tokens(
+        self, req: _Request, new_tokens: list[int], new_page_hashes: Sequence[bytes] | None
+    ) -> None:
+        tokens = req.token_ids
+        tokens.extend(new_tokens)
+        if not self.enable_caching:
+            return
+        ps = self.hash_page_size
+        num_full = len(tokens) // ps
+        have = len(req.hashes)
+        if num_full <= have:
+            return
+        if new_page_hashes:
+            extra = list(new_page_hashes)[: num_full - have]
+            req.hashes.extend(extra)
+            have += len(extra)
+        if num_full > have:
+            req.hashes.extend(
+                hash_pages(
+                    tokens[have * ps : num_full * ps],
+                    ps,
+                    extra_keys=req.extra_keys,
+                    algorithm=self.config.hash_algorithm,
+                    parent=req.hashes[-1] if req.hashes else None,
+                    first_page_index=have,
+                )
+            )
+
+    def _cache(self, req: _Request, num_computed: int) -> None:
+        if not self.enable_caching:
+            return
+        num_tokens = min(num_computed, len(req.token_ids))
+        if len(self.groups) > 1:
+            # Hybrid: cache only up to where every group's pages end.
+            num_tokens -= num_tokens % self._hit_alignment
+        for g in self.groups:
+            if num_tokens // g.page_size > g.num_cached_pages.get(req.request_id, 0):
+                g.cache(
+                    req.request_id,
+                    num_tokens,
+                    self._group_hashes(g.group_id, req.hashes),
+                    req.token_ids,
+                    req.extra_keys.lora_name,
+                )
 
     def free(self, request_id: str) -> None:
-        """Release every page of the request (groups in order, each last to first)."""
-        raise NotImplementedError
+        """Release every page of the request: groups in order, each last page first."""
+        self._get(request_id)
+        for g in self.groups:
+            g.free(request_id)
+        del self._requests[request_id]
 
     def reset_prefix_cache(self) -> bool:
         """Drop the whole prefix cache; refused (False) while any request holds pages."""
-        raise NotImplementedError
+        if self._requests:
+            return False
+        return self.pool.reset_prefix_cache()
 
     def take_events(self) -> list[KVEvent]:
-        raise NotImplementedError
+        """Every KV event since the last call, oldest first."""
+        return self.pool.take_events()
 
     # -- publication ---------------------------------------------------------------------
     def build_batch(
@@ -113,9 +495,75 @@ class PageManager:
         pad_id: int = 0,
     ) -> list[BatchTables]:
         """Per group: the kernel block table of these requests in this order, their row
-        lengths, and the slot mapping of the tokens each was last allocated for."""
-        raise NotImplementedError
+        lengths, and the slot mapping of the tokens each was last allocated for (or the
+        last ``num_scheduled_tokens[i]`` of them). ``kernel_block_sizes[g]`` defaults to
+        the group's page size. Mamba groups without state caching publish one state page
+        per row and no slots."""
+        if kernel_block_sizes is None:
+            kernel_block_sizes = [g.page_size for g in self.groups]
+        if len(kernel_block_sizes) != len(self.groups):
+            raise InvalidArgument(
+                f"{len(kernel_block_sizes)} kernel block sizes for {len(self.groups)} groups"
+            )
+        if len(set(request_ids)) != len(request_ids):
+            raise InvalidArgument("a request appears twice in the batch")
+        reqs = [self._get(rid) for rid in request_ids]
+        if num_scheduled_tokens is None:
+            starts = np.fromiter((r.scheduled_start for r in reqs), np.int64, len(reqs))
+            counts = np.fromiter((r.num_scheduled for r in reqs), np.int64, len(reqs))
+        else:
+            if len(num_scheduled_tokens) != len(reqs):
+                raise InvalidArgument("num_scheduled_tokens must match request_ids")
+            counts = np.asarray(num_scheduled_tokens, dtype=np.int64)
+            ends = np.fromiter((r.num_computed_tokens for r in reqs), np.int64, len(reqs))
+            if (counts < 0).any() or (counts > ends).any():
+                raise InvalidArgument("num_scheduled_tokens outside [0, num_computed_tokens]")
+            starts = ends - counts
+        out = []
+        for g, kbs in zip(self.groups, kernel_block_sizes, strict=True):
+            rows = np.fromiter((g.request_rows[r] for r in request_ids), np.int64, len(reqs))
+            table, num_pages = g.rows.gather(rows)
+            is_stateful = g.config.kind is GroupKind.MAMBA and not g.config.enable_state_caching
+            out.append(
+                build_batch_tables(
+                    table,
+                    num_pages,
+                    starts if not is_stateful else np.zeros_like(starts),
+                    counts if not is_stateful else np.zeros_like(counts),
+                    page_size=g.page_size,
+                    kernel_block_size=int(kbs),
+                    group_id=g.group_id,
+                    pad_id=pad_id,
+                )
+            )
+        return out
 
     # -- integrity -----------------------------------------------------------------------
     def check_invariants(self) -> None:
-        raise NotImplementedError
+        """Recompute everything from scratch; raise :class:`InvariantViolation` listing
+        every breach: pages conserved, a page is free exactly when its ref count is 0,
+        per-request references sum to the ref counts, every index entry points at a page
+        with that hash, tables never exceed the request's needs."""
+        problems: list[str] = []
+        expected = np.zeros(self.pool.num_pages, dtype=np.int64)
+        for g in self.groups:
+            if set(g.request_rows) != set(self._requests):
+                problems.append(f"group {g.group_id} tracks other requests than the manager")
+            if set(g.num_cached_pages) != set(g.request_rows):
+                problems.append(f"group {g.group_id}: cached-page counters out of step")
+            for rid, row in g.request_rows.items():
+                pages = g.rows.row(row)
+                real = pages[pages != NULL_PAGE]
+                counts = Counter(real.tolist())
+                dup = [p for p, c in counts.items() if c > 1]
+                if dup:
+                    problems.append(f"request {rid} holds pages {dup} twice in group {g.group_id}")
+                np.add.at(expected, real, 1)
+                if g.num_cached_pages.get(rid, 0) > len(pages):
+                    problems.append(f"request {rid}: more pages cached than held")
+        problems += self.pool.check_invariants(expected)
+        used = self.pool.num_used_pages
+        if used + self.pool.num_free_pages != self.pool.num_pages - 1:
+            problems.append("pages not conserved: used + free != num_pages - 1")
+        if problems:
+            raise InvariantViolation("; ".join(problems))

@@ -1,0 +1,291 @@
+"""Per-kind page layout of one KV-cache group (vLLM's single-type managers).
+
+Each group keeps every running request's physical table as a row of a :class:`PageRows`
+and knows three things that differ by kind: which cached prefix it can reuse
+(:meth:`GroupManager.find_cache_hit`), which leading pages a request no longer reads
+(:meth:`GroupManager.num_skipped_tokens`, they become the null page and go back to the
+pool), and how many pages a request needs for some number of tokens.
+
+Token regions of one request in one group, at an allocation::
+
+    | skipped (null pages) |   computed   |   new (scheduled now)  | lookahead |
+    0                      s              c                        c+n         c+n+l
+    s = num_skipped_tokens(c): 0 for full attention; c - window + 1 for a sliding window;
+        the start of the current chunk for chunked local; c - 1 for a cached mamba state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pagekeeper.core.config import GroupConfig, GroupKind
+from pagekeeper.core.pool import NULL_PAGE, PagePool
+from pagekeeper.core.tables import PageRows
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class GroupManager:
+    """Full attention; the base the other kinds refine."""
+
+    def __init__(self, group_id: int, config: GroupConfig, pool: PagePool, max_model_len: int):
+        self.group_id = group_id
+        self.config = config
+        self.page_size = config.page_size
+        self.pool = pool
+        self.max_pages_per_request = self._max_pages(max_model_len)
+        self.rows = PageRows(self.max_pages_per_request)
+        self.request_rows: dict[str, int] = {}
+        # Pages of each request already in the prefix-cache index (or deliberately skipped).
+        self.num_cached_pages: dict[str, int] = {}
+
+    def _max_pages(self, max_model_len: int) -> int:
+        return cdiv(max_model_len, self.page_size)
+
+    # -- kind-specific rules -------------------------------------------------------------
+    @property
+    def is_cacheable(self) -> bool:
+        return True
+
+    def num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        return 0
+
+    def num_required_pages(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.page_size)
+
+    def find_cache_hit(self, hashes: Sequence[bytes], max_length: int) -> list[int]:
+        """Pages of the longest cached prefix of at most ``max_length`` tokens (null pages
+        where the kind needs none). Hashes are this group's, one per page."""
+        hit: list[int] = []
+        lookup, group_id = self.pool.lookup, self.group_id
+        for page_hash in hashes[: max_length // self.page_size]:
+            page = lookup(group_id, page_hash)
+            if page is None:
+                break
+            hit.append(page)
+        return hit
+
+    # -- per-request state ---------------------------------------------------------------
+    def has(self, request_id: str) -> bool:
+        return request_id in self.request_rows
+
+    def num_pages(self, request_id: str) -> int:
+        row = self.request_rows.get(request_id)
+        return 0 if row is None else self.rows.num_pages(row)
+
+    def pages(self, request_id: str) -> list[int]:
+        row = self.request_rows.get(request_id)
+        return [] if row is None else self.rows.row(row).tolist()
+
+    def num_pages_to_allocate(
+        self, request_id: str, num_tokens: int, hit_pages: Sequence[int], num_computed_tokens: int
+    ) -> int:
+        """Free pages this allocation consumes: new pages, plus hit pages that must be taken
+        out of the free queue (they count against the same free pages)."""
+        required = self.num_required_pages(num_tokens)
+        held = self.num_pages(request_id)
+        if request_id in self.request_rows:
+            return max(required - held, 0)
+        num_skipped_pages = self.num_skipped_tokens(num_computed_tokens) // self.page_size
+        new = max(required - max(num_skipped_pages, len(hit_pages)), 0)
+        kept = hit_pages[num_skipped_pages:]
+        pool = self.pool
+        evictable = sum(1 for p in kept if p != NULL_PAGE and pool.ref_count(p) == 0)
+        return new + evictable
+
+    def save_hits(
+        self, request_id: str, hit_pages: Sequence[int], num_computed_tokens: int
+    ) -> None:
+        """Admission: take the cached prefix (pages the window no longer needs become null)."""
+        num_skipped_pages = self.num_skipped_tokens(num_computed_tokens) // self.page_size
+        kept = list(hit_pages[num_skipped_pages:])
+        self.pool.touch(kept)
+        row = self.rows.add_row()
+        self.request_rows[request_id] = row
+        table = [NULL_PAGE] * min(num_skipped_pages, self.max_pages_per_request) + kept
+        if table:
+            self.rows.append(row, table)
+        self.num_cached_pages[request_id] = len(table)
+
+    def allocate_new(self, request_id: str, num_tokens: int) -> list[int]:
+        row = self.request_rows.get(request_id)
+        if row is None:
+            row = self.rows.add_row()
+            self.request_rows[request_id] = row
+            self.num_cached_pages[request_id] = 0
+        num_new = self.num_required_pages(num_tokens) - self.rows.num_pages(row)
+        if num_new <= 0:
+            return []
+        pages = self.pool.allocate(num_new)
+        self.rows.append(row, pages)
+        return pages
+
+    def remove_skipped(self, request_id: str, num_computed_tokens: int) -> None:
+        """Release pages that fell out of the attention window (they become the null page)."""
+        num_skipped = self.num_skipped_tokens(num_computed_tokens)
+        if num_skipped <= 0:
+            return
+        row = self.request_rows.get(request_id)
+        if row is None:
+            return
+        rows = self.rows
+        last = min(num_skipped // self.page_size, rows.num_pages(row))
+        view = rows.row(row)
+        released: list[int] = []
+        for i in range(last - 1, -1, -1):
+            page = int(view[i])
+            if page == NULL_PAGE:
+                break
+            released.append(page)
+            rows.set_page(row, i, NULL_PAGE)
+        if released:
+            self.pool.free(released)
+
+    def cache(
+        self,
+        request_id: str,
+        num_tokens: int,
+        hashes: Sequence[bytes],
+        token_ids: Sequence[int],
+        lora_name: str | None,
+    ) -> None:
+        """Enter the request's newly full pages (up to ``num_tokens``) into the index."""
+        if not self.is_cacheable:
+            return
+        num_cached = self.num_cached_pages.get(request_id, 0)
+        num_full = min(num_tokens // self.page_size, len(hashes))
+        if num_full <= num_cached:
+            return
+        row = self.request_rows[request_id]
+        pages = self.rows.row(row)[num_cached:num_full].tolist()
+        ps = self.page_size
+        self.pool.cache(
+            self.group_id,
+            pages,
+            hashes[num_cached:num_full],
+            parent_hash=hashes[num_cached - 1] if num_cached else None,
+            token_ids=token_ids[num_cached * ps : num_full * ps],
+            page_size=ps,
+            lora_name=lora_name,
+        )
+        self.num_cached_pages[request_id] = num_full
+
+    def free(self, request_id: str) -> None:
+        """Release the request's pages, last to first (leading null pages dropped)."""
+        row = self.request_rows.pop(request_id, None)
+        self.num_cached_pages.pop(request_id, None)
+        if row is None:
+            return
+        pages = self.rows.row(row)[::-1]
+        self.pool.free(pages)
+        self.rows.release_row(row)
+
+
+class SlidingWindowManager(GroupManager):
+    """Attention over the last ``window`` tokens."""
+
+    def __init__(self, group_id: int, config: GroupConfig, pool: PagePool, max_model_len: int):
+        super().__init__(group_id, config, pool, max_model_len)
+        assert config.window is not None
+        self.window = config.window
+        # Consecutive cached pages a hit needs to cover the window before the next token.
+        self.contiguous_pages = max(cdiv(self.window - 1, self.page_size), 1)
+
+    def num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        return max(0, num_computed_tokens - self.window + 1)
+
+    def find_cache_hit(self, hashes: Sequence[bytes], max_length: int) -> list[int]:
+        # Scan right to left for enough consecutive cached pages; everything before them
+        # is outside the window, so the null page stands in for it.
+        max_pages = min(max_length // self.page_size, len(hashes))
+        hit = [NULL_PAGE] * max_pages
+        lookup, group_id, need = self.pool.lookup, self.group_id, self.contiguous_pages
+        run = 0
+        for i in range(max_pages - 1, -1, -1):
+            page = lookup(group_id, hashes[i])
+            if page is None:
+                run = 0
+                continue
+            hit[i] = page
+            run += 1
+            if run >= need:
+                return hit[: i + run]
+        # No full window anywhere: only a run starting at page 0 is usable.
+        return hit[:run]
+
+
+class ChunkedLocalManager(GroupManager):
+    """Attention within fixed chunks of ``chunk`` tokens."""
+
+    def __init__(self, group_id: int, config: GroupConfig, pool: PagePool, max_model_len: int):
+        super().__init__(group_id, config, pool, max_model_len)
+        assert config.chunk is not None
+        self.chunk = config.chunk
+
+    def num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        return (num_computed_tokens // self.chunk) * self.chunk
+
+    def find_cache_hit(self, hashes: Sequence[bytes], max_length: int) -> list[int]:
+        # Pages before the chunk that holds the next token are never read again: null.
+        start = (max_length // self.chunk) * self.chunk // self.page_size
+        max_pages = min(max_length // self.page_size, len(hashes))
+        hit = [NULL_PAGE] * min(start, max_pages)
+        lookup, group_id = self.pool.lookup, self.group_id
+        for i in range(len(hit), max_pages):
+            page = lookup(group_id, hashes[i])
+            if page is None:
+                break
+            hit.append(page)
+        return hit
+
+
+class MambaManager(GroupManager):
+    """State-space layers. Without state caching a request holds exactly one state page
+    (its table has one entry). With ``enable_state_caching`` the state after each full
+    page is kept under that page's hash, and only the live state page stays with the
+    request (the earlier ones go back to the pool, still hittable until reused)."""
+
+    def __init__(self, group_id: int, config: GroupConfig, pool: PagePool, max_model_len: int):
+        self.is_state_cached = config.enable_state_caching
+        super().__init__(group_id, config, pool, max_model_len)
+
+    def _max_pages(self, max_model_len: int) -> int:
+        return cdiv(max_model_len, self.page_size) if self.is_state_cached else 1
+
+    @property
+    def is_cacheable(self) -> bool:
+        return self.is_state_cached
+
+    def num_required_pages(self, num_tokens: int) -> int:
+        if self.is_state_cached:
+            return cdiv(num_tokens, self.page_size)
+        return 1 if num_tokens > 0 else 0
+
+    def num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        return max(0, num_computed_tokens - 1) if self.is_state_cached else 0
+
+    def find_cache_hit(self, hashes: Sequence[bytes], max_length: int) -> list[int]:
+        if not self.is_state_cached:
+            return []
+        # Only the newest state matters: the rightmost cached page.
+        max_pages = min(max_length // self.page_size, len(hashes))
+        lookup, group_id = self.pool.lookup, self.group_id
+        for i in range(max_pages - 1, -1, -1):
+            page = lookup(group_id, hashes[i])
+            if page is not None:
+                return [NULL_PAGE] * i + [page]
+        return []
+
+
+def make_group_manager(
+    group_id: int, config: GroupConfig, pool: PagePool, max_model_len: int
+) -> GroupManager:
+    kinds: dict[GroupKind, type[GroupManager]] = {
+        GroupKind.FULL: GroupManager,
+        GroupKind.SLIDING_WINDOW: SlidingWindowManager,
+        GroupKind.CHUNKED_LOCAL: ChunkedLocalManager,
+        GroupKind.MAMBA: MambaManager,
+    }
+    return kinds[config.kind](group_id, config, pool, max_model_len)

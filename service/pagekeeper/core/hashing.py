@@ -1,0 +1,662 @@
+"""Prefix-cache page hashes, bit-compatible with vLLM's ``sha256_cbor`` and ``xxhash_cbor``.
+
+A page's hash chains its parent page's hash, its token ids and the request's extra keys,
+exactly as vLLM 0.33 computes block hashes (``hash_block_tokens`` over
+``generate_block_hash_extra_keys``)::
+
+    hash(page i) = H(cbor((parent, tuple(page_token_ids), extra_keys)))
+    parent       = hash(page i-1), or none_hash(H) for page 0
+    H            = sha256 (32 bytes) | xxh3_128 (16 bytes)
+    extra_keys   = None, or a tuple of tagged tuples in this order:
+                   ("lora", lora_name, lora_path)        every page of a LoRA request
+                   ("mm", identifier, offset - page_start) each mm input whose placeholder
+                                                          overlaps the page, in order
+                   ("cache_salt", salt)                  page 0 only (non-empty salt)
+
+``cbor`` is canonical CBOR (``cbor2.dumps(obj, canonical=True)``). vLLM pays for a generic
+encoder per page; we encode exactly this shape ourselves. Every page's message is::
+
+    83 | 58 20 <parent: 32 bytes> | 90 <16 uints> | f6            (sha256, page 16, no keys)
+    ^array(3)  ^bytes(32)            ^array(16)     ^null, or array(k) of tagged tuples
+    '-- per page, Python --------'  '-- "body": all pages encoded at once, numpy ------'
+
+The bodies of all pages are built in one vectorised pass (a 64-bit word per token holding
+its CBOR encoding right-aligned, then one compress drops the bytes each variable-length
+encoding does not use), so only the parent concatenation and one digest call remain per
+page. A few pages (decode) take a plain-Python encoder instead; both are checked against
+cbor2 in the tests.
+
+Only full pages are hashed. Hashes are raw ``bytes``, deterministic across processes
+(never Python's ``hash()``). Pure: no I/O, numpy only (``xxhash`` for ``xxhash_cbor``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Callable, Sequence
+from functools import lru_cache
+from typing import Any, Final, Literal, TypeAlias, cast
+
+import numpy as np
+import numpy.typing as npt
+
+from pagekeeper.core.errors import ConfigError, InvalidArgument
+from pagekeeper.core.types import ExtraKeys
+
+_xxh3_128_digest: Callable[[bytes], bytes] | None
+try:
+    # Optional, as in vLLM: only xxhash_cbor needs it.
+    from xxhash import xxh3_128_digest as _xxh3_128_digest
+except ImportError:  # pragma: no cover - exercised only where xxhash is absent
+    _xxh3_128_digest = None
+
+__all__ = [
+    "DEFAULT_NONE_HASH_SEED",
+    "HASH_ALGORITHMS",
+    "NONE_HASH",
+    "PageHasher",
+    "TokenIds",
+    "digest_size",
+    "encode_cbor",
+    "hash_pages",
+    "join_hashes",
+    "none_hash",
+    "page_extra_keys",
+]
+
+SHA256_CBOR: Final = "sha256_cbor"
+XXHASH_CBOR: Final = "xxhash_cbor"
+HASH_ALGORITHMS: Final = (SHA256_CBOR, XXHASH_CBOR)
+_DIGEST_SIZES: Final = {SHA256_CBOR: 32, XXHASH_CBOR: 16}
+
+# vLLM's seed for NONE_HASH (``DEFAULT_NONE_HASH_SEED``). vLLM draws a random seed for the
+# non-cryptographic xxhash algorithms unless PYTHONHASHSEED is set; pagekeeper's hashes must
+# survive restarts, so it always uses a fixed seed (vLLM with PYTHONHASHSEED=<seed> agrees).
+DEFAULT_NONE_HASH_SEED: Final = "vllm-none-hash"
+
+TokenIds: TypeAlias = Sequence[int] | npt.NDArray[np.integer[Any]]
+CborValue: TypeAlias = bool | int | str | bytes | tuple["CborValue", ...] | None
+ExtraKeyTuple: TypeAlias = tuple[tuple[str | int | None, ...], ...]
+
+_UINT64_LIMIT: Final = 1 << 64
+
+# Fewer tokens than this are encoded in plain Python: numpy's fixed cost per call (~20
+# array operations, ~25 µs) exceeds a per-token loop (~0.15 µs a token) below ~170 tokens,
+# which covers the decode path (one page at a time).
+_NUMPY_MIN_TOKENS: Final = 160
+
+
+# --------------------------------------------------------------------------------------
+# Generic canonical CBOR for the few shapes a page message holds
+# --------------------------------------------------------------------------------------
+def _head(major: int, value: int) -> bytes:
+    """CBOR item head: major type + argument in its shortest form (canonical)."""
+    mt = major << 5
+    if value < 24:
+        return bytes((mt | value,))
+    if value < 0x100:
+        return bytes((mt | 24, value))
+    if value < 0x1_0000:
+        return struct.pack(">BH", mt | 25, value)
+    if value < 0x1_0000_0000:
+        return struct.pack(">BI", mt | 26, value)
+    if value < _UINT64_LIMIT:
+        return struct.pack(">BQ", mt | 27, value)
+    # cbor2 would switch to a bignum tag here; nothing pagekeeper hashes gets this large.
+    raise InvalidArgument(f"integer {value} does not fit in 64 bits")
+
+
+def _encode_int(value: int) -> bytes:
+    return _head(0, value) if value >= 0 else _head(1, -1 - value)
+
+
+def encode_cbor(obj: CborValue) -> bytes:
+    """Canonical CBOR of ``obj`` (None, bool, int within ±2**64, str, bytes, tuples/lists).
+
+    Equals ``cbor2.dumps(obj, canonical=True)`` on these types: shortest integer heads,
+    tuples as definite-length arrays, str as UTF-8 text, bytes as byte strings.
+    """
+    if obj is None:
+        return b"\xf6"
+    if obj is True:
+        return b"\xf5"
+    if obj is False:
+        return b"\xf4"
+    if isinstance(obj, int):
+        return _encode_int(obj)
+    if isinstance(obj, str):
+        try:
+            raw = obj.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InvalidArgument(f"string is not valid UTF-8: {obj!r}") from exc
+        return _head(3, len(raw)) + raw
+    if isinstance(obj, bytes | bytearray | memoryview):
+        raw = bytes(obj)
+        return _head(2, len(raw)) + raw
+    if isinstance(obj, tuple | list):
+        return _head(4, len(obj)) + b"".join(encode_cbor(item) for item in obj)
+    raise InvalidArgument(f"cannot hash a value of type {type(obj).__name__}")
+
+
+# --------------------------------------------------------------------------------------
+# Extra keys (vLLM's generate_block_hash_extra_keys)
+# --------------------------------------------------------------------------------------
+def _validate_extra_keys(extra_keys: ExtraKeys) -> None:
+    if not isinstance(extra_keys, ExtraKeys):
+        raise InvalidArgument(f"extra_keys must be ExtraKeys, got {type(extra_keys).__name__}")
+    if extra_keys.lora_name is not None and not isinstance(extra_keys.lora_name, str):
+        raise InvalidArgument("extra_keys.lora_name must be a str")
+    if extra_keys.lora_path is not None:
+        if not isinstance(extra_keys.lora_path, str):
+            raise InvalidArgument("extra_keys.lora_path must be a str")
+        if extra_keys.lora_name is None:
+            raise InvalidArgument("extra_keys.lora_path is set but lora_name is not")
+    if extra_keys.cache_salt is not None and not isinstance(extra_keys.cache_salt, str):
+        raise InvalidArgument("extra_keys.cache_salt must be a str")
+    previous_end = 0
+    for i, mm in enumerate(extra_keys.mm_inputs):
+        where = f"extra_keys.mm_inputs[{i}]"
+        if not isinstance(mm.identifier, str) or not mm.identifier:
+            raise InvalidArgument(f"{where}.identifier must be a non-empty str")
+        if not isinstance(mm.offset, int) or isinstance(mm.offset, bool) or mm.offset < 0:
+            raise InvalidArgument(f"{where}.offset must be an int >= 0, got {mm.offset!r}")
+        if not isinstance(mm.length, int) or isinstance(mm.length, bool) or mm.length < 1:
+            raise InvalidArgument(f"{where}.length must be an int >= 1, got {mm.length!r}")
+        # vLLM assumes placeholders sorted by offset and disjoint (its per-page cursor and
+        # its window bisection both rely on it); anything else is a caller bug.
+        if mm.offset < previous_end:
+            raise InvalidArgument(
+                f"{where}: placeholders must be sorted by offset and must not overlap "
+                f"(offset {mm.offset} < previous end {previous_end})"
+            )
+        previous_end = mm.offset + mm.length
+
+
+def page_extra_keys(
+    extra_keys: ExtraKeys | None, page_index: int, page_size: int
+) -> ExtraKeyTuple | None:
+    """The extra keys vLLM hashes into page ``page_index`` (tokens
+    ``[page_index*page_size, (page_index+1)*page_size)``), as plain tuples; None if none.
+
+    LoRA (name *and* path) on every page, then every multimodal input overlapping the
+    page as ``("mm", identifier, offset relative to the page start)``, then the cache salt
+    on page 0 only. A LoRA without a path is keyed with ``None`` as its path (vLLM requires
+    a path, so this never collides with a vLLM key).
+    """
+    if extra_keys is None:
+        return None
+    _validate_extra_keys(extra_keys)
+    start = page_index * page_size
+    end = start + page_size
+    keys: list[tuple[str | int | None, ...]] = []
+    if extra_keys.lora_name is not None:
+        keys.append(("lora", extra_keys.lora_name, extra_keys.lora_path))
+    for mm in extra_keys.mm_inputs:
+        if mm.offset < end and mm.offset + mm.length > start:
+            keys.append(("mm", mm.identifier, mm.offset - start))
+    if page_index == 0 and extra_keys.cache_salt:
+        keys.append(("cache_salt", extra_keys.cache_salt))
+    return tuple(keys) if keys else None
+
+
+class _CompiledKeys:
+    """A request's extra keys, pre-encoded: what every page carries, and how to build the
+    few pages that differ (page 0 with a salt, pages overlapping a multimodal input)."""
+
+    __slots__ = ("common", "lora", "mm", "salt")
+
+    def __init__(self, extra_keys: ExtraKeys | None) -> None:
+        if extra_keys is not None:
+            _validate_extra_keys(extra_keys)
+        ek = extra_keys or ExtraKeys()
+        self.lora = (
+            encode_cbor(("lora", ek.lora_name, ek.lora_path)) if ek.lora_name is not None else b""
+        )
+        # vLLM keys a salt only when it is truthy: an empty salt is no salt.
+        self.salt = encode_cbor(("cache_salt", ek.cache_salt)) if ek.cache_salt else b""
+        # (encoded `array(3) "mm" identifier` prefix, offset, end) per input.
+        self.mm = tuple(
+            (
+                b"\x83" + encode_cbor("mm") + encode_cbor(mm.identifier),
+                mm.offset,
+                mm.offset + mm.length,
+            )
+            for mm in ek.mm_inputs
+        )
+        self.common = b"\x81" + self.lora if self.lora else b"\xf6"
+
+    def special_pages(self, first_page: int, num_pages: int, page_size: int) -> dict[int, bytes]:
+        """Encoded extra keys of the pages in ``[first_page, first_page+num_pages)`` whose
+        keys differ from ``common``, by index relative to ``first_page``."""
+        stop = first_page + num_pages
+        lora = [self.lora] if self.lora else []
+        items_by_page: dict[int, list[bytes]] = {}
+        for prefix, offset, end in self.mm:
+            for page in range(
+                max(offset // page_size, first_page),
+                min(end - 1, stop * page_size - 1) // page_size + 1,
+            ):
+                items = items_by_page.get(page)
+                if items is None:
+                    items = items_by_page[page] = [*lora]
+                items.append(prefix + _encode_int(offset - page * page_size))
+        if self.salt and first_page == 0 and num_pages > 0:
+            items_by_page.setdefault(0, [*lora]).append(self.salt)
+        return {
+            page - first_page: _head(4, len(items)) + b"".join(items)
+            for page, items in items_by_page.items()
+        }
+
+
+_NO_KEYS: Final = _CompiledKeys(None)
+
+
+# --------------------------------------------------------------------------------------
+# Token ids -> CBOR bodies
+# --------------------------------------------------------------------------------------
+def _as_uint32(token_ids: TokenIds) -> npt.NDArray[np.unsignedinteger[Any]] | None:
+    """Token ids as an unsigned array when every id is in ``[0, 2**32)`` (the numpy
+    encoder's domain, i.e. any real vocabulary), else None: the plain-Python encoder then
+    takes the ids as they are, encodes any 64-bit id and refuses invalid ones. Negative
+    ids in an integer array are refused here."""
+    if isinstance(token_ids, np.ndarray):
+        kind = token_ids.dtype.kind
+        if kind == "O":
+            return None
+        if kind not in ("i", "u"):
+            raise InvalidArgument(f"token_ids must be integers, got dtype {token_ids.dtype}")
+        if kind == "i" and token_ids.size and int(token_ids.min()) < 0:
+            raise InvalidArgument(f"token ids must be >= 0, got {int(token_ids.min())}")
+        # Known >= 0: the same bits as unsigned (no copy).
+        unsigned = cast(
+            "npt.NDArray[np.unsignedinteger[Any]]",
+            token_ids.view(token_ids.dtype.str.replace("i", "u")),
+        )
+        if unsigned.dtype.itemsize > 4 and unsigned.size and int(unsigned.max()) >> 32:
+            return None
+        return unsigned
+    try:
+        # One C call converts and range-checks (format I refuses negatives, ids >= 2**32
+        # and non-integers): several times faster than np.array() on a list of ints.
+        packed = struct.pack(f"<{len(token_ids)}I", *token_ids)
+    except struct.error:
+        return None
+    return np.frombuffer(packed, dtype="<u4")
+
+
+def _describe_bad_token(token_ids: Sequence[Any]) -> str:
+    for i, token in enumerate(token_ids):
+        if not isinstance(token, int | np.integer) or isinstance(token, bool | np.bool_):
+            return f"token_ids[{i}] is not an int: {token!r}"
+        if not 0 <= int(token) < _UINT64_LIMIT:
+            return f"token_ids[{i}] out of range [0, 2**64): {int(token)}"
+    return "token_ids: invalid token id"  # pragma: no cover - struct agreed with the loop
+
+
+def _encode_uints_py(values: Sequence[int]) -> bytes:
+    """Concatenated CBOR uints, for a handful of values (no numpy round trip)."""
+    fmt: list[str] = []
+    args: list[int] = []
+    for v in values:
+        if v < 24:
+            fmt.append("B")
+            args.append(v)
+        elif v < 0x100:
+            fmt.append("BB")
+            args += (0x18, v)
+        elif v < 0x1_0000:
+            fmt.append("BH")
+            args += (0x19, v)
+        elif v < 0x1_0000_0000:
+            fmt.append("BI")
+            args += (0x1A, v)
+        else:
+            fmt.append("BQ")
+            args += (0x1B, v)
+    return struct.pack(">" + "".join(fmt), *args)
+
+
+# Vectorised CBOR for all pages at once. Every token becomes one big-endian 64-bit word
+# holding its whole CBOR encoding right-aligned (head byte just above the payload: a
+# token below 2**32 takes at most 5 bytes); the array head and the extra keys are raw
+# bytes, left-aligned over as many words as they need. A keep mask per word (one uint64
+# whose bytes are 0/1, looked up by size class) marks the bytes that belong to the
+# encoding, and one compress over all words yields every page's body, in order.
+_CLASS_HEAD: Final = np.array([0, 0x18 << 8, 0x19 << 16, 0x1A << 32], dtype=np.uint64)
+_CLASS_LEN: Final = np.array([1, 2, 3, 5], dtype=np.int64)
+
+
+def _keep_masks() -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]:
+    suffix = np.zeros((len(_CLASS_LEN), 8), dtype=np.bool_)
+    for cls, length in enumerate(_CLASS_LEN):
+        suffix[cls, 8 - length :] = True
+    prefix = np.zeros((9, 8), dtype=np.bool_)
+    for m in range(9):
+        prefix[m, :m] = True
+    return suffix.view(np.uint64).reshape(-1), prefix.view(np.uint64).reshape(-1)
+
+
+# _KEEP_SUFFIX[c]: the last len(class c) bytes of a token word; _KEEP_PREFIX[m]: the first
+# m bytes of a raw word.
+_KEEP_SUFFIX, _KEEP_PREFIX = _keep_masks()
+
+
+@lru_cache(maxsize=256)
+def _raw_words(
+    data: bytes, num_words: int
+) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]:
+    """``data`` left-aligned over ``num_words`` big-endian words, and their keep masks
+    (read-only: cached, as the same array head and keys recur on every call)."""
+    words = np.frombuffer(data.ljust(num_words * 8, b"\0"), dtype=">u8")
+    full, rest = divmod(len(data), 8)
+    counts = np.zeros(num_words, dtype=np.intp)
+    counts[:full] = 8
+    if rest:
+        counts[full] = rest
+    keep = _KEEP_PREFIX[counts]
+    keep.setflags(write=False)
+    return words, keep
+
+
+def _encode_pages_np(
+    tokens: npt.NDArray[np.unsignedinteger[Any]],
+    page_size: int,
+    array_head: bytes,
+    common_extra: bytes,
+    special_extra: dict[int, bytes],
+) -> tuple[bytes, list[int]]:
+    """Bodies ``array_head tokens... extra`` of every page (tokens < 2**32), concatenated,
+    and each body's end offset."""
+    num_pages = tokens.shape[0] // page_size
+    extra_len = max([len(common_extra), *map(len, special_extra.values())])
+    head_words = -(-len(array_head) // 8)
+    extra_words = -(-extra_len // 8)
+    first_token = head_words
+    tail = first_token + page_size
+    num_words = tail + extra_words
+    words = np.empty((num_pages, num_words), dtype=">u8")
+    keep = np.empty((num_pages, num_words), dtype=np.uint64)
+
+    words[:, :first_token], keep[:, :first_token] = _raw_words(array_head, head_words)
+
+    values = tokens.reshape(num_pages, page_size)
+    # Size class 0..3 (< 24, < 2**8, < 2**16, < 2**32): one byte, then 1, 2, 4 payload bytes.
+    cls = (values >= 24).view(np.uint8) + (values >= 0x100).view(np.uint8)
+    cls += (values >= 0x1_0000).view(np.uint8)
+    # A value below 24 is its own head; class c's head byte sits just above its payload.
+    np.bitwise_or(values, _CLASS_HEAD.take(cls), out=words[:, first_token:tail])
+    keep[:, first_token:tail] = _KEEP_SUFFIX.take(cls)
+
+    words[:, tail:], keep[:, tail:] = _raw_words(common_extra, extra_words)
+    # Pages with their own keys (page 0's salt, multimodal overlaps): one padded row each,
+    # written with one fancy assignment (an image can cover hundreds of pages).
+    fixed_len = len(array_head) + len(common_extra)
+    if special_extra:
+        pages = np.fromiter(special_extra, dtype=np.intp, count=len(special_extra))
+        lengths = np.fromiter(map(len, special_extra.values()), np.int64, len(special_extra))
+        width = extra_words * 8
+        rows = b"".join([extra.ljust(width, b"\0") for extra in special_extra.values()])
+        words[pages, tail:] = np.frombuffer(rows, dtype=">u8").reshape(len(pages), extra_words)
+        counts = np.clip(lengths[:, None] - np.arange(0, width, 8), 0, 8)
+        keep[pages, tail:] = _KEEP_PREFIX.take(counts)
+
+    body = np.compress(keep.view(np.bool_).reshape(-1), words.view(np.uint8).reshape(-1))
+    ends = _CLASS_LEN.take(cls).cumsum()[page_size - 1 :: page_size]
+    if special_extra:
+        fixed = np.full(num_pages, fixed_len, dtype=np.int64)
+        fixed[pages] = len(array_head) + lengths
+        ends += fixed.cumsum()
+    else:
+        ends += np.arange(fixed_len, (num_pages + 1) * fixed_len, fixed_len)
+    return body.tobytes(), ends.tolist()
+
+
+def _encode_pages_py(
+    tokens: Sequence[int],
+    page_size: int,
+    array_head: bytes,
+    common_extra: bytes,
+    special_extra: dict[int, bytes],
+) -> tuple[bytes, list[int]]:
+    """The same bodies as ``_encode_pages_np``, in plain Python (few pages, or ids of
+    2**32 and up)."""
+    parts: list[bytes] = []
+    ends: list[int] = []
+    end = 0
+    for page in range(len(tokens) // page_size):
+        start = page * page_size
+        part = (
+            array_head
+            + _encode_uints_py(tokens[start : start + page_size])
+            + special_extra.get(page, common_extra)
+        )
+        parts.append(part)
+        end += len(part)
+        ends.append(end)
+    return b"".join(parts), ends
+
+
+# --------------------------------------------------------------------------------------
+# Digests and chaining
+# --------------------------------------------------------------------------------------
+def _check_algorithm(algorithm: str) -> None:
+    if algorithm not in _DIGEST_SIZES:
+        raise ConfigError(
+            "hash_algorithm", f"unknown {algorithm!r}; one of {list(HASH_ALGORITHMS)}"
+        )
+    if algorithm == XXHASH_CBOR and _xxh3_128_digest is None:
+        raise ConfigError(
+            "hash_algorithm", "xxhash_cbor needs the xxhash package (pip install xxhash)"
+        )
+
+
+def digest_size(algorithm: str) -> int:
+    """Bytes in one page hash: 32 for ``sha256_cbor``, 16 for ``xxhash_cbor``."""
+    _check_algorithm(algorithm)
+    return _DIGEST_SIZES[algorithm]
+
+
+def _digest(algorithm: str, data: bytes) -> bytes:
+    if algorithm == SHA256_CBOR:
+        return hashlib.sha256(data).digest()
+    assert _xxh3_128_digest is not None  # _check_algorithm ran first
+    return _xxh3_128_digest(data)
+
+
+@lru_cache(maxsize=16)
+def none_hash(algorithm: str = SHA256_CBOR, seed: str = DEFAULT_NONE_HASH_SEED) -> bytes:
+    """The parent hash of page 0: ``H(cbor(seed))`` (vLLM's ``NONE_HASH``)."""
+    _check_algorithm(algorithm)
+    return _digest(algorithm, encode_cbor(seed))
+
+
+NONE_HASH: Final[bytes] = none_hash(SHA256_CBOR)
+"""vLLM's NONE_HASH for ``sha256_cbor``: sha256 of ``cbor("vllm-none-hash")``."""
+
+
+# `array(3)` + the byte-string head of a parent of each digest size.
+_PARENT_HEADS: Final = {size: b"\x83" + _head(2, size) for size in _DIGEST_SIZES.values()}
+
+
+def _chain(algorithm: str, parent: bytes, body: bytes, ends: list[int]) -> list[bytes]:
+    """Hash page after page: ``H(83 | bytes-head parent | body_i)``, each the next parent."""
+    # Page 0's parent may be any bytes (a caller-given hash); later parents are digests.
+    first_head = _PARENT_HEADS.get(len(parent)) or b"\x83" + _head(2, len(parent))
+    head = _PARENT_HEADS[_DIGEST_SIZES[algorithm]]
+    out: list[bytes] = []
+    append = out.append
+    start = ends[0]
+    # Two copies of one loop: a shared callable would add a Python frame per page.
+    if algorithm == SHA256_CBOR:
+        sha256 = hashlib.sha256
+        parent = sha256(first_head + parent + body[:start]).digest()
+        append(parent)
+        for end in ends[1:]:
+            parent = sha256(head + parent + body[start:end]).digest()
+            append(parent)
+            start = end
+    else:
+        xxh = _xxh3_128_digest
+        assert xxh is not None  # _check_algorithm ran first
+        parent = xxh(first_head + parent + body[:start])
+        append(parent)
+        for end in ends[1:]:
+            parent = xxh(head + parent + body[start:end])
+            append(parent)
+            start = end
+    return out
+
+
+def _check_positive_int(name: str, value: object, minimum: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise InvalidArgument(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+class PageHasher:
+    """Hashes one request's pages, with its page size, extra keys and algorithm bound once
+    (keys pre-encoded), for incremental use: :meth:`extend` after every step.
+
+    >>> hasher = PageHasher(16)
+    >>> hashes: list[bytes] = []
+    >>> len(hasher.extend(hashes, range(40)))  # pages 0 and 1 are full
+    2
+    >>> len(hasher.extend(hashes, range(48))), len(hashes)  # page 2 just filled
+    (1, 3)
+    """
+
+    __slots__ = ("_array_head", "_keys", "_none_hash", "algorithm", "extra_keys", "page_size")
+
+    def __init__(
+        self,
+        page_size: int,
+        *,
+        extra_keys: ExtraKeys | None = None,
+        algorithm: str = SHA256_CBOR,
+    ) -> None:
+        self.page_size = _check_positive_int("page_size", page_size, 1)
+        _check_algorithm(algorithm)
+        self.algorithm = algorithm
+        self.extra_keys = extra_keys
+        self._keys = _NO_KEYS if extra_keys is None else _CompiledKeys(extra_keys)
+        self._none_hash = none_hash(algorithm)
+        self._array_head = _head(4, page_size)
+
+    def hash_pages(
+        self,
+        token_ids: TokenIds,
+        *,
+        parent: bytes | None = None,
+        first_page_index: int = 0,
+    ) -> list[bytes]:
+        """Hashes of the full pages in ``token_ids``; see :func:`hash_pages`."""
+        first_page_index = _check_positive_int("first_page_index", first_page_index, 0)
+        if parent is None:
+            parent = self._none_hash
+        elif not isinstance(parent, bytes):
+            raise InvalidArgument(f"parent must be bytes, got {type(parent).__name__}")
+        return self._hash(token_ids, parent, first_page_index)
+
+    def extend(self, hashes: list[bytes], token_ids: TokenIds) -> list[bytes]:
+        """Append to ``hashes`` (this request's page hashes so far) the hashes of the pages
+        that ``token_ids`` (*all* its tokens so far) has filled since; returns those."""
+        page_size = self.page_size
+        num_hashed = len(hashes)
+        num_full = len(token_ids) // page_size
+        if num_full <= num_hashed:
+            if num_full < num_hashed:
+                raise InvalidArgument(
+                    f"{num_hashed} page hashes but only {len(token_ids)} tokens "
+                    f"({num_full} full pages of {page_size})"
+                )
+            return []
+        new = self._hash(
+            token_ids[num_hashed * page_size : num_full * page_size],
+            hashes[-1] if hashes else self._none_hash,
+            num_hashed,
+        )
+        hashes += new
+        return new
+
+    def _hash(self, token_ids: TokenIds, parent: bytes, first_page: int) -> list[bytes]:
+        page_size = self.page_size
+        if isinstance(token_ids, np.ndarray) and token_ids.ndim != 1:
+            raise InvalidArgument(f"token_ids must be 1-D, got shape {token_ids.shape}")
+        num_pages = len(token_ids) // page_size
+        if num_pages == 0:
+            return []
+        num_tokens = num_pages * page_size
+        keys = self._keys
+        special = (
+            keys.special_pages(first_page, num_pages, page_size)
+            if keys.mm or (keys.salt and first_page == 0)
+            else {}
+        )
+        head = token_ids[:num_tokens]
+        tokens: Sequence[int]
+        if num_tokens >= _NUMPY_MIN_TOKENS or isinstance(head, np.ndarray):
+            values = _as_uint32(head)
+            if values is None:
+                tokens = head.tolist() if isinstance(head, np.ndarray) else head
+            elif num_tokens >= _NUMPY_MIN_TOKENS:
+                body, ends = _encode_pages_np(
+                    values, page_size, self._array_head, keys.common, special
+                )
+                return _chain(self.algorithm, parent, body, ends)
+            else:
+                tokens = values.tolist()
+        else:
+            tokens = head
+        try:
+            body, ends = _encode_pages_py(tokens, page_size, self._array_head, keys.common, special)
+        except (struct.error, TypeError) as exc:
+            raise InvalidArgument(_describe_bad_token(tokens)) from exc
+        return _chain(self.algorithm, parent, body, ends)
+
+
+def hash_pages(
+    token_ids: TokenIds,
+    page_size: int,
+    *,
+    extra_keys: ExtraKeys | None = None,
+    algorithm: str = SHA256_CBOR,
+    parent: bytes | None = None,
+    first_page_index: int = 0,
+) -> list[bytes]:
+    """Chained hashes of every full page of ``token_ids``; a trailing partial page is not
+    hashed.
+
+    ``token_ids[0]`` is token ``first_page_index * page_size`` of the request, so a
+    request can be hashed piecewise: the cache salt goes into page 0 only and multimodal
+    overlaps use absolute positions. ``parent`` is the hash of the page before the first
+    (None: :func:`none_hash` of the algorithm). Raises InvalidArgument on negative or
+    non-integer token ids, bad extra keys or a bad page size, ConfigError on an unknown
+    algorithm.
+    """
+    hasher = PageHasher(page_size, extra_keys=extra_keys, algorithm=algorithm)
+    return hasher.hash_pages(token_ids, parent=parent, first_page_index=first_page_index)
+
+
+def join_hashes(
+    hashes: Sequence[bytes], factor: int, *, mode: Literal["concat", "last"] = "concat"
+) -> list[bytes]:
+    """Hashes of a group whose page size is ``factor`` times the hash page size, one per
+    *complete* big page (a trailing partial big page gets none).
+
+    ``"concat"`` (default): the concatenation of the big page's ``factor`` small hashes,
+    as earlier vLLM releases' ``BlockHashListWithBlockSize`` merged them. ``"last"``: its
+    last small hash, which already chains over the whole prefix; vLLM 0.33's
+    ``BlockHashListWithBlockSize`` does this (it keys each group's index by group id, so
+    equal bytes in two groups never collide). Both identify the same prefixes, so they
+    give the same cache hits; they differ only in the bytes (and in the events).
+    """
+    factor = _check_positive_int("factor", factor, 1)
+    if mode not in ("concat", "last"):
+        raise InvalidArgument(f"mode must be 'concat' or 'last', got {mode!r}")
+    num_big = len(hashes) // factor
+    if factor == 1:
+        return list(hashes[:num_big])
+    if mode == "last":
+        return list(hashes[factor - 1 : num_big * factor : factor])
+    return [b"".join(hashes[i * factor : (i + 1) * factor]) for i in range(num_big)]

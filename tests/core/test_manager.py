@@ -1,0 +1,334 @@
+"""Scenario tests that pin exact page ids and eviction order (DESIGN §2), written by hand."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pagekeeper.core.config import GroupConfig, GroupKind, PoolConfig
+from pagekeeper.core.errors import AlreadyExists, ConfigError, InvalidArgument, NotFound
+from pagekeeper.core.events import AllCleared, PageRemoved, PageStored
+from pagekeeper.core.manager import PageManager
+from pagekeeper.core.types import ExtraKeys
+
+PS = 4
+
+
+def full(num_pages: int = 11, caching: bool = True, max_model_len: int = 64) -> PageManager:
+    return PageManager(
+        PoolConfig(
+            num_pages=num_pages,
+            groups=(GroupConfig(GroupKind.FULL, PS),),
+            enable_prefix_caching=caching,
+            max_model_len=max_model_len,
+        )
+    )
+
+
+def pages(m: PageManager, rid: str, group: int = 0) -> list[int]:
+    return m.page_table(rid, group).tolist()
+
+
+def test_fill_share_free_evict_reuse():
+    m = full()  # pages 1..10, 4 tokens each
+    a = m.admit("a", list(range(10)))  # 3 pages: 2 full + a partial
+    assert a.new_page_ids == ((1, 2, 3),) and a.num_cached_tokens == 0
+    # b shares a's first 8 tokens: the two full pages are hits.
+    b = m.admit("b", list(range(8)) + [99, 98, 97])
+    assert b.num_cached_tokens == 8 and b.hit_page_ids == ((1, 2),)
+    assert b.new_page_ids == ((4,),)
+    assert m.pool.ref_count(1) == 2
+    # Freeing a: page 3 (partial, unhashed) to the head; 1, 2 still held by b.
+    m.free("a")
+    assert m.pool.free_queue() == [3, 5, 6, 7, 8, 9, 10]
+    # Freeing b: 4 (partial) to the head, then 2, 1 (cached) to the tail, last page first.
+    m.free("b")
+    assert m.pool.free_queue() == [4, 3, 5, 6, 7, 8, 9, 10, 2, 1]
+    m.check_invariants()
+    # c needs 7 pages: takes 4 3 5 6 7 8 9 without evicting anything cached.
+    c = m.admit("c", [50 + i for i in range(26)])
+    assert c.new_page_ids == ((4, 3, 5, 6, 7, 8, 9),)
+    assert [e for e in m.take_events() if isinstance(e, PageRemoved)] == []
+    # d needs 2 more: page 10, then 2 (cached: evicted, LRU order = a's last page first).
+    d = m.admit("d", [200 + i for i in range(5)])
+    assert d.new_page_ids == ((10, 2),)
+    removed = [e for e in m.take_events() if isinstance(e, PageRemoved)]
+    assert [e.page_ids for e in removed] == [(2,)]
+    # Page 1 is still cached: a prompt starting like a's hits it.
+    e = m.admit("e", list(range(4)) + [7])
+    assert e is None  # no free page left for its partial page
+    m.check_invariants()
+    m.free("c")
+    e = m.admit("e", list(range(4)) + [7])
+    assert e.hit_page_ids == ((1,),) and e.num_cached_tokens == 4
+
+
+def test_prompt_last_token_is_never_a_hit():
+    m = full()
+    m.admit("a", list(range(8)))  # exactly two full pages, both cached
+    m.free("a")
+    b = m.admit("b", list(range(8)))
+    assert b.num_cached_tokens == 4  # the second page holds the last token: recomputed
+    assert m.lookup(list(range(8))).num_hit_tokens == 8  # a router's lookup sees both
+
+
+def test_hit_pages_in_free_queue_count_against_capacity():
+    m = full(num_pages=4)  # 3 pages
+    m.admit("a", list(range(8)) + [1])  # pages 1 2 3
+    m.free("a")  # queue: 3, 2, 1 ... (3 unhashed to head; 2, 1 tail) -> [3, 2, 1]
+    assert m.pool.free_queue() == [3, 2, 1]
+    # 9 tokens: 2 hit pages (both free) + 1 new = all 3 free pages: fits exactly.
+    b = m.admit("b", list(range(8)) + [5])
+    assert b is not None and b.new_page_ids == ((3,),) and b.hit_page_ids == ((1, 2),)
+    m.free("b")
+    # 13 tokens with the same prefix: 2 hits + 2 new = 4 > 3 free: refused, nothing changed.
+    before = m.pool.free_queue()
+    assert m.admit("c", list(range(8)) + [5, 6, 7, 8, 9]) is None
+    assert m.pool.free_queue() == before and not m.has_request("c")
+    m.check_invariants()
+
+
+def test_decode_fills_page_then_caches_it():
+    m = full()
+    m.admit("a", [1, 2, 3])  # one page
+    m.take_events()
+    assert m.allocate("a", 1, new_token_ids=[4]).new_page_ids == ((),)
+    stored = m.take_events()
+    assert len(stored) == 1 and stored[0].token_ids == (1, 2, 3, 4)
+    grown = m.allocate("a", 1, new_token_ids=[5])
+    assert grown.new_page_ids == ((2,),)
+    assert m.request_info("a").num_computed_tokens == 5
+
+
+def test_lookahead_slots_allocated_not_cached():
+    m = full()
+    a = m.admit("a", [1, 2, 3], num_lookahead_tokens=3)  # 6 slots -> 2 pages
+    assert a.new_page_ids == ((1, 2),)
+    assert [e for e in m.take_events() if isinstance(e, PageStored)] == []
+
+
+def test_chunked_prefill():
+    m = full()
+    a = m.admit("a", list(range(10)), num_new_tokens=4)
+    assert a.new_page_ids == ((1,),)
+    b = m.allocate("a", 6)
+    assert b.new_page_ids == ((2, 3),)
+    assert m.request_info("a").num_computed_tokens == 10
+
+
+def test_caching_off_frees_everything_to_head():
+    m = full(caching=False)
+    m.admit("a", list(range(10)))
+    m.free("a")
+    assert m.pool.free_queue()[:3] == [3, 2, 1]
+    assert m.admit("b", list(range(10))).num_cached_tokens == 0
+
+
+def test_extra_keys_separate_caches():
+    m = full()
+    m.admit("a", list(range(9)), extra_keys=ExtraKeys(lora_name="x", lora_path="/x"))
+    b = m.admit("b", list(range(9)))
+    assert b.num_cached_tokens == 0
+    c = m.admit("c", list(range(9)), extra_keys=ExtraKeys(lora_name="x", lora_path="/x"))
+    assert c.num_cached_tokens == 8
+    d = m.admit("d", list(range(9)), extra_keys=ExtraKeys(cache_salt="s"))
+    assert d.num_cached_tokens == 0
+
+
+def test_client_page_hashes_are_used():
+    m = full()
+    m.admit("a", list(range(9)), page_hashes=[b"H1", b"H2"])
+    # Same hashes, different tokens: the client's hashes decide (vLLM's engine sends them).
+    b = m.admit("b", [9] * 9, page_hashes=[b"H1", b"H2"])
+    assert b.num_cached_tokens == 8
+
+
+def test_reset_prefix_cache():
+    m = full()
+    m.admit("a", list(range(9)))
+    assert m.reset_prefix_cache() is False
+    m.free("a")
+    assert m.reset_prefix_cache() is True
+    assert any(isinstance(e, AllCleared) for e in m.take_events())
+    assert m.admit("b", list(range(9))).num_cached_tokens == 0
+
+
+def test_bad_input_changes_nothing():
+    m = full(max_model_len=16)
+    m.admit("a", [1, 2, 3])
+    snapshot = (m.pool.free_queue(), pages(m, "a"))
+    with pytest.raises(AlreadyExists):
+        m.admit("a", [1])
+    with pytest.raises(InvalidArgument):
+        m.admit("b", list(range(17)))
+    with pytest.raises(InvalidArgument):
+        m.admit("b", [])
+    with pytest.raises(InvalidArgument):
+        m.admit("b", [1, -2])
+    with pytest.raises(InvalidArgument):
+        m.admit("b", [1, 2], num_new_tokens=3)
+    with pytest.raises(NotFound):
+        m.allocate("zz", 1)
+    with pytest.raises(InvalidArgument):
+        m.allocate("a", 1, new_token_ids=list(range(14)))
+    with pytest.raises(InvalidArgument):
+        m.allocate("a", 0)
+    with pytest.raises(NotFound):
+        m.free("zz")
+    assert (m.pool.free_queue(), pages(m, "a")) == snapshot
+    assert not m.has_request("b")
+    m.check_invariants()
+
+
+def test_build_batch_expands_pages_and_maps_slots():
+    m = full()
+    m.admit("a", list(range(10)))  # pages 1 2 3
+    m.admit("b", [7, 7, 7])  # page 4
+    m.allocate("b", 1, new_token_ids=[8])
+    (t,) = m.build_batch(["b", "a"], [2])
+    assert t.block_table.dtype == np.int32 and t.slot_mapping.dtype == np.int64
+    assert t.block_table.tolist() == [[8, 9, 0, 0, 0, 0], [2, 3, 4, 5, 6, 7]]
+    assert t.row_lengths.tolist() == [2, 6]
+    # b scheduled token 3 (page 4 slot 3); a scheduled tokens 0..9 on pages 1 2 3.
+    assert t.slot_mapping.tolist() == [19, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]
+    (t4,) = m.build_batch(["b", "a"], [4])
+    assert t4.slot_mapping.tolist() == t.slot_mapping.tolist()
+
+
+def sliding(num_pages: int = 30, window: int = 8) -> PageManager:
+    return PageManager(
+        PoolConfig(
+            num_pages=num_pages,
+            groups=(GroupConfig(GroupKind.SLIDING_WINDOW, PS, window=window),),
+            max_model_len=128,
+        )
+    )
+
+
+def test_sliding_window_releases_pages_that_left_the_window():
+    m = sliding()
+    m.admit("a", list(range(16)))  # 4 pages, computed 16
+    assert pages(m, "a") == [1, 2, 3, 4]
+    m.allocate("a", 1, new_token_ids=[0])
+    # computed 16: skipped tokens = 16 - 8 + 1 = 9 -> 2 pages left the window.
+    assert pages(m, "a") == [0, 0, 3, 4, 5]
+    assert m.pool.free_queue()[-2:] == [2, 1]  # cached, to the tail, last to first
+    m.check_invariants()
+
+
+def test_sliding_window_hit_needs_enough_contiguous_pages():
+    m = sliding(window=8)  # needs cdiv(7, 4) = 2 contiguous pages
+    m.admit("a", list(range(21)))
+    m.free("a")
+    b = m.admit("b", list(range(21)))  # max hit 20 tokens = 5 pages; window covers last 2
+    assert b.num_cached_tokens == 20
+    # Pages before the window are null in the table and were not touched.
+    assert pages(m, "b")[:3] == [0, 0, 0]
+
+
+def test_hybrid_full_plus_sliding_window_common_hit_and_order():
+    m = PageManager(
+        PoolConfig(
+            num_pages=40,
+            groups=(
+                GroupConfig(GroupKind.FULL, PS),
+                GroupConfig(GroupKind.SLIDING_WINDOW, PS, window=8),
+            ),
+            max_model_len=128,
+        )
+    )
+    a = m.admit("a", list(range(10)))
+    # Group 0's new pages first, then group 1's.
+    assert a.new_page_ids == ((1, 2, 3), (4, 5, 6))
+    m.free("a")
+    # Group 0 freed first, then group 1: group 1's unhashed page is at the very head.
+    assert m.pool.free_queue()[:2] == [6, 3]
+    b = m.admit("b", list(range(10)))
+    assert b.num_cached_tokens == 8
+    m.check_invariants()
+
+
+def test_mamba_holds_one_state_page():
+    m = PageManager(
+        PoolConfig(
+            num_pages=20,
+            groups=(GroupConfig(GroupKind.FULL, PS), GroupConfig(GroupKind.MAMBA, PS)),
+        )
+    )
+    m.admit("a", list(range(10)))
+    for _ in range(8):
+        m.allocate("a", 1, new_token_ids=[1])
+    assert len(pages(m, "a", 1)) == 1
+    # No state caching: nothing can be reused across requests.
+    assert m.admit("b", list(range(10))).num_cached_tokens == 0
+    tables = m.build_batch(["a", "b"])
+    assert tables[1].row_lengths.tolist() == [1, 1] and len(tables[1].slot_mapping) == 0
+
+
+def test_mamba_state_caching_keeps_only_live_state():
+    m = PageManager(
+        PoolConfig(
+            num_pages=30, groups=(GroupConfig(GroupKind.MAMBA, PS, enable_state_caching=True),)
+        )
+    )
+    m.admit("a", list(range(13)))
+    m.allocate("a", 1, new_token_ids=[1])
+    live = [p for p in pages(m, "a") if p]
+    assert len(live) == 1
+    m.free("a")
+    b = m.admit("b", list(range(13)))
+    assert b.num_cached_tokens == 12  # the newest cached state
+
+
+def test_chunked_local_prefix_outside_chunk_is_null():
+    m = PageManager(
+        PoolConfig(
+            num_pages=30,
+            groups=(GroupConfig(GroupKind.CHUNKED_LOCAL, PS, chunk=8),),
+        )
+    )
+    m.admit("a", list(range(10)))
+    m.allocate("a", 1, new_token_ids=[5])
+    assert pages(m, "a")[:2] == [0, 0]  # the first chunk (8 tokens) is done with
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ConfigError, match="num_pages"):
+        PoolConfig(num_pages=1)
+    with pytest.raises(ConfigError, match=r"groups\[0\].page_size"):
+        PoolConfig(groups=(GroupConfig(GroupKind.FULL, 0),))
+    with pytest.raises(ConfigError, match=r"groups\[0\].window"):
+        PoolConfig(groups=(GroupConfig(GroupKind.SLIDING_WINDOW, 16, window=0),))
+    with pytest.raises(ConfigError, match=r"groups\[1\].page_size"):
+        PoolConfig(groups=(GroupConfig(GroupKind.FULL, 16), GroupConfig(GroupKind.FULL, 24)))
+    with pytest.raises(ConfigError, match="hash_algorithm"):
+        PoolConfig(hash_algorithm="md5")
+    with pytest.raises(ConfigError, match="max_model_len"):
+        PoolConfig(max_model_len=0)
+    with pytest.raises(ConfigError, match=r"groups\[0\].chunk"):
+        PoolConfig(groups=(GroupConfig(GroupKind.CHUNKED_LOCAL, 16, chunk=20),))
+    with pytest.raises(ConfigError, match="unknown"):
+        PoolConfig.from_dict({"num_pages": 10, "bogus": 1})
+
+
+def test_stats_count_hits_and_usage():
+    m = full()
+    m.admit("a", list(range(9)))
+    m.admit("b", list(range(9)))
+    s = m.stats()
+    assert s.prefix_queries_tokens == 18 and s.prefix_hits_tokens == 8
+    assert s.num_used_pages == 4 and s.num_free_pages == 6
+    assert s.usage == pytest.approx(0.4)
+    assert s.padding_tokens_per_group == [3 + 3]
+
+
+def test_docstring_example():
+    manager = PageManager(PoolConfig(num_pages=1024))
+    manager.admit("a", list(range(100)))
+    second = manager.admit("b", list(range(100)))
+    assert second.num_cached_tokens == 96
+    manager.allocate("a", 1, new_token_ids=[42])
+    tables = manager.build_batch(["a", "b"], [16])
+    assert tables[0].block_table.shape == (2, 7)
+    manager.free("a")
+    manager.check_invariants()

@@ -1,0 +1,192 @@
+"""The page pool: free-queue order, eviction, touch, and the integrity check."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pagekeeper.core.errors import InvalidArgument, InvariantViolation
+from pagekeeper.core.events import AllCleared, PageRemoved, PageStored
+from pagekeeper.core.pool import PagePool
+
+
+def cache(pool: PagePool, pages: list[int], tag: bytes = b"h") -> None:
+    pool.cache(
+        0,
+        pages,
+        [tag + bytes([p]) for p in pages],
+        parent_hash=None,
+        token_ids=list(range(len(pages))),
+        page_size=1,
+        lora_name=None,
+    )
+
+
+def make(n: int = 10) -> PagePool:
+    pool = PagePool(n)
+    pool.ensure_groups(1)
+    return pool
+
+
+def test_initial_queue_excludes_null_page():
+    pool = make()
+    assert pool.free_queue() == list(range(1, 10))
+    assert pool.num_free_pages == 9
+    assert pool.usage() == 0.0
+    assert pool.check_invariants() == []
+
+
+def test_allocate_takes_from_head_in_order():
+    pool = make()
+    assert pool.allocate(3) == [1, 2, 3]
+    assert pool.allocate(1) == [4]
+    assert pool.free_queue() == [5, 6, 7, 8, 9]
+    assert [pool.ref_count(p) for p in (1, 2, 3, 4, 5)] == [1, 1, 1, 1, 0]
+    assert pool.usage() == pytest.approx(4 / 9)
+
+
+def test_free_unhashed_to_head_as_one_run_last_to_first():
+    pool = make()
+    pages = pool.allocate(4)  # 1 2 3 4
+    pool.free(pages[::-1])
+    assert pool.free_queue() == [4, 3, 2, 1, 5, 6, 7, 8, 9]
+
+
+def test_free_hashed_to_tail_in_given_order_and_mixed_split():
+    pool = make()
+    pages = pool.allocate(4)  # 1 2 3 4
+    cache(pool, [1, 2])  # 3 and 4 stay unhashed (a partial page, say)
+    pool.free(pages[::-1])  # order 4 3 2 1
+    assert pool.free_queue() == [4, 3, 5, 6, 7, 8, 9, 2, 1]
+    assert pool.check_invariants() == []
+
+
+def test_shared_page_stays_out_of_queue_until_last_reference():
+    pool = make()
+    pages = pool.allocate(2)
+    pool.touch([1])
+    pool.free(pages[::-1])
+    assert 1 not in pool.free_queue() and pool.ref_count(1) == 1
+    pool.free([1])
+    assert pool.free_queue()[0] == 1
+
+
+def test_lazy_eviction_hash_survives_free_until_reuse():
+    pool = make(4)  # pages 1 2 3
+    pages = pool.allocate(3)
+    cache(pool, pages)
+    pool.take_events()
+    pool.free(pages[::-1])  # all hashed -> tail in order 3 2 1
+    assert pool.free_queue() == [3, 2, 1]
+    assert pool.lookup(0, b"h\x02") == 2  # still hittable
+    got = pool.allocate(2)  # takes 3 and 2, evicting both
+    assert got == [3, 2]
+    assert pool.lookup(0, b"h\x02") is None and pool.lookup(0, b"h\x01") == 1
+    events = pool.take_events()
+    assert [e.page_ids for e in events if isinstance(e, PageRemoved)] == [(3,), (2,)]
+    assert pool.num_evictions == 2
+
+
+def test_touch_removes_free_cached_page_from_middle():
+    pool = make()
+    pages = pool.allocate(3)
+    cache(pool, pages)
+    pool.free(pages[::-1])  # queue: 4..9, 3, 2, 1
+    pool.touch([2])
+    assert pool.free_queue() == [4, 5, 6, 7, 8, 9, 3, 1]
+    assert pool.ref_count(2) == 1
+    assert pool.check_invariants() == []
+    # Holes in the run are skipped when taking many pages at once.
+    taken = pool.allocate(8)
+    assert taken == [4, 5, 6, 7, 8, 9, 3, 1]
+    assert pool.check_invariants() == []
+
+
+def test_duplicate_hashes_first_inserted_wins_then_next():
+    pool = make()
+    a = pool.allocate(1)
+    b = pool.allocate(1)
+    pool.cache(0, a, [b"x"], parent_hash=None, token_ids=[1], page_size=1, lora_name=None)
+    pool.cache(0, b, [b"x"], parent_hash=None, token_ids=[1], page_size=1, lora_name=None)
+    assert pool.lookup(0, b"x") == a[0]
+    pool.free(a)
+    pool.allocate(pool.num_free_pages)  # evicts a, whichever position it is in
+    assert pool.lookup(0, b"x") == b[0]
+    assert pool.check_invariants() == []
+
+
+def test_stored_event_fields():
+    pool = make()
+    pages = pool.allocate(2)
+    pool.cache(
+        0,
+        pages,
+        [b"a", b"b"],
+        parent_hash=b"p",
+        token_ids=[1, 2, 3, 4],
+        page_size=2,
+        lora_name="lora",
+    )
+    (event,) = pool.take_events()
+    assert isinstance(event, PageStored)
+    assert event.page_hashes == (b"a", b"b") and event.parent_page_hash == b"p"
+    assert event.token_ids == (1, 2, 3, 4) and event.page_size == 2
+    assert event.lora_name == "lora" and event.page_ids == tuple(pages) and event.seq == 1
+    assert pool.take_events() == []
+
+
+def test_reset_only_when_nothing_is_held():
+    pool = make()
+    pages = pool.allocate(2)
+    cache(pool, pages)
+    assert pool.reset_prefix_cache() is False
+    pool.free(pages[::-1])
+    pool.take_events()
+    assert pool.reset_prefix_cache() is True
+    assert pool.num_cached_pages == 0 and pool.lookup(0, b"h\x01") is None
+    assert isinstance(pool.take_events()[0], AllCleared)
+    assert pool.check_invariants() == []
+
+
+def test_allocate_more_than_free_is_refused_without_change():
+    pool = make(4)
+    with pytest.raises(InvalidArgument):
+        pool.allocate(4)
+    assert pool.free_queue() == [1, 2, 3]
+
+
+def test_double_free_is_an_invariant_violation():
+    pool = make()
+    pages = pool.allocate(1)
+    pool.free(pages)
+    with pytest.raises(InvariantViolation):
+        pool.free(pages)
+
+
+def test_recentering_keeps_order_under_long_churn():
+    rng = np.random.default_rng(0)
+    pool = make(50)
+    held: list[list[int]] = []
+    for step in range(3000):
+        if held and (rng.random() < 0.5 or pool.num_free_pages < 20):
+            pages = held.pop(int(rng.integers(len(held))))
+            if rng.random() < 0.5:
+                cache(pool, pages[:1], tag=b"s" + step.to_bytes(4, "big"))
+            pool.free(pages[::-1])
+        else:
+            held.append(pool.allocate(int(rng.integers(1, 20))))
+    assert pool.check_invariants() == []
+    assert pool.num_free_pages + sum(map(len, held)) == 49
+
+
+def test_check_invariants_reports_corruption():
+    pool = make()
+    pool.allocate(2)
+    pool._ref[5] = 3  # corrupt: page 5 is queued with a non-zero ref count
+    problems = pool.check_invariants()
+    assert any("free-queue membership" in p for p in problems)
+
+
+def test_memory_per_page_is_small():
+    pool = PagePool(1 << 20)
+    assert pool.nbytes() / pool.num_pages <= 32
