@@ -38,6 +38,8 @@ class GroupManager:
         self.max_pages_per_request = self._max_pages(max_model_len)
         self.rows = PageRows(self.max_pages_per_request)
         self.request_rows: dict[str, int] = {}
+        # Length of each request's table (mirrors the row length; read on every decode).
+        self.page_counts: dict[str, int] = {}
         # Pages of each request already in the prefix-cache index (or deliberately skipped).
         self.num_cached_pages: dict[str, int] = {}
 
@@ -72,8 +74,7 @@ class GroupManager:
         return request_id in self.request_rows
 
     def num_pages(self, request_id: str) -> int:
-        row = self.request_rows.get(request_id)
-        return 0 if row is None else self.rows.num_pages(row)
+        return self.page_counts.get(request_id, 0)
 
     def pages(self, request_id: str) -> list[int]:
         row = self.request_rows.get(request_id)
@@ -85,8 +86,8 @@ class GroupManager:
         """Free pages this allocation consumes: new pages, plus hit pages that must be taken
         out of the free queue (they count against the same free pages)."""
         required = self.num_required_pages(num_tokens)
-        held = self.num_pages(request_id)
-        if request_id in self.request_rows:
+        held = self.page_counts.get(request_id)
+        if held is not None:
             return max(required - held, 0)
         num_skipped_pages = self.num_skipped_tokens(num_computed_tokens) // self.page_size
         new = max(required - max(num_skipped_pages, len(hit_pages)), 0)
@@ -107,6 +108,7 @@ class GroupManager:
         table = [NULL_PAGE] * min(num_skipped_pages, self.max_pages_per_request) + kept
         if table:
             self.rows.append(row, table)
+        self.page_counts[request_id] = len(table)
         self.num_cached_pages[request_id] = len(table)
 
     def allocate_new(self, request_id: str, num_tokens: int) -> list[int]:
@@ -114,12 +116,15 @@ class GroupManager:
         if row is None:
             row = self.rows.add_row()
             self.request_rows[request_id] = row
+            self.page_counts[request_id] = 0
             self.num_cached_pages[request_id] = 0
-        num_new = self.num_required_pages(num_tokens) - self.rows.num_pages(row)
+        held = self.page_counts[request_id]
+        num_new = self.num_required_pages(num_tokens) - held
         if num_new <= 0:
             return []
         pages = self.pool.allocate(num_new)
         self.rows.append(row, pages)
+        self.page_counts[request_id] = held + num_new
         return pages
 
     def remove_skipped(self, request_id: str, num_computed_tokens: int) -> None:
@@ -131,7 +136,7 @@ class GroupManager:
         if row is None:
             return
         rows = self.rows
-        last = min(num_skipped // self.page_size, rows.num_pages(row))
+        last = min(num_skipped // self.page_size, self.page_counts[request_id])
         view = rows.row(row)
         released: list[int] = []
         for i in range(last - 1, -1, -1):
@@ -176,6 +181,7 @@ class GroupManager:
         """Release the request's pages, last to first (leading null pages dropped)."""
         row = self.request_rows.pop(request_id, None)
         self.num_cached_pages.pop(request_id, None)
+        self.page_counts.pop(request_id, None)
         if row is None:
             return
         pages = self.rows.row(row)[::-1]

@@ -66,6 +66,10 @@ class _Request:
 
 
 def _as_token_list(token_ids: TokenIds, what: str) -> list[int]:
+    if type(token_ids) is list and all(type(t) is int for t in token_ids):
+        if token_ids and min(token_ids) < 0:
+            raise InvalidArgument(f"{what} must be non-negative")
+        return list(token_ids)
     if isinstance(token_ids, np.ndarray):
         if token_ids.ndim != 1 or token_ids.dtype.kind not in "iu":
             raise InvalidArgument(f"{what} must be a 1-D integer array")
@@ -117,6 +121,12 @@ class PageManager:
         self._hit_alignment = lcm(*(g.page_size for g in config.groups))
         self._requests: dict[str, _Request] = {}
         self._stats = PoolStats(num_pages=config.num_pages)
+        self._max_model_len = config.max_model_len
+        self._no_new_pages: tuple[tuple[int, ...], ...] = tuple(() for _ in self.groups)
+        only = self.groups[0] if len(self.groups) == 1 else None
+        self._single_full = (
+            only if only is not None and only.config.kind is GroupKind.FULL else None
+        )
 
     # -- helpers -------------------------------------------------------------------------
     def _group_hashes(self, group_id: int, hashes: list[bytes]) -> list[bytes]:
@@ -372,17 +382,28 @@ class PageManager:
         ``num_computed_tokens`` defaults to what the manager tracked. Returns None when pages
         run out; then only sliding-window releases have happened (as in vLLM) and the tokens
         are not appended."""
-        req = self._get(request_id)
-        new_tokens = _as_token_list(new_token_ids, "new_token_ids")
+        req = self._requests.get(request_id)
+        if req is None:
+            raise NotFound(f"request {request_id!r} holds no pages")
+        # Decodes append one or two plain ints: check them inline, not via the general path.
+        if type(new_token_ids) is list and len(new_token_ids) <= 4:
+            for t in new_token_ids:
+                if type(t) is not int or t < 0:
+                    new_tokens = _as_token_list(new_token_ids, "new_token_ids")
+                    break
+            else:
+                new_tokens = new_token_ids
+        else:
+            new_tokens = _as_token_list(new_token_ids, "new_token_ids")
         if num_new_tokens < 1:
             raise InvalidArgument(f"request {request_id!r}: num_new_tokens must be >= 1")
         if num_lookahead_tokens < 0:
             raise InvalidArgument("num_lookahead_tokens must be >= 0")
+        max_len = self._max_model_len
         num_tokens = len(req.token_ids) + len(new_tokens)
-        if num_tokens > self.config.max_model_len:
+        if num_tokens > max_len:
             raise InvalidArgument(
-                f"request {request_id!r}: {num_tokens} tokens exceed max_model_len "
-                f"{self.config.max_model_len}"
+                f"request {request_id!r}: {num_tokens} tokens exceed max_model_len {max_len}"
             )
         computed = req.num_computed_tokens if num_computed_tokens is None else num_computed_tokens
         if not 0 <= computed <= num_tokens:
@@ -394,47 +415,55 @@ class PageManager:
                 f"request {request_id!r}: {computed} computed + {num_new_tokens} new tokens "
                 f"exceed its {num_tokens} tokens"
             )
-        if new_page_hashes is not None and not self.enable_caching:
-            new_page_hashes = None
-        num_slots = min(computed + num_new_tokens + num_lookahead_tokens, self.config.max_model_len)
+        num_slots = computed + num_new_tokens + num_lookahead_tokens
+        if num_slots > max_len:
+            num_slots = max_len
         groups = self.groups
-        if len(groups) == 1:
-            group = groups[0]
-            group.remove_skipped(request_id, computed)
-            needed = group.num_pages_to_allocate(request_id, num_slots, (), computed)
+        if self._single_full is not None:
+            # One full-attention group (the common case): nothing is ever skipped.
+            group = self._single_full
+            needed = -(-num_slots // group.page_size) - group.page_counts[request_id]
+            if needed < 0:
+                needed = 0
         else:
             for g in groups:
                 g.remove_skipped(request_id, computed)
             needed = sum(
                 g.num_pages_to_allocate(request_id, num_slots, (), computed) for g in groups
             )
-        if needed > self.pool.num_free_pages:
+        if needed > self.pool._num_free:
             self._stats.num_no_capacity += 1
             return None
         if new_tokens:
-            self._append_tokens(req, new_tokens, new_page_hashes)
+            req.token_ids.extend(new_tokens)
+            if self.enable_caching and len(req.token_ids) // self.hash_page_size > len(req.hashes):
+                self._extend_hashes(req, new_page_hashes)
         if needed:
             new_pages = tuple(tuple(g.allocate_new(request_id, num_slots)) for g in groups)
         else:
-            new_pages = tuple(() for _ in groups)
+            new_pages = self._no_new_pages
+        end = computed + num_new_tokens
         if self.enable_caching:
-            self._cache(req, computed + num_new_tokens)
-        req.num_computed_tokens = computed + num_new_tokens
-        req.scheduled_start, req.num_scheduled = computed, num_new_tokens
+            if self._single_full is not None:
+                group = self._single_full
+                if (
+                    min(end, len(req.token_ids)) // group.page_size
+                    > group.num_cached_pages[request_id]
+                ):
+                    self._cache(req, end)
+            else:
+                self._cache(req, end)
+        req.num_computed_tokens = end
+        req.scheduled_start = computed
+        req.num_scheduled = num_new_tokens
         return Allocation(request_id, 0, new_pages)
 
-    def _append_tokens(
-        self, req: _Request, new_tokens: list[int], new_page_hashes: Sequence[bytes] | None
-    ) -> None:
+    def _extend_hashes(self, req: _Request, new_page_hashes: Sequence[bytes] | None) -> None:
+        """Hash the request's newly full pages (the client's hashes first, if it sent any)."""
         tokens = req.token_ids
-        tokens.extend(new_tokens)
-        if not self.enable_caching:
-            return
         ps = self.hash_page_size
         num_full = len(tokens) // ps
         have = len(req.hashes)
-        if num_full <= have:
-            return
         if new_page_hashes:
             extra = list(new_page_hashes)[: num_full - have]
             req.hashes.extend(extra)
@@ -551,6 +580,9 @@ class PageManager:
                 problems.append(f"group {g.group_id} tracks other requests than the manager")
             if set(g.num_cached_pages) != set(g.request_rows):
                 problems.append(f"group {g.group_id}: cached-page counters out of step")
+            for rid, row in g.request_rows.items():
+                if g.page_counts.get(rid) != g.rows.num_pages(row):
+                    problems.append(f"group {g.group_id}: page count of {rid} != its row")
             for rid, row in g.request_rows.items():
                 pages = g.rows.row(row)
                 real = pages[pages != NULL_PAGE]

@@ -39,7 +39,7 @@ class ExtraKeys:
 NO_EXTRA_KEYS = ExtraKeys()
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Allocation:
     """The answer to a successful admission or growth.
 
