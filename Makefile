@@ -25,6 +25,9 @@ venv: $(STAMP)
 stubs: $(STAMP)
 	$(PY) scripts/gen_stubs.py
 
+check-stubs: $(STAMP)
+	$(PY) -m pytest -q tests/service/test_stubs.py
+
 serve: $(STAMP)
 	$(VENV)/bin/pagekeeper serve
 

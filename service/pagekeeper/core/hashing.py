@@ -32,6 +32,7 @@ Only full pages are hashed. Hashes are raw ``bytes``, deterministic across proce
 
 from __future__ import annotations
 
+import array
 import hashlib
 import struct
 from collections.abc import Callable, Sequence
@@ -80,6 +81,8 @@ CborValue: TypeAlias = bool | int | str | bytes | tuple["CborValue", ...] | None
 ExtraKeyTuple: TypeAlias = tuple[tuple[str | int | None, ...], ...]
 
 _UINT64_LIMIT: Final = 1 << 64
+# array.array's 32-bit unsigned typecode ("I" on every mainstream platform).
+_UINT32_TYPECODE: Final = next(code for code in "IL" if array.array(code).itemsize == 4)
 
 # Fewer tokens than this are encoded in plain Python: numpy's fixed cost per call (~20
 # array operations, ~25 µs) exceeds a per-token loop (~0.15 µs a token) below ~170 tokens,
@@ -277,12 +280,12 @@ def _as_uint32(token_ids: TokenIds) -> npt.NDArray[np.unsignedinteger[Any]] | No
             return None
         return unsigned
     try:
-        # One C call converts and range-checks (format I refuses negatives, ids >= 2**32
-        # and non-integers): several times faster than np.array() on a list of ints.
-        packed = struct.pack(f"<{len(token_ids)}I", *token_ids)
-    except struct.error:
+        # One C call converts and range-checks (refusing negatives, ids >= 2**32 and
+        # non-integers): several times faster than np.array() on a list of ints.
+        packed = array.array(_UINT32_TYPECODE, token_ids)
+    except (OverflowError, TypeError):
         return None
-    return np.frombuffer(packed, dtype="<u4")
+    return np.frombuffer(packed, dtype=np.uint32)
 
 
 def _describe_bad_token(token_ids: Sequence[Any]) -> str:
@@ -295,25 +298,30 @@ def _describe_bad_token(token_ids: Sequence[Any]) -> str:
 
 
 def _encode_uints_py(values: Sequence[int]) -> bytes:
-    """Concatenated CBOR uints, for a handful of values (no numpy round trip)."""
+    """Concatenated CBOR uints, for a handful of values (no numpy round trip). Raises
+    struct.error / TypeError on a negative, too large or non-integer value."""
     fmt: list[str] = []
     args: list[int] = []
+    add_fmt = fmt.append
+    add_arg = args.append
+    # Largest classes first: ids of a big vocabulary are mostly >= 2**16.
     for v in values:
-        if v < 24:
-            fmt.append("B")
-            args.append(v)
-        elif v < 0x100:
-            fmt.append("BB")
-            args += (0x18, v)
-        elif v < 0x1_0000:
-            fmt.append("BH")
-            args += (0x19, v)
-        elif v < 0x1_0000_0000:
-            fmt.append("BI")
-            args += (0x1A, v)
+        if v >= 0x1_0000:
+            if v < 0x1_0000_0000:
+                add_fmt("BI")
+                add_arg(0x1A)
+            else:
+                add_fmt("BQ")
+                add_arg(0x1B)
+        elif v >= 0x100:
+            add_fmt("BH")
+            add_arg(0x19)
+        elif v >= 24:
+            add_fmt("BB")
+            add_arg(0x18)
         else:
-            fmt.append("BQ")
-            args += (0x1B, v)
+            add_fmt("B")  # below 24 the value is its own head (negatives fail in pack)
+        add_arg(v)
     return struct.pack(">" + "".join(fmt), *args)
 
 
@@ -593,19 +601,20 @@ class PageHasher:
             if keys.mm or (keys.salt and first_page == 0)
             else {}
         )
-        head = token_ids[:num_tokens]
         tokens: Sequence[int]
-        if num_tokens >= _NUMPY_MIN_TOKENS or isinstance(head, np.ndarray):
-            values = _as_uint32(head)
-            if values is None:
-                tokens = head.tolist() if isinstance(head, np.ndarray) else head
-            elif num_tokens >= _NUMPY_MIN_TOKENS:
+        if num_tokens >= _NUMPY_MIN_TOKENS:
+            # A list is packed whole (no slice copy) and its partial page dropped after.
+            whole = isinstance(token_ids, np.ndarray)
+            values = _as_uint32(token_ids[:num_tokens] if whole else token_ids)
+            if values is not None:
                 body, ends = _encode_pages_np(
-                    values, page_size, self._array_head, keys.common, special
+                    values[:num_tokens], page_size, self._array_head, keys.common, special
                 )
                 return _chain(self.algorithm, parent, body, ends)
-            else:
-                tokens = values.tolist()
+        head = token_ids[:num_tokens]
+        if isinstance(head, np.ndarray):
+            values = _as_uint32(head)  # refuses non-integer dtypes and negative ids
+            tokens = (head if values is None else values).tolist()
         else:
             tokens = head
         try:
@@ -634,8 +643,17 @@ def hash_pages(
     non-integer token ids, bad extra keys or a bad page size, ConfigError on an unknown
     algorithm.
     """
-    hasher = PageHasher(page_size, extra_keys=extra_keys, algorithm=algorithm)
+    if extra_keys is None and type(page_size) is int and type(algorithm) is str:
+        hasher = _plain_hasher(page_size, algorithm)
+    else:
+        hasher = PageHasher(page_size, extra_keys=extra_keys, algorithm=algorithm)
     return hasher.hash_pages(token_ids, parent=parent, first_page_index=first_page_index)
+
+
+@lru_cache(maxsize=64)
+def _plain_hasher(page_size: int, algorithm: str) -> PageHasher:
+    # Hashers hold no per-request state: requests without extra keys can share one.
+    return PageHasher(page_size, algorithm=algorithm)
 
 
 def join_hashes(

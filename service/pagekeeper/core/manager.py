@@ -314,8 +314,8 @@ class PageManager:
         """Prefix lookup + touch + allocation for a new (or resumed) request, atomically.
 
         ``token_ids``: every token known (prompt, plus output so far for a resumed request).
-        ``num_new_tokens``: tokens to compute now after the cached prefix (default: all the
-        rest; fewer for a chunked prefill). Returns None, changing nothing, when pages run
+        ``num_new_tokens``: tokens to compute now after the cached prefix (default, or more
+        than the hit leaves: all the rest; fewer for a chunked prefill). Returns None, changing nothing, when pages run
         out. Raises AlreadyExists, InvalidArgument.
         """
         tokens = _as_token_list(token_ids, "token_ids")
@@ -329,12 +329,14 @@ class PageManager:
             hits, num_hit = self._find_common_hit(hashes, len(tokens) - 1)
         else:
             hits, num_hit = [[] for _ in self.groups], 0
-        if num_new_tokens is None:
-            num_new_tokens = len(tokens) - num_hit
-        if not 0 < num_new_tokens <= len(tokens) - num_hit:
+        # A chunked prefill asks for at most ``num_new_tokens``; the cache hit may leave fewer
+        # (the scheduler cannot know the hit before asking), so the chunk is clamped.
+        rest = len(tokens) - num_hit
+        if num_new_tokens is None or num_new_tokens > rest:
+            num_new_tokens = rest
+        if num_new_tokens < 1:
             raise InvalidArgument(
-                f"request {request_id!r}: num_new_tokens {num_new_tokens} must be in "
-                f"[1, {len(tokens) - num_hit}] after a {num_hit}-token cached prefix"
+                f"request {request_id!r}: num_new_tokens must be >= 1, got {num_new_tokens}"
             )
         num_slots = min(num_hit + num_new_tokens + num_lookahead_tokens, self.config.max_model_len)
         needed = sum(

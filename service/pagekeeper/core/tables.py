@@ -645,6 +645,22 @@ class PageRows:
     def append(self, row: int, page_ids: Sequence[int] | npt.NDArray[np.integer]) -> None:
         """Add pages to the end of a row (table order)."""
         self._check_live(row)
+        if type(page_ids) is list and len(page_ids) <= 8:
+            # A decode crossing into a new page appends one id: plain ints, no numpy reductions.
+            start = int(self._num_pages[row])
+            end = start + len(page_ids)
+            if end > self._max_pages:
+                raise InvalidArgument(
+                    f"row {row} would hold {end} pages, more than max_pages_per_row "
+                    f"{self._max_pages}"
+                )
+            table_row = self._table[row]
+            for i, page in enumerate(page_ids):
+                if type(page) is not int or not 0 <= page < _INT32_LIMIT:
+                    raise InvalidArgument("page ids must be ints in [0, 2**31)")
+                table_row[start + i] = page
+            self._num_pages[row] = end
+            return
         pages = np.asarray(page_ids)
         if pages.ndim != 1:
             raise InvalidArgument(f"page_ids must be 1-D, got shape {pages.shape}")

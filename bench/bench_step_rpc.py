@@ -1,0 +1,406 @@
+#!/usr/bin/env python3
+"""``Step`` round trip through the real service, beside a bare ``grpc.aio`` echo.
+
+Both servers run as separate processes on loopback; one ``grpc.aio`` client in this process
+sends the same serialized ``StepRequest`` to each, interleaved A B B A … so machine drift
+hits both alike. The echo server answers with the request bytes untouched (no protobuf
+parsing, no work): the floor of one Python gRPC round trip carrying that payload.
+
+Rows:
+
+* ``decode B=N fits``: N running requests, one decode token each, every one still fitting in
+  its last page (no allocation: the state's validation and the core's bookkeeping only);
+* ``decode B=N new page``: every row crosses into a new page this step (unmeasured filler
+  steps bring the rows to a page boundary between samples);
+* ``admit 8x2000``: 8 new 2,000-token prompts (no cache hit: hashing + allocation), freed
+  again by an unmeasured step;
+* ``sched step``: the core benchmark's scheduling step — 256 decodes + 4 admissions of
+  2,000 tokens sharing a 1,024-token prefix + 4 frees — in one ``Step``.
+
+``ratio`` = step p50 / echo p50 (goal: <= 1.5). ``in-proc`` is the server's own work for
+the same Step (parse, convert, apply, convert back, serialize) measured on an in-process
+``ServiceState`` that mirrors the service's (every request is applied to both), so
+``transport`` = step p50 - in-proc is what the process boundary costs. Run::
+
+    .venv/bin/python bench/bench_step_rpc.py [--samples 200] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+for _sub in ("client", "service"):
+    if str(REPO_ROOT / _sub) not in sys.path:
+        sys.path.insert(0, str(REPO_ROOT / _sub))
+
+from pagekeeper_client._proto.pagekeeper.v1 import pagekeeper_pb2 as pb  # noqa: E402
+
+STEP_METHOD = "/pagekeeper.v1.PagekeeperService/Step"
+PAGE_SIZE = 16
+NUM_PAGES = 131072
+MAX_MODEL_LEN = 8192
+MESSAGE_BYTES = 64 * 1024 * 1024
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MESSAGE_BYTES),
+]
+
+
+def i32(values: np.ndarray | list[int]) -> bytes:
+    return np.asarray(values, dtype="<i4").tobytes()
+
+
+# -- the echo server (run as a subprocess of this script) ---------------------------------
+
+
+async def _echo_server(port_file: str) -> None:
+    async def echo(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        return request
+
+    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    handler = grpc.method_handlers_generic_handler(
+        "pagekeeper.v1.PagekeeperService", {"Step": grpc.unary_unary_rpc_method_handler(echo)}
+    )
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    Path(port_file).write_text(str(port))
+    await server.wait_for_termination()
+
+
+def _wait_file(path: Path, process: subprocess.Popen[bytes], what: str) -> str:
+    deadline = time.monotonic() + 60
+    while not path.exists():
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"{what} did not start")
+        time.sleep(0.02)
+    time.sleep(0.05)  # the echo's port file is written in one go, but be safe
+    return path.read_text()
+
+
+def start_processes(workdir: Path) -> tuple[list[subprocess.Popen[bytes]], str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEKEEPER_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT / "service"), str(REPO_ROOT / "client")])
+    ready = workdir / "ready.json"
+    service = subprocess.Popen(
+        [
+            sys.executable, "-m", "pagekeeper", "serve",
+            "--grpc-address", "127.0.0.1:0", "--http-address", "127.0.0.1:0",
+            "--ready-file", str(ready), "--publish-transport", "none",
+            "--num-pages", str(NUM_PAGES), "--max-model-len", str(MAX_MODEL_LEN),
+            "--page-size", str(PAGE_SIZE), "--lease-ttl-s", "600", "--max-lease-ttl-s", "600",
+            "--log-level", "warning",
+        ],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    port_file = workdir / "echo.port"
+    echo = subprocess.Popen(
+        [sys.executable, __file__, "--echo-server", str(port_file)],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    info = json.loads(_wait_file(ready, service, "the service"))
+    echo_port = _wait_file(port_file, echo, "the echo server")
+    return [service, echo], info["grpc_address"], f"127.0.0.1:{echo_port}"
+
+
+# -- scenarios ----------------------------------------------------------------------------
+
+
+class Driver:
+    """One registered scheduler; builds StepRequests with increasing step ids."""
+
+    def __init__(self, stub_call: Callable, client_id: str, generation: int) -> None:
+        self.call = stub_call
+        self.client_id = client_id
+        self.generation = generation
+        self.step_id = 0
+        self.rng = np.random.default_rng(0)
+        self.next_request = 0
+
+    def request(self, **fields: object) -> pb.StepRequest:
+        self.step_id += 1
+        return pb.StepRequest(
+            client_id=self.client_id, generation=self.generation, step_id=self.step_id, **fields
+        )
+
+    async def step(self, **fields: object) -> pb.StepResponse:
+        return await self.call(self.request(**fields))
+
+    def new_ids(self, n: int) -> list[str]:
+        ids = [f"req-{self.next_request + i}" for i in range(n)]
+        self.next_request += n
+        return ids
+
+    def prompt(self, n: int) -> np.ndarray:
+        return self.rng.integers(0, 50_000, n, dtype=np.int32)
+
+    async def admit(self, ids: list[str], length: int) -> None:
+        admissions = [pb.Admission(request_id=r, token_ids=i32(self.prompt(length))) for r in ids]
+        for start in range(0, len(admissions), 64):
+            reply = await self.step(admissions=admissions[start : start + 64])
+            assert all(r.status == pb.ALLOCATION_STATUS_OK for r in reply.results)
+
+
+def fits_step(driver: Driver, ids: list[str], length: int) -> Callable[[], pb.StepRequest]:
+    """Each row: 1 new token whose slot is already in the row's last page. The growth names
+    ``num_computed_tokens = length - 1`` and brings no new token ids, so every sample sees
+    the same state (no drift, no allocation)."""
+    growths = [
+        pb.Growth(request_id=r, num_new_tokens=1, num_computed_tokens=length - 1) for r in ids
+    ]
+    batch = pb.Batch(request_ids=ids)
+    return lambda: driver.request(growths=growths, batch=batch)
+
+
+async def boundary_filler(driver: Driver, ids: list[str], lengths: dict[str, int]) -> None:
+    """Unmeasured decode steps until every row sits exactly at a page boundary."""
+    while True:
+        pending = [r for r in ids if lengths[r] % PAGE_SIZE != 0]
+        if not pending:
+            return
+        growths = [
+            pb.Growth(request_id=r, num_new_tokens=1, new_token_ids=i32([7])) for r in pending
+        ]
+        await driver.step(growths=growths)
+        for r in pending:
+            lengths[r] += 1
+
+
+def crossing_step(driver: Driver, ids: list[str]) -> Callable[[], pb.StepRequest]:
+    token = i32([11])
+    growths = [pb.Growth(request_id=r, num_new_tokens=1, new_token_ids=token) for r in ids]
+    batch = pb.Batch(request_ids=ids)
+    return lambda: driver.request(growths=growths, batch=batch)
+
+
+# -- the in-process mirror ----------------------------------------------------------------
+
+
+class Mirror:
+    """A ``ServiceState`` in this process that applies every request the service gets, so it
+    stays identical to the service's; timing it on the measured requests gives what the
+    server does per Step without the transport (parse, convert, apply, convert, serialize)."""
+
+    def __init__(self) -> None:
+        from pagekeeper.core.config import GroupConfig, PoolConfig
+        from pagekeeper.rpc import convert
+        from pagekeeper.state import ClientRole, Limits, RegisterCommand, ServiceState
+
+        self.convert = convert
+        self.state = ServiceState(
+            PoolConfig(
+                num_pages=NUM_PAGES,
+                groups=(GroupConfig(page_size=PAGE_SIZE),),
+                max_model_len=MAX_MODEL_LEN,
+            ),
+            Limits(lease_ttl_s=600.0, max_lease_ttl_s=600.0),
+        )
+        self.state.register(RegisterCommand(now=0.0, role=ClientRole.SCHEDULER))
+
+    def apply(self, request: pb.StepRequest) -> float:
+        data = request.SerializeToString()
+        started = time.perf_counter()
+        parsed = pb.StepRequest.FromString(data)
+        result = self.state.step(self.convert.step_from_pb(parsed, 0.0))
+        self.convert.step_result_to_pb(result).SerializeToString()
+        return time.perf_counter() - started
+
+
+# -- timing -------------------------------------------------------------------------------
+
+
+async def timed(call: Callable, request: pb.StepRequest) -> float:
+    started = time.perf_counter()
+    await call(request)
+    return time.perf_counter() - started
+
+
+def summary(values: list[float]) -> tuple[float, float]:
+    ms = sorted(v * 1000 for v in values)
+    return statistics.median(ms), ms[int(0.9 * (len(ms) - 1))]
+
+
+async def run(samples: int, workdir: Path) -> list[tuple[str, float, float, float, float]]:
+    processes, service_address, echo_address = start_processes(workdir)
+    rows = []
+    try:
+        service = grpc.aio.insecure_channel(service_address, options=CHANNEL_OPTIONS)
+        echo = grpc.aio.insecure_channel(echo_address, options=CHANNEL_OPTIONS)
+        step_call = service.unary_unary(
+            STEP_METHOD,
+            request_serializer=pb.StepRequest.SerializeToString,
+            response_deserializer=pb.StepResponse.FromString,
+        )
+        # The echo returns the request's bytes: parse them as what they are.
+        echo_call = echo.unary_unary(
+            STEP_METHOD,
+            request_serializer=pb.StepRequest.SerializeToString,
+            response_deserializer=pb.StepRequest.FromString,
+        )
+        register = service.unary_unary(
+            "/pagekeeper.v1.PagekeeperService/RegisterClient",
+            request_serializer=pb.RegisterClientRequest.SerializeToString,
+            response_deserializer=pb.RegisterClientResponse.FromString,
+        )
+        reg = await register(pb.RegisterClientRequest(role=pb.CLIENT_ROLE_SCHEDULER, name="bench"))
+        mirror = Mirror()
+
+        async def service_step(request: pb.StepRequest) -> pb.StepResponse:
+            mirror.apply(request)
+            return await step_call(request)
+
+        driver = Driver(service_step, reg.client_id, reg.generation)
+
+        async def measure(
+            name: str,
+            make: Callable[[], pb.StepRequest],
+            between: Callable[[], object] | None = None,
+            count: int = samples,
+        ) -> None:
+            for _ in range(10):  # warm-up both paths
+                request = make()
+                await service_step(request)
+                await echo_call(request)
+                if between is not None:
+                    await between()
+            step_times, echo_times, mirror_times = [], [], []
+            for i in range(count):
+                request = make()
+                mirror_times.append(mirror.apply(request))
+                if i % 2:
+                    echo_times.append(await timed(echo_call, request))
+                    step_times.append(await timed(step_call, request))
+                else:
+                    step_times.append(await timed(step_call, request))
+                    echo_times.append(await timed(echo_call, request))
+                if between is not None:
+                    await between()
+            step_p50, step_p90 = summary(step_times)
+            echo_p50, _ = summary(echo_times)
+            size = request.ByteSize()
+            in_proc = summary(mirror_times)[0]
+            rows.append((name, size, step_p50, step_p90, echo_p50, in_proc))
+            print(f"  {name}: step {step_p50:.3f} ms, echo {echo_p50:.3f} ms", file=sys.stderr)
+
+        prompt_len = 33  # 3 pages; the 34th token's slot is in the third page
+        for batch_size in (1, 64, 256):
+            ids = driver.new_ids(batch_size)
+            await driver.admit(ids, prompt_len)
+            await measure(f"decode B={batch_size} fits", fits_step(driver, ids, prompt_len))
+            lengths = dict.fromkeys(ids, prompt_len)
+            make_crossing = crossing_step(driver, ids)
+
+            async def refill(ids: list[str] = ids, lengths: dict[str, int] = lengths) -> None:
+                for r in ids:
+                    lengths[r] += 1
+                await boundary_filler(driver, ids, lengths)
+
+            await boundary_filler(driver, ids, lengths)
+            # Rows grow one page per sample: keep the sample count within max_model_len.
+            count = min(samples, (MAX_MODEL_LEN - prompt_len) // PAGE_SIZE - 20)
+            await measure(f"decode B={batch_size} new page", make_crossing, refill, count)
+            await driver.step(free_request_ids=ids)
+
+        # Admissions: 8 new 2,000-token prompts, freed by an unmeasured step after each.
+        admitted: list[str] = []
+
+        def make_admissions() -> pb.StepRequest:
+            ids = driver.new_ids(8)
+            admitted[:] = ids
+            return driver.request(
+                admissions=[
+                    pb.Admission(request_id=r, token_ids=i32(driver.prompt(2000))) for r in ids
+                ]
+            )
+
+        async def free_admitted() -> None:
+            await driver.step(free_request_ids=list(admitted))
+
+        await measure("admit 8x2000", make_admissions, free_admitted)
+
+        # The scheduling step of the core benchmark.
+        running = driver.new_ids(256)
+        await driver.admit(running, prompt_len)
+        shared = driver.prompt(1024)
+        cycle: list[str] = []
+
+        def make_sched_step() -> pb.StepRequest:
+            new = driver.new_ids(4)
+            frees = cycle[:4]
+            cycle[:] = cycle[4:] + new
+            admissions = [
+                pb.Admission(
+                    request_id=r,
+                    token_ids=i32(np.concatenate([shared, driver.prompt(976)])),
+                )
+                for r in new
+            ]
+            growths = [
+                pb.Growth(request_id=r, num_new_tokens=1, num_computed_tokens=prompt_len - 1)
+                for r in running
+            ]
+            return driver.request(
+                free_request_ids=frees,
+                growths=growths,
+                admissions=admissions,
+                batch=pb.Batch(request_ids=running + new),
+            )
+
+        # Each step frees the 4 requests the previous one admitted.
+        await measure("sched step 256+4+4", make_sched_step)
+        await service.close()
+        await echo.close()
+    finally:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            process.wait(10)
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--samples", type=int, default=200)
+    parser.add_argument("--quick", action="store_true", help="40 samples per row")
+    parser.add_argument("--echo-server", metavar="PORT_FILE", help=argparse.SUPPRESS)
+    ns = parser.parse_args()
+    if ns.echo_server:
+        asyncio.run(_echo_server(ns.echo_server))
+        return 0
+    samples = 40 if ns.quick else ns.samples
+    with tempfile.TemporaryDirectory(prefix="pk-bench-") as tmp:
+        rows = asyncio.run(run(samples, Path(tmp)))
+    print(f"Step round trip vs bare grpc.aio echo of the same request bytes ({samples} samples)")
+    print(
+        f"{'row':<22} {'req KB':>6} {'step p50':>9} {'step p90':>9} {'echo p50':>9} "
+        f"{'ratio':>6} {'in-proc':>9} {'transport':>9}"
+    )
+    for name, size, p50, p90, echo_p50, in_proc in rows:
+        print(
+            f"{name:<22} {size / 1024:>6.1f} {p50:>7.3f}ms {p90:>7.3f}ms {echo_p50:>7.3f}ms "
+            f"{p50 / echo_p50:>6.2f} {in_proc:>7.3f}ms {p50 - in_proc:>7.3f}ms"
+        )
+    print(
+        "ratio = step p50 / echo p50 (goal <= 1.5); in-proc = the server's own work per Step "
+        "(parse, convert, apply, convert, serialize) measured on an identical in-process "
+        "state; transport = step p50 - in-proc."
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Generated gRPC/protobuf stubs (scripts/gen_stubs.py). Do not edit."""

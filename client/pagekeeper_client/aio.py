@@ -1,0 +1,614 @@
+"""The asyncio twin of :class:`~pagekeeper_client.client.PagekeeperClient` (``grpc.aio``).
+
+Same method names, same semantics, awaited::
+
+    async with AsyncPagekeeperClient("127.0.0.1:50051") as client:
+        await client.register("scheduler")
+        await client.admit("r1", prompt_ids)
+        got = await client.allocate_slots("r1", 1, new_token_ids=[tok])   # local: no call
+        await client.step(batch=["r1"])
+
+The lease is renewed by a background task (stopped by :meth:`close`). The scheduling API
+(``admit``, ``allocate_slots``, ``free_later``, ``step``) is meant for one task; steps are
+serialised by a lock so two tasks can never send overlapping queues.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from typing import Any
+
+import grpc
+import grpc.aio
+import numpy as np
+
+from pagekeeper_client._proto.pagekeeper.v1 import pagekeeper_pb2 as pb
+from pagekeeper_client._proto.pagekeeper.v1 import pagekeeper_pb2_grpc as pb_grpc
+from pagekeeper_client.client import (
+    _RETRY_CODES,
+    DEFAULT_KEEPALIVE_S,
+    DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_RETRY_S,
+    DEFAULT_TIMEOUT_S,
+    TOKEN_ENV,
+    RequestView,
+    SchedulerState,
+    _role,
+    auth_metadata,
+    block_table_from_pb,
+    channel_options,
+    counters_from_pb,
+    default_client_name,
+    encode_i32,
+    event_batch_from_pb,
+    extra_keys_to_pb,
+    limits_from_pb,
+    lookup_from_pb,
+    pool_from_pb,
+    register_request,
+    registration_from_pb,
+    resolve_address,
+    ring_from_pb,
+)
+from pagekeeper_client.errors import (
+    AlreadyExistsError,
+    FailedPreconditionError,
+    NotFoundError,
+    NotRegisteredError,
+    PagekeeperError,
+    error_from_rpc,
+)
+from pagekeeper_client.ring import RingDescriptor
+from pagekeeper_client.types import (
+    Admission,
+    AllocationResult,
+    AllocationStatus,
+    BackendSpec,
+    BlockTable,
+    ClientRole,
+    ClientStats,
+    EventBatch,
+    ExtraKeys,
+    Growth,
+    Int32Array,
+    LookupResult,
+    PoolConfig,
+    PoolInfo,
+    Registration,
+    SlotAllocation,
+    StepResult,
+    TokenIds,
+)
+
+log = logging.getLogger("pagekeeper_client")
+
+
+class AsyncEventStream:
+    """A ``WatchEvents`` subscription: ``async for batch in stream``; ``cancel()`` ends it."""
+
+    def __init__(self, call: Any) -> None:
+        self._call = call
+        self._is_cancelled = False
+
+    async def __aiter__(self) -> AsyncIterator[EventBatch]:
+        try:
+            async for msg in self._call:
+                yield event_batch_from_pb(msg)
+        except grpc.RpcError as exc:
+            if self._is_cancelled and exc.code() == grpc.StatusCode.CANCELLED:
+                return
+            raise error_from_rpc(exc, "WatchEvents") from None
+        except asyncio.CancelledError:
+            if self._is_cancelled:
+                return
+            raise
+
+    def cancel(self) -> None:
+        self._is_cancelled = True
+        self._call.cancel()
+
+    async def __aenter__(self) -> AsyncEventStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.cancel()
+
+
+class AsyncPagekeeperClient:
+    """Asyncio client of a pagekeeper service; see :class:`PagekeeperClient` for every
+    method's contract (the names and arguments are the same, the calls are awaited)."""
+
+    def __init__(
+        self,
+        address: str | None = None,
+        *,
+        token: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        retry_s: float = DEFAULT_RETRY_S,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        keepalive_s: float = DEFAULT_KEEPALIVE_S,
+        interceptors: Sequence[Any] = (),
+        options: Sequence[tuple[str, Any]] = (),
+    ) -> None:
+        self.address = resolve_address(address)
+        self._token = token if token is not None else os.environ.get(TOKEN_ENV) or None
+        self._metadata = auth_metadata(self._token)
+        self.timeout = timeout
+        self.retry_s = retry_s
+        self._channel = grpc.aio.insecure_channel(
+            self.address,
+            options=channel_options(
+                max_message_bytes=max_message_bytes, keepalive_s=keepalive_s, extra=options
+            ),
+            interceptors=list(interceptors) or None,
+        )
+        self._stub = pb_grpc.PagekeeperServiceStub(self._channel)  # type: ignore[no-untyped-call]
+        self.stats = ClientStats()
+        self._registration: Registration | None = None
+        self._role: ClientRole | None = None
+        self._register_args: dict[str, Any] = {}
+        self._state: SchedulerState | None = None
+        self._next_step_id = 1
+        self._last_renewal = 0.0
+        self._ring: RingDescriptor | None = None
+        self._ring_listeners: list[Callable[[RingDescriptor | None], None]] = []
+        self._heartbeat_task: asyncio.Task[None] | None = None
+        self._step_lock = asyncio.Lock()
+        self.lease_error: PagekeeperError | None = None
+        self._is_closed = False
+
+    # -- plumbing -----------------------------------------------------------------------
+    async def _call(self, method: str, request: Any) -> Any:
+        stats = self.stats
+        stats.num_rpcs += 1
+        stats.by_method[method] = stats.by_method.get(method, 0) + 1
+        try:
+            return await getattr(self._stub, method)(
+                request, metadata=self._metadata, timeout=self.timeout
+            )
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc, method) from None
+
+    def _require(self) -> Registration:
+        registration = self._registration
+        if registration is None or self._is_closed:
+            raise NotRegisteredError("register() first" if not self._is_closed else "closed")
+        return registration
+
+    def _scheduler(self) -> SchedulerState:
+        self._require()
+        if self._state is None:
+            raise FailedPreconditionError(
+                f"this client registered as {self._role}; only schedulers step",
+                code=grpc.StatusCode.PERMISSION_DENIED,
+            )
+        return self._state
+
+    # -- registration -------------------------------------------------------------------
+    async def register(
+        self,
+        role: ClientRole | str = ClientRole.SCHEDULER,
+        *,
+        name: str = "",
+        lease_ttl: float | None = None,
+        device: str = "",
+        kernel_support: (
+            Mapping[int, Sequence[BackendSpec]] | Sequence[Sequence[BackendSpec]] | None
+        ) = None,
+        client_id: str = "",
+        renew: bool = True,
+    ) -> Registration:
+        """See :meth:`PagekeeperClient.register`; the lease is renewed by a task."""
+        role = _role(role)
+        if self._registration is not None:
+            raise AlreadyExistsError(f"already registered as {self._registration.client_id}")
+        args: dict[str, Any] = {
+            "name": name or default_client_name(role),
+            "lease_ttl": lease_ttl,
+            "device": device,
+            "kernel_support": kernel_support,
+        }
+        request = register_request(role, client_id=client_id, **args)
+        registration = registration_from_pb(await self._call("RegisterClient", request))
+        self._register_args = args
+        self._role = role
+        self._accept_registration(registration)
+        if role is ClientRole.SCHEDULER:
+            self._state = SchedulerState(registration.pool)
+        if renew:
+            self._heartbeat_task = asyncio.create_task(
+                self._heartbeat_loop(), name="pagekeeper-lease"
+            )
+        return registration
+
+    def _accept_registration(self, registration: Registration) -> None:
+        self._registration = registration
+        self._last_renewal = time.monotonic()
+        self._next_step_id = max(
+            self._next_step_id,
+            registration.last_step_id + 1,
+            registration.last_published_step_seq + 1,
+        )
+        self._set_ring(registration.ring)
+
+    def _set_ring(self, ring: RingDescriptor | None) -> None:
+        old = self._ring
+        self._ring = ring
+        changed = (old is None) != (ring is None) or (
+            old is not None and ring is not None and old.generation != ring.generation
+        )
+        if changed:
+            for listener in list(self._ring_listeners):
+                try:
+                    listener(ring)
+                except Exception:
+                    log.exception("ring listener failed")
+
+    def add_ring_listener(self, callback: Callable[[RingDescriptor | None], None]) -> None:
+        self._ring_listeners.append(callback)
+
+    @property
+    def ring(self) -> RingDescriptor | None:
+        return self._ring
+
+    @property
+    def registration(self) -> Registration:
+        return self._require()
+
+    @property
+    def client_id(self) -> str:
+        return self._require().client_id
+
+    @property
+    def generation(self) -> int:
+        return self._require().generation
+
+    @property
+    def pool(self) -> PoolConfig:
+        return self._require().pool
+
+    @property
+    def page_sizes(self) -> tuple[int, ...]:
+        return self._require().pool.page_sizes
+
+    async def heartbeat(self) -> float:
+        registration = self._require()
+        reply = await self._call(
+            "Heartbeat",
+            pb.HeartbeatRequest(
+                client_id=registration.client_id, generation=registration.generation
+            ),
+        )
+        self.stats.num_heartbeats += 1
+        self._last_renewal = time.monotonic()
+        if reply.HasField("ring"):
+            self._set_ring(ring_from_pb(reply.ring))
+        elif self._role is ClientRole.WORKER:
+            self._set_ring(None)
+        return float(reply.lease_ttl_ms) / 1000.0
+
+    async def reregister(self) -> Registration:
+        registration = self._require()
+        assert self._role is not None
+        request = register_request(
+            self._role, client_id=registration.client_id, **self._register_args
+        )
+        fresh = registration_from_pb(await self._call("RegisterClient", request))
+        self._accept_registration(fresh)
+        self.stats.num_reregistrations += 1
+        return fresh
+
+    async def _heartbeat_loop(self) -> None:
+        while not self._is_closed:
+            registration = self._registration
+            if registration is None:
+                return
+            period = max(registration.lease_ttl_s / 3.0, 0.05)
+            wait = self._last_renewal + period - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
+                continue
+            try:
+                await self.heartbeat()
+                self.lease_error = None
+            except NotRegisteredError:
+                return
+            except FailedPreconditionError as exc:
+                log.warning("lease lost (%s); registering again", exc.reason)
+                try:
+                    await self.reregister()
+                    self.lease_error = None
+                except PagekeeperError as again:
+                    self.lease_error = again
+                    await asyncio.sleep(min(period, 1.0))
+            except PagekeeperError as exc:
+                if self._is_closed:
+                    return
+                self.lease_error = exc
+                log.warning("lease renewal failed: %s", exc)
+                await asyncio.sleep(min(period, 1.0))
+
+    async def _stop_heartbeat(self) -> None:
+        task, self._heartbeat_task = self._heartbeat_task, None
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    async def unregister(self) -> int:
+        registration = self._require()
+        await self._stop_heartbeat()
+        reply = await self._call(
+            "Unregister",
+            pb.UnregisterRequest(
+                client_id=registration.client_id, generation=registration.generation
+            ),
+        )
+        self._registration = None
+        self._state = None
+        return int(reply.num_freed_requests)
+
+    # -- reads --------------------------------------------------------------------------
+    async def pool_info(self) -> PoolInfo:
+        reply = await self._call("GetPoolInfo", pb.GetPoolInfoRequest())
+        return PoolInfo(
+            config=pool_from_pb(reply.config),
+            limits=limits_from_pb(reply.limits),
+            counters=counters_from_pb(reply.counters),
+            server_version=reply.server_version,
+        )
+
+    async def lookup(
+        self,
+        token_ids: TokenIds,
+        *,
+        extra_keys: ExtraKeys | None = None,
+        page_hashes: Sequence[bytes] | None = None,
+    ) -> LookupResult:
+        request = pb.LookupRequest(token_ids=encode_i32(token_ids))
+        if extra_keys is not None:
+            request.extra_keys.CopyFrom(extra_keys_to_pb(extra_keys))
+        if page_hashes:
+            request.page_hashes.extend(page_hashes)
+        return lookup_from_pb(await self._call("Lookup", request))
+
+    async def block_table(
+        self, request_id: str, group_id: int = 0, kernel_block_size: int = 0
+    ) -> BlockTable:
+        return block_table_from_pb(
+            await self._call(
+                "GetBlockTable",
+                pb.GetBlockTableRequest(
+                    request_id=request_id, group_id=group_id, kernel_block_size=kernel_block_size
+                ),
+            )
+        )
+
+    def watch_events(self, since: int = 0, *, max_events_per_message: int = 0) -> AsyncEventStream:
+        self.stats.num_rpcs += 1
+        call = self._stub.WatchEvents(
+            pb.WatchEventsRequest(since_seq=since, max_events_per_message=max_events_per_message),
+            metadata=self._metadata,
+        )
+        return AsyncEventStream(call)
+
+    async def reset_prefix_cache(self) -> int:
+        reply = await self._call("ResetPrefixCache", pb.ResetPrefixCacheRequest())
+        return int(reply.num_dropped_pages)
+
+    # -- the scheduler's API ------------------------------------------------------------
+    async def admit(
+        self,
+        request_id: str,
+        token_ids: TokenIds,
+        *,
+        num_new_tokens: int = 0,
+        extra_keys: ExtraKeys | None = None,
+        page_hashes: Sequence[bytes] | None = None,
+        num_lookahead_tokens: int = 0,
+        enable_cache_read: bool = True,
+        sync: bool = True,
+    ) -> AllocationResult:
+        """See :meth:`PagekeeperClient.admit`."""
+        state = self._scheduler()
+        admission = state.plan_admission(
+            request_id,
+            token_ids,
+            num_new_tokens=num_new_tokens,
+            extra_keys=extra_keys,
+            page_hashes=page_hashes,
+            num_lookahead_tokens=num_lookahead_tokens,
+            enable_cache_read=enable_cache_read,
+        )
+        state.queue_admission(admission)
+        if not sync:
+            return AllocationResult(request_id, AllocationStatus.PENDING)
+        self.stats.num_sync_steps += 1
+        await self._send_step(None, None)
+        assert admission.result is not None
+        return admission.result
+
+    async def allocate_slots(
+        self,
+        request_id: str,
+        num_new_tokens: int,
+        *,
+        new_token_ids: TokenIds = (),
+        num_computed_tokens: int | None = None,
+        num_lookahead_tokens: int = 0,
+        sync: bool = False,
+    ) -> SlotAllocation:
+        """See :meth:`PagekeeperClient.allocate_slots` (local answers never await a call)."""
+        state = self._scheduler()
+        if state.must_flush_before_growth(request_id):
+            self.stats.num_ordering_flushes += 1
+            await self._send_step(None, None)
+        growth = state.plan_growth(
+            request_id, num_new_tokens, new_token_ids, num_computed_tokens, num_lookahead_tokens
+        )
+        if state.growth_needs_ordering_flush(growth):
+            state.unplan_growth(growth)
+            self.stats.num_ordering_flushes += 1
+            await self._send_step(None, None)
+            growth = state.plan_growth(
+                request_id, num_new_tokens, new_token_ids, num_computed_tokens, num_lookahead_tokens
+            )
+        state.queue_growth(growth)
+        if growth.is_local:
+            self.stats.num_local_answers += 1
+            return SlotAllocation(request_id, AllocationStatus.OK, is_local=True)
+        if not sync:
+            return SlotAllocation(request_id, AllocationStatus.PENDING)
+        self.stats.num_sync_steps += 1
+        await self._send_step(None, None)
+        result = growth.result
+        if result is None:
+            return SlotAllocation(request_id, AllocationStatus.OK)
+        return SlotAllocation(request_id, result.status, result.new_page_ids, reason=result.reason)
+
+    async def free_later(self, *request_ids: str) -> None:
+        """See :meth:`PagekeeperClient.free_later` (awaits only when the queue must be sent
+        first to keep the apply order)."""
+        state = self._scheduler()
+        for request_id in request_ids:
+            if state.must_flush_before_free(request_id):
+                self.stats.num_ordering_flushes += 1
+                await self._send_step(None, None)
+            state.queue_free(request_id)
+
+    async def free(self, *request_ids: str) -> StepResult:
+        await self.free_later(*request_ids)
+        return await self._send_step(None, None)
+
+    async def step(
+        self,
+        batch: Sequence[str] | None = None,
+        *,
+        num_scheduled_tokens: TokenIds | None = None,
+        frees: Sequence[str] = (),
+        growths: Sequence[Growth] = (),
+        admissions: Sequence[Admission] = (),
+    ) -> StepResult:
+        """See :meth:`PagekeeperClient.step`."""
+        if frees:
+            await self.free_later(*frees)
+        for g in growths:
+            await self.allocate_slots(
+                g.request_id,
+                g.num_new_tokens,
+                new_token_ids=g.new_token_ids,
+                num_computed_tokens=g.num_computed_tokens,
+                num_lookahead_tokens=g.num_lookahead_tokens,
+            )
+        for a in admissions:
+            await self.admit(
+                a.request_id,
+                a.token_ids,
+                num_new_tokens=a.num_new_tokens,
+                extra_keys=a.extra_keys,
+                page_hashes=a.page_hashes,
+                num_lookahead_tokens=a.num_lookahead_tokens,
+                enable_cache_read=a.enable_cache_read,
+                sync=False,
+            )
+        return await self._send_step(batch, num_scheduled_tokens)
+
+    async def flush(self) -> StepResult | None:
+        if not self._scheduler().has_queued:
+            return None
+        return await self._send_step(None, None)
+
+    async def _send_step(
+        self, batch: Sequence[str] | None, num_scheduled_tokens: TokenIds | None
+    ) -> StepResult:
+        async with self._step_lock:
+            state = self._scheduler()
+            registration = self._require()
+            step_id = self._next_step_id
+            prepared = state.prepare_step(
+                client_id=registration.client_id,
+                generation=registration.generation,
+                step_id=step_id,
+                batch=batch,
+                num_scheduled_tokens=num_scheduled_tokens,
+            )
+            self._next_step_id = step_id + 1
+            response = await self._step_with_retry(prepared.request)
+            self._last_renewal = time.monotonic()
+            self.stats.num_steps += 1
+            return state.apply_step(prepared, response)
+
+    async def _step_with_retry(self, request: pb.StepRequest) -> pb.StepResponse:
+        deadline = time.monotonic() + self.retry_s
+        delay = 0.02
+        stats = self.stats
+        while True:
+            stats.num_rpcs += 1
+            stats.by_method["Step"] = stats.by_method.get("Step", 0) + 1
+            try:
+                response: pb.StepResponse = await self._stub.Step(
+                    request, metadata=self._metadata, timeout=self.timeout
+                )
+                return response
+            except grpc.RpcError as exc:
+                error = error_from_rpc(exc, "Step")
+                if exc.code() not in _RETRY_CODES or self._is_closed:
+                    raise error from None
+                if time.monotonic() + delay > deadline:
+                    raise error from None
+                stats.num_retries += 1
+                log.info("step %d: %s; retrying with the same id", request.step_id, error.reason)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+
+    def discard_queued(self) -> int:
+        return self._scheduler().discard_queued()
+
+    # -- the mirror ---------------------------------------------------------------------
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._scheduler().requests
+
+    def request_ids(self) -> list[str]:
+        return list(self._scheduler().requests)
+
+    def request(self, request_id: str) -> RequestView:
+        return self._scheduler().view(request_id)
+
+    def page_ids(self, request_id: str, group_id: int = 0) -> Int32Array:
+        state = self._scheduler()
+        t = state.requests.get(request_id)
+        if t is None:
+            raise NotFoundError(state._missing(request_id))
+        return np.array(t.pages[group_id], dtype=np.int32)
+
+    @property
+    def num_queued(self) -> int:
+        return self._scheduler().num_queued
+
+    # -- life cycle ---------------------------------------------------------------------
+    async def close(self, *, unregister: bool = True) -> None:
+        """Stop lease renewal, unregister (best effort) and close the channel."""
+        if self._is_closed:
+            return
+        await self._stop_heartbeat()
+        if unregister and self._registration is not None:
+            try:
+                await self.unregister()
+            except PagekeeperError as exc:
+                log.info("unregister on close failed: %s", exc)
+        self._is_closed = True
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncPagekeeperClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+__all__ = ["AsyncEventStream", "AsyncPagekeeperClient"]

@@ -1,0 +1,1594 @@
+"""The synchronous pagekeeper client, and the pieces its asyncio twin shares.
+
+A scheduler drives the service with one ``Step`` per scheduling iteration; this client keeps
+the service off the per-request path (DESIGN section 3, "The scheduler's hot path")::
+
+    with PagekeeperClient("127.0.0.1:50051") as client:
+        client.register("scheduler", name="engine-0")
+        first = client.admit("r1", prompt_ids)                 # one call: lookup + allocate
+        ...
+        # every scheduling step:
+        client.free_later(*finished)                          # batched, no call
+        for rid in running:
+            got = client.allocate_slots(rid, 1, new_token_ids=[last_token[rid]])
+            # got.is_local: the pages already cover the token -- answered without a call
+        client.step(batch=running)                            # ONE call: all of the above,
+                                                              # and the tables are published
+
+What the client mirrors per request (its own requests only)::
+
+    pages[g]       the request's table in group g (null page 0 where a sliding window or
+                   chunk dropped a page), as the service holds it once the queue is applied
+    num_tokens     tokens known (prompt + appended output)
+    num_computed   tokens whose KV is (being) computed
+
+A growth fits locally when, in every group, ``len(pages[g]) >=
+required_pages(num_computed + num_new + num_lookahead)``. It still travels in the next step
+(the service needs the token ids to cache filled pages and the token count for the slot
+mapping), but it costs no call of its own. A growth that needs a page is queued for the next
+``step()`` -- or, with ``sync=True`` (what vLLM's ``allocate_slots`` needs: new block ids or
+``None`` at once), sent at once in a step of its own together with everything queued before
+it.
+
+Order. A ``Step`` applies frees, then growths, then admissions. The client sends queued
+operations in call order within each kind, and sends the queue early (``num_ordering_flushes``)
+in the rare case where call order and that apply order would differ for the pool: a free after
+a growth that takes or releases pages, a page-taking growth after an admission. So the
+service's allocations equal, page for page, those of an in-process manager called in the
+same order.
+
+Step ids are strictly increasing per client; a step that fails with UNAVAILABLE is retried
+with the same id, which the service answers from memory if it had applied it.
+"""
+
+from __future__ import annotations
+
+import array
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+import numpy as np
+
+from pagekeeper_client._proto.pagekeeper.v1 import pagekeeper_pb2 as pb
+from pagekeeper_client._proto.pagekeeper.v1 import pagekeeper_pb2_grpc as pb_grpc
+from pagekeeper_client.errors import (
+    AlreadyExistsError,
+    FailedPreconditionError,
+    InternalError,
+    InvalidArgumentError,
+    NotFoundError,
+    NotRegisteredError,
+    PagekeeperError,
+    error_from_rpc,
+)
+from pagekeeper_client.ring import RingDescriptor, RingGeometry, StepTables, TableArrays
+from pagekeeper_client.types import (
+    EMPTY_PAGES,
+    Admission,
+    AllCleared,
+    AllocationResult,
+    AllocationStatus,
+    BackendSpec,
+    BlockTable,
+    ClientRole,
+    ClientStats,
+    EventBatch,
+    ExtraKeys,
+    GroupInfo,
+    GroupKind,
+    Growth,
+    Int32Array,
+    KVEvent,
+    Limits,
+    LookupResult,
+    PageRemoved,
+    PageStored,
+    PoolConfig,
+    PoolCounters,
+    PoolInfo,
+    Registration,
+    SlotAllocation,
+    StepResult,
+    TokenIds,
+    normalize_backends,
+)
+
+log = logging.getLogger("pagekeeper_client")
+
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+ADDRESS_ENV = "PAGEKEEPER_GRPC_ADDRESS"
+TOKEN_ENV = "PAGEKEEPER_TOKEN"
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+DEFAULT_KEEPALIVE_S = 30.0
+DEFAULT_TIMEOUT_S = 30.0
+DEFAULT_RETRY_S = 10.0
+"""How long a step keeps retrying while the service is UNAVAILABLE."""
+_RETRY_CODES = frozenset({grpc.StatusCode.UNAVAILABLE})
+
+T = TypeVar("T")
+
+
+# ---------------------------------------------------------------------------------------------
+# Channel
+# ---------------------------------------------------------------------------------------------
+
+
+def resolve_address(address: str | None) -> str:
+    """``address``, else ``$PAGEKEEPER_GRPC_ADDRESS``, else ``127.0.0.1:50051``."""
+    return address or os.environ.get(ADDRESS_ENV) or DEFAULT_ADDRESS
+
+
+def channel_options(
+    *,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    keepalive_s: float = DEFAULT_KEEPALIVE_S,
+    extra: Sequence[tuple[str, Any]] = (),
+) -> list[tuple[str, Any]]:
+    """Channel arguments: message size limits both ways, and a keepalive ping every 30 s
+    even when idle (the service accepts pings every 10 s; a leased client must notice a dead
+    connection before its lease runs out)."""
+    options: list[tuple[str, Any]] = [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", int(keepalive_s * 1000)),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        # Reconnect quickly after a service restart (the default backoff starts at 1 s).
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 2_000),
+    ]
+    options.extend(extra)
+    return options
+
+
+def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+# ---------------------------------------------------------------------------------------------
+# Wire conversion (the only place that knows protobuf besides the stubs)
+# ---------------------------------------------------------------------------------------------
+
+_LITTLE_ENDIAN = sys.byteorder == "little"
+_I32 = np.dtype("<i4")
+_I64 = np.dtype("<i8")
+_ARRAY_INT_CODE = "i" if array.array("i").itemsize == 4 else "l"
+
+_GROUP_KIND_FROM_PB = {
+    pb.GROUP_KIND_FULL: GroupKind.FULL,
+    pb.GROUP_KIND_SLIDING_WINDOW: GroupKind.SLIDING_WINDOW,
+    pb.GROUP_KIND_CHUNKED_LOCAL: GroupKind.CHUNKED_LOCAL,
+    pb.GROUP_KIND_MAMBA: GroupKind.MAMBA,
+}
+_ROLE_TO_PB = {
+    ClientRole.SCHEDULER: pb.CLIENT_ROLE_SCHEDULER,
+    ClientRole.WORKER: pb.CLIENT_ROLE_WORKER,
+}
+_STATUS_FROM_PB = {
+    pb.ALLOCATION_STATUS_OK: AllocationStatus.OK,
+    pb.ALLOCATION_STATUS_NO_CAPACITY: AllocationStatus.NO_CAPACITY,
+    pb.ALLOCATION_STATUS_REJECTED: AllocationStatus.REJECTED,
+}
+_RING_KIND_FROM_PB = {
+    pb.RING_KIND_SHM: "shm",
+    pb.RING_KIND_CUDA_IPC: "cuda_ipc",
+    pb.RING_KIND_CPU_IPC: "cpu_ipc",
+    pb.RING_KIND_STREAM: "stream",
+}
+
+
+def encode_i32(values: TokenIds | Iterable[int]) -> bytes:
+    """Raw little-endian int32 bytes (the wire's array encoding)."""
+    if isinstance(values, np.ndarray):
+        return values.astype(_I32, copy=False).tobytes()
+    if _LITTLE_ENDIAN:
+        # array.array is ~5x cheaper than numpy for the short lists of the hot path.
+        try:
+            return array.array(_ARRAY_INT_CODE, values).tobytes()
+        except OverflowError:
+            raise InvalidArgumentError("token ids must fit in int32") from None
+    return np.asarray(list(values), dtype=_I32).tobytes()
+
+
+def decode_i32(data: bytes) -> Int32Array:
+    """Read-only int32 view of raw little-endian bytes (no copy)."""
+    if not data:
+        return EMPTY_PAGES
+    if len(data) % 4:
+        raise InternalError(f"the service sent {len(data)} bytes for an int32 array")
+    out: Int32Array = np.frombuffer(data, dtype=_I32).astype(np.int32, copy=False)
+    return out
+
+
+def pool_from_pb(msg: pb.PoolConfig) -> PoolConfig:
+    return PoolConfig(
+        num_pages=msg.num_pages,
+        groups=tuple(
+            GroupInfo(
+                group_id=g.group_id,
+                kind=_GROUP_KIND_FROM_PB.get(g.kind, GroupKind.FULL),
+                page_size=g.page_size,
+                window=g.window,
+                chunk=g.chunk,
+                enable_state_caching=g.enable_state_caching,
+                name=g.name,
+            )
+            for g in msg.groups
+        ),
+        enable_prefix_caching=msg.enable_prefix_caching,
+        hash_algorithm=msg.hash_algorithm,
+        max_model_len=msg.max_model_len,
+    )
+
+
+def limits_from_pb(msg: pb.Limits) -> Limits:
+    return Limits(
+        max_requests_per_step=msg.max_requests_per_step,
+        max_tokens_per_step=msg.max_tokens_per_step,
+        max_clients=msg.max_clients,
+        max_message_bytes=msg.max_message_bytes,
+        lease_ttl_s=msg.lease_ttl_ms / 1000.0,
+    )
+
+
+def counters_from_pb(msg: pb.PoolCounters) -> PoolCounters:
+    return PoolCounters(
+        num_free_pages=msg.num_free_pages,
+        num_used_pages=msg.num_used_pages,
+        num_cached_pages=msg.num_cached_pages,
+        num_free_cached_pages=msg.num_free_cached_pages,
+        num_requests=msg.num_requests,
+        usage=msg.usage,
+        prefix_queries_tokens=msg.prefix_queries_tokens,
+        prefix_hits_tokens=msg.prefix_hits_tokens,
+        prefix_queries_requests=msg.prefix_queries_requests,
+        prefix_hits_requests=msg.prefix_hits_requests,
+        prefix_hit_rate=msg.prefix_hit_rate,
+        num_evictions=msg.num_evictions,
+        num_allocated_pages_total=msg.num_allocated_pages_total,
+        num_freed_pages_total=msg.num_freed_pages_total,
+        num_no_capacity=msg.num_no_capacity,
+        num_steps=msg.num_steps,
+        num_published=msg.num_published,
+        num_clients=msg.num_clients,
+        last_event_seq=msg.last_event_seq,
+    )
+
+
+def ring_from_pb(msg: pb.RingDescriptor) -> RingDescriptor:
+    """The client-side descriptor a table view opens (validated by the transport)."""
+    geometry = msg.geometry
+    return RingDescriptor(
+        kind=_RING_KIND_FROM_PB.get(msg.kind, "unspecified"),
+        generation=msg.generation,
+        geometry=RingGeometry(
+            depth=geometry.depth,
+            max_num_reqs=geometry.max_num_reqs,
+            max_num_tokens=geometry.max_num_tokens,
+            tables=tuple(
+                (t.group_id, t.kernel_block_size, t.max_kernel_blocks_per_row)
+                for t in geometry.tables
+            ),
+        ),
+        size_bytes=msg.size_bytes,
+        layout_version=msg.layout_version,
+        path=msg.path,
+        device=msg.device,
+        gpu_uuid=msg.gpu_uuid,
+        ipc_handle=msg.ipc_handle,
+        event_handles=tuple(msg.event_handles),
+        offset=msg.offset,
+        exporter_pid=msg.exporter_pid,
+        dtype=msg.dtype or "uint8",
+        ref_counter_handle=msg.ref_counter_handle,
+        ref_counter_offset=msg.ref_counter_offset,
+    )
+
+
+def registration_from_pb(msg: pb.RegisterClientResponse) -> Registration:
+    return Registration(
+        client_id=msg.client_id,
+        generation=msg.generation,
+        lease_ttl_s=msg.lease_ttl_ms / 1000.0,
+        pool=pool_from_pb(msg.pool),
+        limits=limits_from_pb(msg.limits),
+        last_step_id=msg.last_step_id,
+        last_published_step_seq=msg.last_published_step_seq,
+        kernel_block_sizes=tuple(
+            k.kernel_block_size for k in sorted(msg.kernel_block_sizes, key=lambda k: k.group_id)
+        ),
+        ring=ring_from_pb(msg.ring) if msg.HasField("ring") else None,
+    )
+
+
+def extra_keys_to_pb(extra: ExtraKeys) -> pb.ExtraKeys:
+    msg = pb.ExtraKeys(
+        mm_inputs=[
+            pb.MultiModalKey(identifier=m.identifier, offset=m.offset, length=m.length)
+            for m in extra.mm_inputs
+        ]
+    )
+    if extra.lora_name is not None:
+        msg.lora_name = extra.lora_name
+    if extra.lora_path is not None:
+        msg.lora_path = extra.lora_path
+    if extra.cache_salt is not None:
+        msg.cache_salt = extra.cache_salt
+    return msg
+
+
+def kernel_support_to_pb(
+    backends_per_group: Mapping[int, Sequence[BackendSpec]] | Sequence[Sequence[BackendSpec]],
+) -> list[pb.GroupKernelSupport]:
+    return [
+        pb.GroupKernelSupport(
+            group_id=group_id,
+            backends=[
+                pb.KernelBackend(
+                    name=b.name, block_sizes=list(b.block_sizes), multiple_of=list(b.multiple_of)
+                )
+                for b in backends
+            ],
+        )
+        for group_id, backends in sorted(normalize_backends(backends_per_group).items())
+    ]
+
+
+def result_from_pb(msg: pb.AllocationResult) -> AllocationResult:
+    return AllocationResult(
+        request_id=msg.request_id,
+        status=_STATUS_FROM_PB.get(msg.status, AllocationStatus.REJECTED),
+        num_cached_tokens=msg.num_cached_tokens,
+        new_page_ids=tuple(decode_i32(b) for b in msg.new_page_ids),
+        hit_page_ids=tuple(decode_i32(b) for b in msg.hit_page_ids),
+        reason=msg.reason,
+    )
+
+
+def lookup_from_pb(msg: pb.LookupResponse) -> LookupResult:
+    return LookupResult(
+        num_hit_tokens=msg.num_hit_tokens,
+        page_ids=tuple(decode_i32(b) for b in msg.page_ids),
+        page_hashes=tuple(msg.page_hashes),
+    )
+
+
+def block_table_from_pb(msg: pb.GetBlockTableResponse) -> BlockTable:
+    return BlockTable(
+        request_id=msg.request_id,
+        group_id=msg.group_id,
+        page_size=msg.page_size,
+        kernel_block_size=msg.kernel_block_size,
+        page_ids=decode_i32(msg.page_ids),
+        kernel_block_ids=decode_i32(msg.kernel_block_ids),
+        num_tokens=msg.num_tokens,
+        num_computed_tokens=msg.num_computed_tokens,
+        num_cached_tokens=msg.num_cached_tokens,
+        owner=msg.owner,
+    )
+
+
+def event_from_pb(msg: pb.KVEvent) -> KVEvent:
+    which = msg.WhichOneof("event")
+    if which == "stored":
+        s = msg.stored
+        return PageStored(
+            seq=msg.seq,
+            group_id=s.group_id,
+            page_hashes=tuple(s.page_hashes),
+            parent_page_hash=s.parent_page_hash if s.HasField("parent_page_hash") else None,
+            token_ids=decode_i32(s.token_ids),
+            page_size=s.page_size,
+            page_ids=decode_i32(s.page_ids),
+            lora_name=s.lora_name if s.HasField("lora_name") else None,
+        )
+    if which == "removed":
+        r = msg.removed
+        return PageRemoved(
+            seq=msg.seq,
+            group_id=r.group_id,
+            page_hashes=tuple(r.page_hashes),
+            page_ids=decode_i32(r.page_ids),
+        )
+    return AllCleared(seq=msg.seq)
+
+
+def event_batch_from_pb(msg: pb.WatchEventsResponse) -> EventBatch:
+    return EventBatch(
+        events=tuple(event_from_pb(e) for e in msg.events),
+        fell_behind=msg.fell_behind,
+        first_retained_seq=msg.first_retained_seq,
+        last_event_seq=msg.last_event_seq,
+    )
+
+
+def _role(role: ClientRole | str) -> ClientRole:
+    try:
+        return ClientRole(role)
+    except ValueError:
+        raise InvalidArgumentError(f"role must be 'scheduler' or 'worker', got {role!r}") from None
+
+
+def register_request(
+    role: ClientRole | str,
+    *,
+    name: str,
+    client_id: str,
+    lease_ttl: float | None,
+    device: str,
+    kernel_support: Mapping[int, Sequence[BackendSpec]] | Sequence[Sequence[BackendSpec]] | None,
+) -> pb.RegisterClientRequest:
+    role = _role(role)
+    if lease_ttl is not None and not lease_ttl >= 0:
+        raise InvalidArgumentError(f"lease_ttl must be >= 0 seconds, got {lease_ttl}")
+    return pb.RegisterClientRequest(
+        role=_ROLE_TO_PB[role],
+        name=name,
+        client_id=client_id,
+        lease_ttl_ms=0 if lease_ttl is None else max(1, round(lease_ttl * 1000)),
+        device=device,
+        kernel_support=kernel_support_to_pb(kernel_support) if kernel_support else [],
+    )
+
+
+def default_client_name(role: ClientRole | str) -> str:
+    import socket
+
+    return f"{ClientRole(role).value}@{socket.gethostname()}:{os.getpid()}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The scheduler's mirror and queue (no I/O: shared by the sync and asyncio clients)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True, eq=False)
+class _Tracked:
+    """The client's view of one of its running requests, as the service will hold it once
+    the queue is applied."""
+
+    num_tokens: int
+    num_computed_tokens: int
+    pages: list[list[int]]
+    pending: _PendingGrowth | None = None
+
+
+@dataclass(slots=True, eq=False)
+class _PendingGrowth:
+    request_id: str
+    token_bytes: bytes
+    num_computed_tokens: int
+    num_new_tokens: int
+    num_lookahead_tokens: int
+    needs_pages: bool
+    """Some group needs a page the request does not hold."""
+    releases_pages: bool
+    """A sliding window / chunk drops pages (they return to the pool when applied)."""
+    prev_num_tokens: int
+    prev_num_computed_tokens: int
+    nulled: list[tuple[int, int, int]]
+    """(group, index, page) set to the null page when the growth was planned."""
+    is_local: bool = False
+    result: AllocationResult | None = None
+
+    @property
+    def mutates_pool(self) -> bool:
+        return self.needs_pages or self.releases_pages
+
+
+@dataclass(slots=True, eq=False)
+class _PendingAdmission:
+    request_id: str
+    message: pb.Admission
+    num_tokens: int
+    num_new_tokens: int
+    result: AllocationResult | None = None
+
+
+@dataclass(slots=True, eq=False)
+class _PendingFree:
+    request_id: str
+    tracked: _Tracked | None
+
+
+@dataclass(slots=True)
+class PreparedStep:
+    """A built ``StepRequest`` and the queue entries it carries (for applying the answer)."""
+
+    request: pb.StepRequest
+    frees: list[_PendingFree]
+    growths: list[_PendingGrowth]
+    admissions: list[_PendingAdmission]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestView:
+    """One tracked request as the client mirrors it (read-only copies)."""
+
+    request_id: str
+    num_tokens: int
+    num_computed_tokens: int
+    page_ids: tuple[Int32Array, ...]
+    is_pending: bool
+    """Queued operations for it are not yet applied by the service."""
+
+
+class SchedulerState:
+    """Requests the client owns, and the queue of operations for the next step.
+
+    Pure bookkeeping: the clients call ``plan_*`` / ``queue_*`` to decide what needs a call,
+    ``prepare_step`` to build the wire message and ``apply_step`` with the answer.
+    Not thread-safe: one scheduler thread (or one event loop) drives it.
+    """
+
+    def __init__(self, pool: PoolConfig) -> None:
+        self.pool = pool
+        self.groups = pool.groups
+        self.max_model_len = pool.max_model_len
+        self._is_simple = len(pool.groups) == 1 and pool.groups[0].kind is GroupKind.FULL
+        self._page_size0 = pool.groups[0].page_size
+        self.requests: dict[str, _Tracked] = {}
+        self._frees: list[_PendingFree] = []
+        self._growths: list[_PendingGrowth] = []
+        self._admissions: list[_PendingAdmission] = []
+        self._admitting: dict[str, _PendingAdmission] = {}
+        self._freeing: set[str] = set()
+
+    # -- queries -------------------------------------------------------------------------
+    @property
+    def has_queued(self) -> bool:
+        return bool(self._frees or self._growths or self._admissions)
+
+    @property
+    def num_queued(self) -> int:
+        return len(self._frees) + len(self._growths) + len(self._admissions)
+
+    def view(self, request_id: str) -> RequestView:
+        t = self.requests.get(request_id)
+        if t is None:
+            raise NotFoundError(self._missing(request_id))
+        return RequestView(
+            request_id,
+            t.num_tokens,
+            t.num_computed_tokens,
+            tuple(np.array(p, dtype=np.int32) for p in t.pages),
+            t.pending is not None,
+        )
+
+    def _missing(self, request_id: str) -> str:
+        if request_id in self._admitting:
+            return (
+                f"request {request_id!r} is queued for admission; its pages are known after "
+                "the next step()"
+            )
+        return f"request {request_id!r} is not one of this client's running requests"
+
+    # -- growth -------------------------------------------------------------------------
+    def must_flush_before_growth(self, request_id: str) -> bool:
+        """A second growth of the same request, or a growth that may take pages queued after
+        an admission (the step would apply it first), needs the queue sent first."""
+        t = self.requests.get(request_id)
+        if t is not None and t.pending is not None:
+            return True
+        return request_id in self._admitting
+
+    def plan_growth(
+        self,
+        request_id: str,
+        num_new_tokens: int,
+        new_token_ids: TokenIds,
+        num_computed_tokens: int | None,
+        num_lookahead_tokens: int,
+    ) -> _PendingGrowth:
+        """Check a growth like the service would, apply it to the mirror, and return the
+        queue entry (not yet queued). ``is_local``: no group needs a new page."""
+        t = self.requests.get(request_id)
+        if t is None:
+            raise NotFoundError(self._missing(request_id))
+        if type(num_new_tokens) is not int or num_new_tokens < 1:
+            raise InvalidArgumentError(
+                f"request {request_id!r}: num_new_tokens must be an int >= 1, got "
+                f"{num_new_tokens!r}"
+            )
+        if num_lookahead_tokens < 0:
+            raise InvalidArgumentError(f"request {request_id!r}: num_lookahead_tokens < 0")
+        token_bytes = encode_i32(new_token_ids) if len(new_token_ids) else b""
+        num_tokens = t.num_tokens + len(token_bytes) // 4
+        if num_tokens > self.max_model_len:
+            raise InvalidArgumentError(
+                f"request {request_id!r}: {num_tokens} tokens exceed max_model_len "
+                f"{self.max_model_len}"
+            )
+        computed = t.num_computed_tokens if num_computed_tokens is None else num_computed_tokens
+        if not 0 <= computed <= num_tokens:
+            raise InvalidArgumentError(
+                f"request {request_id!r}: num_computed_tokens {computed} outside [0, {num_tokens}]"
+            )
+        if computed + num_new_tokens > num_tokens + num_lookahead_tokens:
+            raise InvalidArgumentError(
+                f"request {request_id!r}: {computed} computed + {num_new_tokens} new tokens "
+                f"exceed its {num_tokens} tokens"
+            )
+        num_slots = min(computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
+        nulled: list[tuple[int, int, int]] = []
+        if self._is_simple:
+            # The common case, kept cheap: one full-attention group.
+            needs = -(-num_slots // self._page_size0) > len(t.pages[0])
+        else:
+            needs = False
+            for g, group in enumerate(self.groups):
+                pages = t.pages[g]
+                if group.num_required_pages(num_slots) > len(pages):
+                    needs = True
+                skipped = group.num_skipped_tokens(computed) // group.page_size
+                # The service walks back from the last skipped page to the first null one.
+                for i in range(min(skipped, len(pages)) - 1, -1, -1):
+                    if pages[i] == 0:
+                        break
+                    nulled.append((g, i, pages[i]))
+                    pages[i] = 0
+        growth = _PendingGrowth(
+            request_id=request_id,
+            token_bytes=token_bytes,
+            num_computed_tokens=computed,
+            num_new_tokens=num_new_tokens,
+            num_lookahead_tokens=num_lookahead_tokens,
+            needs_pages=needs,
+            releases_pages=bool(nulled),
+            prev_num_tokens=t.num_tokens,
+            prev_num_computed_tokens=t.num_computed_tokens,
+            nulled=nulled,
+            is_local=not needs,
+        )
+        t.num_tokens = num_tokens
+        t.num_computed_tokens = computed + num_new_tokens
+        t.pending = growth
+        return growth
+
+    def growth_needs_ordering_flush(self, growth: _PendingGrowth) -> bool:
+        # Growths apply before admissions: one that changes the pool may not overtake one.
+        return growth.mutates_pool and bool(self._admissions)
+
+    def unplan_growth(self, growth: _PendingGrowth) -> None:
+        """Undo ``plan_growth`` on the mirror (the growth was not sent)."""
+        t = self.requests.get(growth.request_id)
+        if t is None:
+            return
+        t.num_tokens = growth.prev_num_tokens
+        t.num_computed_tokens = growth.prev_num_computed_tokens
+        for g, i, page in growth.nulled:
+            t.pages[g][i] = page
+        if t.pending is growth:
+            t.pending = None
+
+    def queue_growth(self, growth: _PendingGrowth) -> None:
+        self._growths.append(growth)
+
+    # -- admission ----------------------------------------------------------------------
+    def plan_admission(
+        self,
+        request_id: str,
+        token_ids: TokenIds,
+        *,
+        num_new_tokens: int,
+        extra_keys: ExtraKeys | None,
+        page_hashes: Sequence[bytes] | None,
+        num_lookahead_tokens: int,
+        enable_cache_read: bool,
+    ) -> _PendingAdmission:
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidArgumentError("request_id must be a non-empty string")
+        if request_id in self.requests or request_id in self._admitting:
+            raise AlreadyExistsError(f"request {request_id!r} already holds (or awaits) pages")
+        num_tokens = len(token_ids)
+        if num_tokens == 0:
+            raise InvalidArgumentError(f"request {request_id!r}: token_ids must not be empty")
+        if num_tokens > self.max_model_len:
+            raise InvalidArgumentError(
+                f"request {request_id!r}: {num_tokens} tokens exceed max_model_len "
+                f"{self.max_model_len}"
+            )
+        if not 0 <= num_new_tokens <= num_tokens:
+            raise InvalidArgumentError(
+                f"request {request_id!r}: num_new_tokens {num_new_tokens} outside [0, {num_tokens}]"
+            )
+        message = pb.Admission(
+            request_id=request_id,
+            token_ids=encode_i32(token_ids),
+            num_new_tokens=num_new_tokens,
+            num_lookahead_tokens=num_lookahead_tokens,
+        )
+        if extra_keys is not None:
+            message.extra_keys.CopyFrom(extra_keys_to_pb(extra_keys))
+        if page_hashes:
+            message.page_hashes.extend(page_hashes)
+        if not enable_cache_read:
+            message.enable_cache_read = False
+        return _PendingAdmission(request_id, message, num_tokens, num_new_tokens)
+
+    def queue_admission(self, admission: _PendingAdmission) -> None:
+        self._admissions.append(admission)
+        self._admitting[admission.request_id] = admission
+
+    # -- free ---------------------------------------------------------------------------
+    def must_flush_before_free(self, request_id: str) -> bool:
+        """Frees apply first in a step: send the queue first if it holds something the free
+        must come after (a growth or admission of this request, or anything that takes or
+        releases pages)."""
+        t = self.requests.get(request_id)
+        if t is not None and t.pending is not None:
+            return True
+        if self._admissions:
+            return True
+        return any(g.mutates_pool for g in self._growths)
+
+    def queue_free(self, request_id: str) -> None:
+        t = self.requests.pop(request_id, None)
+        if t is None:
+            if request_id in self._freeing:
+                raise InvalidArgumentError(f"request {request_id!r} is already queued for free")
+            raise NotFoundError(self._missing(request_id))
+        self._frees.append(_PendingFree(request_id, t))
+        self._freeing.add(request_id)
+
+    # -- steps --------------------------------------------------------------------------
+    def prepare_step(
+        self,
+        *,
+        client_id: str,
+        generation: int,
+        step_id: int,
+        batch: Sequence[str] | None,
+        num_scheduled_tokens: TokenIds | None,
+    ) -> PreparedStep:
+        """The ``StepRequest`` carrying the whole queue (and the batch, if any). The queue
+        stays as it is until :meth:`apply_step` accepts the answer."""
+        growths = self._growths
+        request = pb.StepRequest(
+            client_id=client_id,
+            generation=generation,
+            step_id=step_id,
+            free_request_ids=[f.request_id for f in self._frees],
+            growths=[
+                pb.Growth(
+                    request_id=g.request_id,
+                    num_new_tokens=g.num_new_tokens,
+                    new_token_ids=g.token_bytes,
+                    num_computed_tokens=g.num_computed_tokens,
+                    num_lookahead_tokens=g.num_lookahead_tokens,
+                )
+                for g in growths
+            ],
+            admissions=[a.message for a in self._admissions],
+        )
+        if batch is not None:
+            b = request.batch
+            b.request_ids.extend(batch)
+            if num_scheduled_tokens is not None:
+                if len(num_scheduled_tokens) != len(batch):
+                    raise InvalidArgumentError(
+                        f"num_scheduled_tokens has {len(num_scheduled_tokens)} entries for "
+                        f"{len(batch)} batch requests"
+                    )
+                b.num_scheduled_tokens = encode_i32(num_scheduled_tokens)
+        return PreparedStep(request, list(self._frees), list(growths), list(self._admissions))
+
+    def apply_step(self, prepared: PreparedStep, response: pb.StepResponse) -> StepResult:
+        """Accept the service's answer: drop the sent entries from the queue and bring the
+        mirror to the service's state.
+
+        The service lists only the growths that got pages or were refused (then every
+        admission); a growth it does not list succeeded without a new page.
+        """
+        results = response.results
+        num_admissions = len(prepared.admissions)
+        num_growth_results = len(results) - num_admissions
+        if not 0 <= num_growth_results <= len(prepared.growths):
+            raise InternalError(
+                f"the service answered {len(results)} results for {len(prepared.growths)} "
+                f"growths and {num_admissions} admissions"
+            )
+        self._frees = self._frees[len(prepared.frees) :]
+        self._growths = self._growths[len(prepared.growths) :]
+        self._admissions = self._admissions[num_admissions:]
+        for f in prepared.frees:
+            self._freeing.discard(f.request_id)
+        requests = self.requests
+        out: list[AllocationResult] = []
+        listed: dict[str, AllocationResult] = {}
+        for i in range(num_growth_results):
+            decoded = result_from_pb(results[i])
+            listed[decoded.request_id] = decoded
+            out.append(decoded)
+        num_local = 0
+        for growth in prepared.growths:
+            t = requests.get(growth.request_id)
+            if t is not None and t.pending is growth:
+                t.pending = None
+            found = listed.get(growth.request_id) if listed else None
+            if found is None:
+                if growth.is_local:
+                    num_local += 1
+                else:
+                    log.warning(
+                        "request %r: the client expected new pages, the service needed none "
+                        "(mirror out of step?)",
+                        growth.request_id,
+                    )
+                continue
+            growth.result = found
+            if t is None:
+                continue
+            if found.status is AllocationStatus.OK:
+                for g, pages in enumerate(found.new_page_ids):
+                    if pages.shape[0]:
+                        t.pages[g].extend(pages.tolist())
+            else:
+                # Nothing changed for it on the service, except that sliding-window pages
+                # were released before the capacity check (as in vLLM).
+                t.num_tokens = growth.prev_num_tokens
+                t.num_computed_tokens = growth.prev_num_computed_tokens
+                if found.status is AllocationStatus.REJECTED:
+                    for g, i, page in growth.nulled:
+                        t.pages[g][i] = page
+        for admission, msg in zip(prepared.admissions, results[num_growth_results:], strict=True):
+            self._admitting.pop(admission.request_id, None)
+            result = result_from_pb(msg)
+            if result.status is AllocationStatus.OK:
+                requests[admission.request_id] = self._admitted(admission, result)
+            admission.result = result
+            out.append(result)
+        return StepResult(
+            step_id=response.step_id,
+            results=tuple(out),
+            is_published=response.is_published,
+            published_slot=response.published_slot,
+            unscheduled_request_ids=tuple(response.unscheduled_request_ids),
+            num_free_pages=response.num_free_pages,
+            last_event_seq=response.last_event_seq,
+            publish_error=response.publish_error,
+            is_retry=response.is_retry,
+            num_local_growths=num_local,
+        )
+
+    def _admitted(self, admission: _PendingAdmission, result: AllocationResult) -> _Tracked:
+        num_hit = result.num_cached_tokens
+        pages: list[list[int]] = []
+        for g, group in enumerate(self.groups):
+            hits = result.hit_page_ids[g].tolist() if g < len(result.hit_page_ids) else []
+            new = result.new_page_ids[g].tolist() if g < len(result.new_page_ids) else []
+            # As the service's save_hits: pages the window no longer needs become null.
+            skipped = group.num_skipped_tokens(num_hit) // group.page_size
+            table = [0] * skipped + hits[skipped:] if skipped else hits
+            pages.append(table + new)
+        num_new = admission.num_new_tokens or admission.num_tokens - num_hit
+        return _Tracked(admission.num_tokens, num_hit + num_new, pages)
+
+    def discard_queued(self) -> int:
+        """Drop every queued operation and undo what it did to the mirror; returns how many
+        were dropped. For a step the service refused as a whole (INVALID_ARGUMENT...)."""
+        count = self.num_queued
+        for growth in reversed(self._growths):
+            self.unplan_growth(growth)
+        for f in self._frees:
+            if f.tracked is not None:
+                self.requests[f.request_id] = f.tracked
+        self._frees, self._growths, self._admissions = [], [], []
+        self._admitting.clear()
+        self._freeing.clear()
+        return count
+
+
+# ---------------------------------------------------------------------------------------------
+# The synchronous client
+# ---------------------------------------------------------------------------------------------
+
+
+class EventStream:
+    """A ``WatchEvents`` subscription: iterate for :class:`EventBatch` messages; ``cancel()``
+    (or leaving a ``with`` block) ends it. The first message arrives at once."""
+
+    def __init__(self, call: Any) -> None:
+        self._call = call
+        self._is_cancelled = False
+
+    def __iter__(self) -> Iterator[EventBatch]:
+        try:
+            for msg in self._call:
+                yield event_batch_from_pb(msg)
+        except grpc.RpcError as exc:
+            if self._is_cancelled and exc.code() == grpc.StatusCode.CANCELLED:
+                return
+            raise error_from_rpc(exc, "WatchEvents") from None
+
+    def cancel(self) -> None:
+        self._is_cancelled = True
+        self._call.cancel()
+
+    def __enter__(self) -> EventStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cancel()
+
+
+@dataclass(frozen=True, slots=True)
+class StreamedStep:
+    """One ``WatchTables`` message: a published step's tables as numpy arrays."""
+
+    tables: StepTables
+    fell_behind: bool
+    """Batches between the previous message and this one were dropped (slow reader)."""
+
+
+def step_tables_from_pb(msg: pb.WatchTablesResponse) -> StepTables:
+    """Zero-copy numpy views of a ``WatchTablesResponse`` (read-only)."""
+    tables = []
+    num_reqs = 0
+    for t in msg.tables:
+        num_reqs = t.num_reqs
+        block_table = np.frombuffer(t.block_table, dtype=_I32) if t.block_table else EMPTY_PAGES
+        if block_table.shape[0] != t.num_reqs * t.num_cols:
+            raise InternalError(
+                f"WatchTables: table ({t.group_id}, {t.kernel_block_size}) has "
+                f"{block_table.shape[0]} ids for {t.num_reqs} x {t.num_cols}"
+            )
+        tables.append(
+            TableArrays(
+                group_id=t.group_id,
+                kernel_block_size=t.kernel_block_size,
+                block_table=block_table.astype(np.int32, copy=False).reshape(
+                    t.num_reqs, t.num_cols
+                ),
+                row_lengths=decode_i32(t.row_lengths),
+                slot_mapping=np.frombuffer(t.slot_mapping, dtype=_I64).astype(np.int64, copy=False),
+            )
+        )
+    return StepTables(msg.step_seq, msg.epoch, num_reqs, tuple(tables), is_copy=False)
+
+
+class TableStream:
+    """A ``WatchTables`` subscription: iterate for :class:`StreamedStep`; ``cancel()`` ends
+    it."""
+
+    def __init__(self, call: Any) -> None:
+        self._call = call
+        self._is_cancelled = False
+
+    def __iter__(self) -> Iterator[StreamedStep]:
+        try:
+            for msg in self._call:
+                yield StreamedStep(step_tables_from_pb(msg), msg.fell_behind)
+        except grpc.RpcError as exc:
+            if self._is_cancelled and exc.code() == grpc.StatusCode.CANCELLED:
+                return
+            raise error_from_rpc(exc, "WatchTables") from None
+
+    def cancel(self) -> None:
+        self._is_cancelled = True
+        self._call.cancel()
+
+    def __enter__(self) -> TableStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cancel()
+
+
+class PagekeeperClient:
+    """Synchronous client of a pagekeeper service (thread-safe for reads; one thread drives
+    the scheduling API).
+
+    ``address``: ``HOST:PORT`` or ``unix:PATH`` (default ``$PAGEKEEPER_GRPC_ADDRESS`` or
+    ``127.0.0.1:50051``). ``token``: the bearer token (default ``$PAGEKEEPER_TOKEN``).
+    ``interceptors``: extra ``grpc`` client interceptors (e.g. to count calls).
+    ``timeout``: per-call deadline in seconds. ``retry_s``: how long a step is retried while
+    the service is UNAVAILABLE.
+    """
+
+    def __init__(
+        self,
+        address: str | None = None,
+        *,
+        token: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        retry_s: float = DEFAULT_RETRY_S,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        keepalive_s: float = DEFAULT_KEEPALIVE_S,
+        interceptors: Sequence[Any] = (),
+        options: Sequence[tuple[str, Any]] = (),
+    ) -> None:
+        self.address = resolve_address(address)
+        self._token = token if token is not None else os.environ.get(TOKEN_ENV) or None
+        self._metadata = auth_metadata(self._token)
+        self.timeout = timeout
+        self.retry_s = retry_s
+        channel = grpc.insecure_channel(
+            self.address,
+            options=channel_options(
+                max_message_bytes=max_message_bytes, keepalive_s=keepalive_s, extra=options
+            ),
+        )
+        self._raw_channel = channel
+        if interceptors:
+            channel = grpc.intercept_channel(channel, *interceptors)
+        self._stub = pb_grpc.PagekeeperServiceStub(channel)  # type: ignore[no-untyped-call]
+        self.stats = ClientStats()
+        self._lock = threading.RLock()
+        self._registration: Registration | None = None
+        self._role: ClientRole | None = None
+        self._register_args: dict[str, Any] = {}
+        self._state: SchedulerState | None = None
+        self._next_step_id = 1
+        self._last_renewal = 0.0
+        self._ring: RingDescriptor | None = None
+        self._ring_listeners: list[Callable[[RingDescriptor | None], None]] = []
+        self._heartbeat_thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.lease_error: PagekeeperError | None = None
+        """The last error of the background lease renewal (None while healthy)."""
+        self._is_closed = False
+
+    # -- plumbing -----------------------------------------------------------------------
+    def _call(self, method: str, request: Any, *, timeout: float | None = None) -> Any:
+        stats = self.stats
+        stats.num_rpcs += 1
+        stats.by_method[method] = stats.by_method.get(method, 0) + 1
+        try:
+            return getattr(self._stub, method)(
+                request, metadata=self._metadata, timeout=timeout or self.timeout
+            )
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc, method) from None
+
+    def _require(self) -> Registration:
+        registration = self._registration
+        if registration is None or self._is_closed:
+            raise NotRegisteredError("register() first" if not self._is_closed else "closed")
+        return registration
+
+    def _scheduler(self) -> SchedulerState:
+        self._require()
+        if self._state is None:
+            raise FailedPreconditionError(
+                f"this client registered as {self._role}; only schedulers step",
+                code=grpc.StatusCode.PERMISSION_DENIED,
+            )
+        return self._state
+
+    # -- registration -------------------------------------------------------------------
+    def register(
+        self,
+        role: ClientRole | str = ClientRole.SCHEDULER,
+        *,
+        name: str = "",
+        lease_ttl: float | None = None,
+        device: str = "",
+        kernel_support: (
+            Mapping[int, Sequence[BackendSpec]] | Sequence[Sequence[BackendSpec]] | None
+        ) = None,
+        client_id: str = "",
+        renew: bool = True,
+    ) -> Registration:
+        """Register as a scheduler or a worker and (``renew``) keep the lease alive from a
+        background thread until :meth:`close`.
+
+        ``lease_ttl``: seconds (None: the server's default). Workers give ``device``
+        ("cpu", "cuda:N") and ``kernel_support`` (per group, the kernel block sizes of each
+        attention backend their layers use; see :func:`~pagekeeper_client.types.
+        normalize_backends`). ``client_id``: take over an earlier registration (a restarted
+        scheduler keeps its requests). Raises :class:`FailedPreconditionError` when no
+        kernel block size suits a worker's backends.
+        """
+        role = _role(role)
+        if self._registration is not None:
+            raise AlreadyExistsError(f"already registered as {self._registration.client_id}")
+        args: dict[str, Any] = {
+            "name": name or default_client_name(role),
+            "lease_ttl": lease_ttl,
+            "device": device,
+            "kernel_support": kernel_support,
+        }
+        request = register_request(role, client_id=client_id, **args)
+        registration = registration_from_pb(self._call("RegisterClient", request))
+        with self._lock:
+            self._register_args = args
+            self._role = role
+            self._accept_registration(registration)
+            if role is ClientRole.SCHEDULER:
+                self._state = SchedulerState(registration.pool)
+        if renew:
+            self._start_heartbeat()
+        return registration
+
+    def _accept_registration(self, registration: Registration) -> None:
+        self._registration = registration
+        self._last_renewal = time.monotonic()
+        # Step ids continue above anything this id applied, and a publishing step must
+        # exceed every published one (workers wait on increasing sequence numbers).
+        self._next_step_id = max(
+            self._next_step_id,
+            registration.last_step_id + 1,
+            registration.last_published_step_seq + 1,
+        )
+        self._set_ring(registration.ring)
+
+    def _set_ring(self, ring: RingDescriptor | None) -> None:
+        old = self._ring
+        self._ring = ring
+        changed = (old is None) != (ring is None) or (
+            old is not None and ring is not None and old.generation != ring.generation
+        )
+        if changed:
+            for listener in list(self._ring_listeners):
+                try:
+                    listener(ring)
+                except Exception:  # a listener's bug must not stop lease renewal
+                    log.exception("ring listener failed")
+
+    def add_ring_listener(self, callback: Callable[[RingDescriptor | None], None]) -> None:
+        """Workers: call ``callback(descriptor)`` when the service re-creates the ring (a new
+        generation, learnt from a heartbeat)."""
+        self._ring_listeners.append(callback)
+
+    @property
+    def ring(self) -> RingDescriptor | None:
+        """Workers: the latest ring descriptor the service sent."""
+        return self._ring
+
+    @property
+    def registration(self) -> Registration:
+        return self._require()
+
+    @property
+    def client_id(self) -> str:
+        return self._require().client_id
+
+    @property
+    def generation(self) -> int:
+        return self._require().generation
+
+    @property
+    def pool(self) -> PoolConfig:
+        return self._require().pool
+
+    @property
+    def page_sizes(self) -> tuple[int, ...]:
+        return self._require().pool.page_sizes
+
+    def heartbeat(self) -> float:
+        """Renew the lease now; returns the granted TTL in seconds."""
+        registration = self._require()
+        reply = self._call(
+            "Heartbeat",
+            pb.HeartbeatRequest(
+                client_id=registration.client_id, generation=registration.generation
+            ),
+        )
+        self.stats.num_heartbeats += 1
+        self._last_renewal = time.monotonic()
+        if reply.HasField("ring"):
+            self._set_ring(ring_from_pb(reply.ring))
+        elif self._role is ClientRole.WORKER:
+            self._set_ring(None)
+        return float(reply.lease_ttl_ms) / 1000.0
+
+    def reregister(self) -> Registration:
+        """Take over this client's own id again (after its lease expired): a new generation,
+        the same requests."""
+        registration = self._require()
+        assert self._role is not None
+        request = register_request(
+            self._role, client_id=registration.client_id, **self._register_args
+        )
+        fresh = registration_from_pb(self._call("RegisterClient", request))
+        with self._lock:
+            self._accept_registration(fresh)
+        self.stats.num_reregistrations += 1
+        return fresh
+
+    def _start_heartbeat(self) -> None:
+        thread = threading.Thread(target=self._heartbeat_loop, name="pagekeeper-lease", daemon=True)
+        self._heartbeat_thread = thread
+        thread.start()
+
+    def _heartbeat_loop(self) -> None:
+        """Renew at a third of the TTL (a step renews too, so an active scheduler rarely
+        needs a heartbeat; a worker learns of a re-created ring this way). An expired lease
+        is taken over again under the same id."""
+        while not self._stop.is_set():
+            registration = self._registration
+            if registration is None:
+                return
+            period = max(registration.lease_ttl_s / 3.0, 0.05)
+            wait = self._last_renewal + period - time.monotonic()
+            if wait > 0:
+                self._stop.wait(wait)
+                continue
+            try:
+                self.heartbeat()
+                self.lease_error = None
+            except NotRegisteredError:
+                return
+            except FailedPreconditionError as exc:
+                if self._stop.is_set():
+                    return
+                log.warning("lease lost (%s); registering again", exc.reason)
+                try:
+                    self.reregister()
+                    self.lease_error = None
+                except PagekeeperError as again:
+                    self.lease_error = again
+                    self._stop.wait(min(period, 1.0))
+            except PagekeeperError as exc:
+                if self._stop.is_set():
+                    return
+                self.lease_error = exc
+                log.warning("lease renewal failed: %s", exc)
+                self._stop.wait(min(period, 1.0))
+
+    def unregister(self) -> int:
+        """End the registration (a scheduler's requests are freed); returns how many
+        requests the service freed."""
+        registration = self._require()
+        self._stop.set()
+        reply = self._call(
+            "Unregister",
+            pb.UnregisterRequest(
+                client_id=registration.client_id, generation=registration.generation
+            ),
+        )
+        with self._lock:
+            self._registration = None
+            self._state = None
+        return int(reply.num_freed_requests)
+
+    # -- reads --------------------------------------------------------------------------
+    def pool_info(self) -> PoolInfo:
+        reply = self._call("GetPoolInfo", pb.GetPoolInfoRequest())
+        return PoolInfo(
+            config=pool_from_pb(reply.config),
+            limits=limits_from_pb(reply.limits),
+            counters=counters_from_pb(reply.counters),
+            server_version=reply.server_version,
+        )
+
+    def lookup(
+        self,
+        token_ids: TokenIds,
+        *,
+        extra_keys: ExtraKeys | None = None,
+        page_hashes: Sequence[bytes] | None = None,
+    ) -> LookupResult:
+        """Longest cached prefix of ``token_ids`` (no side effects)."""
+        request = pb.LookupRequest(token_ids=encode_i32(token_ids))
+        if extra_keys is not None:
+            request.extra_keys.CopyFrom(extra_keys_to_pb(extra_keys))
+        if page_hashes:
+            request.page_hashes.extend(page_hashes)
+        return lookup_from_pb(self._call("Lookup", request))
+
+    def block_table(
+        self, request_id: str, group_id: int = 0, kernel_block_size: int = 0
+    ) -> BlockTable:
+        """One request's physical and kernel tables as the service holds them (queued
+        operations not included)."""
+        return block_table_from_pb(
+            self._call(
+                "GetBlockTable",
+                pb.GetBlockTableRequest(
+                    request_id=request_id, group_id=group_id, kernel_block_size=kernel_block_size
+                ),
+            )
+        )
+
+    def watch_events(self, since: int = 0, *, max_events_per_message: int = 0) -> EventStream:
+        """Subscribe to KV events with ``seq > since`` (0: from the oldest retained)."""
+        self.stats.num_rpcs += 1
+        call = self._stub.WatchEvents(
+            pb.WatchEventsRequest(since_seq=since, max_events_per_message=max_events_per_message),
+            metadata=self._metadata,
+        )
+        return EventStream(call)
+
+    def watch_tables(self, since_step_seq: int = 0) -> TableStream:
+        """Workers: the published batches over ``WatchTables`` (for a worker on another host,
+        ring kind "stream"), from the step after ``since_step_seq`` (0: the next one)."""
+        registration = self._require()
+        self.stats.num_rpcs += 1
+        call = self._stub.WatchTables(
+            pb.WatchTablesRequest(
+                client_id=registration.client_id,
+                generation=registration.generation,
+                since_step_seq=since_step_seq,
+            ),
+            metadata=self._metadata,
+        )
+        return TableStream(call)
+
+    def reset_prefix_cache(self) -> int:
+        """Drop the prefix cache; returns the number of cached pages dropped. Refused
+        (:class:`FailedPreconditionError`) while any request holds pages."""
+        reply = self._call("ResetPrefixCache", pb.ResetPrefixCacheRequest())
+        return int(reply.num_dropped_pages)
+
+    # -- the scheduler's API ------------------------------------------------------------
+    def admit(
+        self,
+        request_id: str,
+        token_ids: TokenIds,
+        *,
+        num_new_tokens: int = 0,
+        extra_keys: ExtraKeys | None = None,
+        page_hashes: Sequence[bytes] | None = None,
+        num_lookahead_tokens: int = 0,
+        enable_cache_read: bool = True,
+        sync: bool = True,
+    ) -> AllocationResult:
+        """Admit a new (or resumed) request: prefix lookup + touch + allocation.
+
+        ``token_ids``: every token known (prompt, plus output so far when resuming).
+        ``num_new_tokens``: tokens to compute now after the cached prefix (0: all the rest).
+        ``page_hashes``: page hashes the engine already computed (vLLM's
+        ``Request.block_hashes``), so the service does not hash the tokens.
+
+        ``sync=True`` (default) sends one step at once (carrying whatever was queued
+        before) and returns the answer: ``num_cached_tokens`` and the pages, or
+        NO_CAPACITY (nothing changed). ``sync=False`` queues it for the next ``step()`` and
+        returns a PENDING result; the answer is in that step's results.
+        """
+        state = self._scheduler()
+        admission = state.plan_admission(
+            request_id,
+            token_ids,
+            num_new_tokens=num_new_tokens,
+            extra_keys=extra_keys,
+            page_hashes=page_hashes,
+            num_lookahead_tokens=num_lookahead_tokens,
+            enable_cache_read=enable_cache_read,
+        )
+        state.queue_admission(admission)
+        if not sync:
+            return AllocationResult(request_id, AllocationStatus.PENDING)
+        self.stats.num_sync_steps += 1
+        self._send_step(None, None)
+        assert admission.result is not None
+        return admission.result
+
+    def allocate_slots(
+        self,
+        request_id: str,
+        num_new_tokens: int,
+        *,
+        new_token_ids: TokenIds = (),
+        num_computed_tokens: int | None = None,
+        num_lookahead_tokens: int = 0,
+        sync: bool = False,
+    ) -> SlotAllocation:
+        """Make room for ``num_new_tokens`` more tokens of a running request (vLLM's
+        ``allocate_slots`` for a running request).
+
+        ``new_token_ids``: tokens generated since the request's last step (for a decode,
+        the sampled token); they fill pages, and a page they complete enters the prefix
+        cache. ``num_computed_tokens`` defaults to what the client tracked.
+
+        Answered locally (``is_local``, no call) when the request's pages cover
+        ``computed + new + lookahead`` tokens in every group. Otherwise the growth is
+        queued (PENDING, answered by the next ``step()``), or with ``sync=True`` sent at
+        once in a step of its own: OK with the new page ids, or NO_CAPACITY (nothing
+        changed: preempt something and try again).
+        """
+        state = self._scheduler()
+        if state.must_flush_before_growth(request_id):
+            self.stats.num_ordering_flushes += 1
+            self._send_step(None, None)
+        growth = state.plan_growth(
+            request_id, num_new_tokens, new_token_ids, num_computed_tokens, num_lookahead_tokens
+        )
+        if state.growth_needs_ordering_flush(growth):
+            state.unplan_growth(growth)
+            self.stats.num_ordering_flushes += 1
+            self._send_step(None, None)
+            growth = state.plan_growth(
+                request_id, num_new_tokens, new_token_ids, num_computed_tokens, num_lookahead_tokens
+            )
+        state.queue_growth(growth)
+        if growth.is_local:
+            self.stats.num_local_answers += 1
+            return SlotAllocation(request_id, AllocationStatus.OK, is_local=True)
+        if not sync:
+            return SlotAllocation(request_id, AllocationStatus.PENDING)
+        self.stats.num_sync_steps += 1
+        self._send_step(None, None)
+        result = growth.result
+        if result is None:  # not listed: it fitted after all
+            return SlotAllocation(request_id, AllocationStatus.OK)
+        return SlotAllocation(request_id, result.status, result.new_page_ids, reason=result.reason)
+
+    def free_later(self, *request_ids: str) -> None:
+        """Queue frees for the next step (no call). The requests leave the client's view at
+        once. (If something queued must apply before a free -- the request's own growth, an
+        admission, a growth that takes or releases pages -- the queue is sent first.)"""
+        state = self._scheduler()
+        for request_id in request_ids:
+            if state.must_flush_before_free(request_id):
+                self.stats.num_ordering_flushes += 1
+                self._send_step(None, None)
+            state.queue_free(request_id)
+
+    def free(self, *request_ids: str) -> StepResult:
+        """Free requests now (one step, carrying whatever was queued before)."""
+        self.free_later(*request_ids)
+        return self._send_step(None, None)
+
+    def step(
+        self,
+        batch: Sequence[str] | None = None,
+        *,
+        num_scheduled_tokens: TokenIds | None = None,
+        frees: Sequence[str] = (),
+        growths: Sequence[Growth] = (),
+        admissions: Sequence[Admission] = (),
+    ) -> StepResult:
+        """Send one ``Step``: everything queued (frees, growths, admissions, in call order),
+        then publish ``batch`` (request ids in row order; ``num_scheduled_tokens`` per row,
+        default: what each was last allocated for). Always exactly one round trip when
+        nothing is queued out of order.
+
+        ``frees``/``growths``/``admissions`` are the raw form: the same as calling
+        ``free_later`` / ``allocate_slots`` / ``admit(sync=False)`` first.
+        """
+        self._queue_raw(frees, growths, admissions)
+        return self._send_step(batch, num_scheduled_tokens)
+
+    def flush(self) -> StepResult | None:
+        """Send the queue now (no batch); None when nothing is queued."""
+        if not self._scheduler().has_queued:
+            return None
+        return self._send_step(None, None)
+
+    def _queue_raw(
+        self, frees: Sequence[str], growths: Sequence[Growth], admissions: Sequence[Admission]
+    ) -> None:
+        if frees:
+            self.free_later(*frees)
+        for g in growths:
+            self.allocate_slots(
+                g.request_id,
+                g.num_new_tokens,
+                new_token_ids=g.new_token_ids,
+                num_computed_tokens=g.num_computed_tokens,
+                num_lookahead_tokens=g.num_lookahead_tokens,
+            )
+        for a in admissions:
+            self.admit(
+                a.request_id,
+                a.token_ids,
+                num_new_tokens=a.num_new_tokens,
+                extra_keys=a.extra_keys,
+                page_hashes=a.page_hashes,
+                num_lookahead_tokens=a.num_lookahead_tokens,
+                enable_cache_read=a.enable_cache_read,
+                sync=False,
+            )
+
+    def _send_step(
+        self, batch: Sequence[str] | None, num_scheduled_tokens: TokenIds | None
+    ) -> StepResult:
+        state = self._scheduler()
+        registration = self._require()
+        step_id = self._next_step_id
+        prepared = state.prepare_step(
+            client_id=registration.client_id,
+            generation=registration.generation,
+            step_id=step_id,
+            batch=batch,
+            num_scheduled_tokens=num_scheduled_tokens,
+        )
+        # The id is spent whatever happens: a later step must not reuse it for other content.
+        self._next_step_id = step_id + 1
+        response = self._step_with_retry(prepared.request)
+        self._last_renewal = time.monotonic()
+        self.stats.num_steps += 1
+        return state.apply_step(prepared, response)
+
+    def _step_with_retry(self, request: pb.StepRequest) -> pb.StepResponse:
+        """Send a step; on UNAVAILABLE resend the SAME step id with backoff (the service
+        answers a step it already applied from memory, so nothing is applied twice)."""
+        deadline = time.monotonic() + self.retry_s
+        delay = 0.02
+        stats = self.stats
+        while True:
+            stats.num_rpcs += 1
+            stats.by_method["Step"] = stats.by_method.get("Step", 0) + 1
+            try:
+                response: pb.StepResponse = self._stub.Step(
+                    request, metadata=self._metadata, timeout=self.timeout
+                )
+                return response
+            except grpc.RpcError as exc:
+                error = error_from_rpc(exc, "Step")
+                if exc.code() not in _RETRY_CODES or self._is_closed:
+                    raise error from None
+                if time.monotonic() + delay > deadline:
+                    raise error from None
+                stats.num_retries += 1
+                log.info("step %d: %s; retrying with the same id", request.step_id, error.reason)
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
+
+    def discard_queued(self) -> int:
+        """Drop the queue (after a step the service refused as a whole) and undo it in the
+        client's view; returns how many operations were dropped."""
+        return self._scheduler().discard_queued()
+
+    # -- the mirror ---------------------------------------------------------------------
+    def has_request(self, request_id: str) -> bool:
+        """Whether ``request_id`` is one of this client's running requests."""
+        return request_id in self._scheduler().requests
+
+    def request_ids(self) -> list[str]:
+        return list(self._scheduler().requests)
+
+    def request(self, request_id: str) -> RequestView:
+        """The client's view of one request (pages per group, token counts)."""
+        return self._scheduler().view(request_id)
+
+    def page_ids(self, request_id: str, group_id: int = 0) -> Int32Array:
+        """The request's table in one group as the client mirrors it."""
+        t = self._scheduler().requests.get(request_id)
+        if t is None:
+            raise NotFoundError(self._scheduler()._missing(request_id))
+        return np.array(t.pages[group_id], dtype=np.int32)
+
+    @property
+    def num_queued(self) -> int:
+        return self._scheduler().num_queued
+
+    # -- life cycle ---------------------------------------------------------------------
+    def close(self, *, unregister: bool = True) -> None:
+        """Stop lease renewal, unregister (a scheduler's requests are freed; best effort)
+        and close the channel."""
+        if self._is_closed:
+            return
+        self._stop.set()
+        if unregister and self._registration is not None:
+            try:
+                self.unregister()
+            except PagekeeperError as exc:
+                log.info("unregister on close failed: %s", exc)
+        self._is_closed = True
+        thread = self._heartbeat_thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5)
+        self._raw_channel.close()
+
+    def __enter__(self) -> PagekeeperClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+__all__ = [
+    "DEFAULT_ADDRESS",
+    "EventStream",
+    "PagekeeperClient",
+    "PreparedStep",
+    "RequestView",
+    "SchedulerState",
+    "StreamedStep",
+    "TableStream",
+    "channel_options",
+    "decode_i32",
+    "encode_i32",
+    "ring_from_pb",
+]

@@ -1,0 +1,982 @@
+"""pagekeeper as vLLM's KV-cache manager: a ``scheduler_cls`` for the vLLM v1 engine (0.32).
+
+::
+
+    from vllm import LLM
+    llm = LLM(model=..., scheduler_cls="pagekeeper_client.vllm.PagekeeperScheduler")
+    # the service: $PAGEKEEPER_GRPC_ADDRESS (default 127.0.0.1:50051), token $PAGEKEEPER_TOKEN
+
+:class:`PagekeeperScheduler` is vLLM's own ``Scheduler`` whose ``kv_cache_manager`` is replaced
+by :class:`PagekeeperKVCacheManager` once ``Scheduler.__init__`` has run: every page the
+engine uses is allocated, shared, cached and evicted by the pagekeeper service, and vLLM's
+scheduling policy (budgets, preemption, chunked prefill) is untouched. vLLM is imported
+lazily; it is never a dependency of this package. ``make_scheduler_class(...)`` builds a
+variant with an explicit address or another base class.
+
+The hot path (DESIGN section 3) -- per scheduling step::
+
+    schedule() ──▶ running requests: allocate_slots ── fits in the last page? ─ yes ─▶ local
+               │                                      └─ no: one Step (sync) ─▶ new page | None
+               ├─▶ waiting requests: get_computed_blocks  (local: the prefix mirror, no call)
+               │                      allocate_slots      (one Step: the admission)
+               └─▶ end of schedule(): one Step carrying the step's local growths (token ids,
+                   newly full pages to cache) and the frees queued since the last call
+    update_from_output() ─▶ free(finished)  (queued, no call)
+
+So a step costs one call, plus one per admission and one per growth that needs a page. With
+``pregrant`` off (this scheduler never asks for it) the service's page ids are, call for call,
+those vLLM's own ``KVCacheManager`` would return.
+
+Prefix lookups cost no call: the manager keeps a mirror of the service's prefix-cache index
+for the pages of its own requests (which page holds which hash, evicted when the service
+hands the page out again), the same bookkeeping vLLM's ``BlockPool`` keeps. The admission's
+answer is checked against the mirror's prediction; a mismatch (another scheduler sharing the
+pool, a stale mirror) is undone -- the request is freed and ``allocate_slots`` answers
+``None``, so the engine retries it next step with the corrected mirror -- and counted in
+:attr:`PagekeeperKVCacheManager.stats`.
+
+Page size and kernel block size. The service's pool decides the page size ``P``; the
+engine's ``block_size`` is the kernel block size ``K`` its attention backend and KV tensors
+use, and ``P`` must be a multiple of it (``r = P / K``). Page ``p`` becomes the kernel blocks
+``p*r .. p*r+r-1`` in every block id handed to the engine, so a token's slot
+``kblock*K + pos % K`` equals ``p*P + pos % P`` and the worker needs no change::
+
+    tokens      |0 ............ P-1|P ........... 2P-1|
+    pages       |      page p      |      page q      |    what pagekeeper allocates
+    kernel ids  |pr |pr+1|...|pr+r-1|qr |qr+1|...|qr+r-1|   what vLLM's worker indexes
+
+Hashes. The engine's ``Request.block_hashes`` (its own chain, one hash every ``K`` tokens)
+are sent as the page hashes, never recomputed; a page of ``r`` blocks is named by the last
+block hash inside it, as vLLM's ``BlockHashListWithBlockSize`` does. The service hashes the
+tokens a growth appends itself (``Growth`` carries no hashes). With ``r == 1`` and the
+engine on the service's algorithm (``prefix_caching_hash_algo="sha256_cbor"``, the default
+NONE_HASH seed) those are the engine's own hashes bit for bit, and every hit vLLM finds,
+pagekeeper finds. Otherwise (vLLM's default pickle-based "sha256", or ``r > 1``) an
+admission sends the hashes of the prompt's pages only and the service extends the chain
+over generated tokens exactly as it did while decoding: a preempted request still hits its
+own generated pages, but a new prompt that contains another request's generated text (a
+chat's next turn) misses the pages that text filled.
+
+Not supported (each raises ``NotImplementedError`` naming it): KV connectors (P/D, offload),
+speculative decoding, async scheduling (``AsyncScheduler``), pipeline parallelism, models with
+several KV-cache groups or non-full attention (sliding window, chunked local, Mamba), LoRA
+adapters, multimodal inputs and prompt embeddings, engine-side KV events, the admission
+watermark, decode context parallelism, encoder-decoder models.
+"""
+
+from __future__ import annotations
+
+import array
+import hashlib
+import logging
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pagekeeper_client.client import PagekeeperClient, resolve_address
+from pagekeeper_client.errors import FailedPreconditionError
+from pagekeeper_client.types import AllocationStatus, ClientRole, ExtraKeys, GroupKind, cdiv
+
+log = logging.getLogger("pagekeeper_client.vllm")
+
+__all__ = [
+    "ManagerStats",
+    "PagekeeperKVCacheManager",
+    "PagekeeperScheduler",  # noqa: F822 - built on first access (module __getattr__)
+    "make_scheduler_class",
+]
+
+_DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
+"""The seed vLLM derives NONE_HASH from for sha256_cbor without PYTHONHASHSEED (and the one
+the service always uses)."""
+_ARRAY_INT_CODE = "i" if array.array("i").itemsize == 4 else "l"
+
+
+def unsupported(feature: str) -> NotImplementedError:
+    """The error every unsupported engine feature raises."""
+    return NotImplementedError(
+        f"pagekeeper's vLLM scheduler does not support {feature} (see docs/vllm.md)"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The prefix-cache mirror
+# ---------------------------------------------------------------------------------------------
+
+
+class PrefixMirror:
+    """The client's copy of the service's prefix-cache index (one full-attention group).
+
+    Exact as long as this engine is the only scheduler of the pool: every page enters the
+    index because one of its requests filled it, and leaves when the service hands it out
+    again (it is then in some answer this client reads). Duplicates are kept as the service
+    keeps them: a hash names its first cached page; later pages with the same hash wait in
+    insertion order and take over when the first is evicted.
+    """
+
+    __slots__ = ("_dups", "_first", "_page_key")
+
+    def __init__(self) -> None:
+        self._first: dict[bytes, int] = {}
+        self._dups: dict[bytes, list[int]] = {}
+        self._page_key: dict[int, bytes] = {}
+
+    def __len__(self) -> int:
+        return len(self._page_key)
+
+    def lookup(self, keys: Sequence[bytes], max_pages: int) -> list[int]:
+        """Pages of the longest cached prefix, at most ``max_pages`` long."""
+        first = self._first
+        hit: list[int] = []
+        for key in keys[:max_pages]:
+            page = first.get(key)
+            if page is None:
+                break
+            hit.append(page)
+        return hit
+
+    def key_of(self, page: int) -> bytes | None:
+        return self._page_key.get(page)
+
+    def insert(self, page: int, key: bytes) -> None:
+        if page in self._page_key:
+            self.evict(page)
+        if key in self._first:
+            self._dups.setdefault(key, []).append(page)
+        else:
+            self._first[key] = page
+        self._page_key[page] = key
+
+    def evict(self, page: int) -> bool:
+        """Forget ``page``'s hash (it was handed out again); False when it had none."""
+        key = self._page_key.pop(page, None)
+        if key is None:
+            return False
+        waiting = self._dups.get(key)
+        if self._first.get(key) == page:
+            if waiting:
+                self._first[key] = waiting.pop(0)
+                if not waiting:
+                    del self._dups[key]
+            else:
+                del self._first[key]
+        elif waiting is not None:
+            waiting.remove(page)
+            if not waiting:
+                del self._dups[key]
+        return True
+
+    def forget_key(self, key: bytes) -> None:
+        """Drop every page cached under ``key`` (the service showed it does not hold it)."""
+        for page in [self._first.get(key), *self._dups.get(key, ())]:
+            if page is not None:
+                self.evict(page)
+
+    def clear(self) -> None:
+        self._first.clear()
+        self._dups.clear()
+        self._page_key.clear()
+
+
+# ---------------------------------------------------------------------------------------------
+# The manager
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class ManagerStats:
+    """Counters of one :class:`PagekeeperKVCacheManager` (cheap, always on)."""
+
+    num_steps: int = 0
+    """``schedule()`` calls (scheduling steps)."""
+    num_admissions: int = 0
+    """Admissions sent (one call each)."""
+    num_local_growths: int = 0
+    """``allocate_slots`` calls of running requests answered without a call."""
+    num_sync_growths: int = 0
+    """Growths that needed a page (one call each)."""
+    num_no_capacity: int = 0
+    """``allocate_slots`` answered ``None`` (the engine preempts)."""
+    num_mispredicted: int = 0
+    """Admissions whose cache hit differed from the mirror's prediction (undone, retried)."""
+    num_frees: int = 0
+    manager_seconds: float = 0.0
+    """Wall time spent inside the manager's methods (calls included)."""
+    rpcs_at_start: int = 0
+    """The client's call count once registered (registration itself excluded)."""
+
+
+@dataclass(slots=True, eq=False)
+class _Pages:
+    """One running request as the engine sees it through this manager."""
+
+    page_ids: list[int]
+    keys: list[bytes]
+    """Mirror keys of the request's full pages, in order (grows with its tokens)."""
+    num_client_hashed_pages: int
+    """Pages whose hashes the admission sent (the service hashed the rest itself)."""
+    num_cached_pages: int = 0
+    num_tokens_sent: int = 0
+    """Tokens the service has been told about."""
+
+
+@dataclass(slots=True)
+class _Lookup:
+    """What ``get_computed_blocks`` predicted for a waiting request."""
+
+    pages: list[int]
+    keys: list[bytes]
+    num_client_hashed_pages: int
+
+
+@dataclass(slots=True)
+class _Config:
+    address: str | None = None
+    token: str | None = None
+    name: str = ""
+    lease_ttl: float | None = None
+    client_factory: Callable[[str | None, str | None], PagekeeperClient] | None = None
+
+
+class _CoordinatorView:
+    """What the engine reads of ``kv_cache_manager.coordinator`` at start-up (the group's
+    block size and spec); anything else it would call on a coordinator is unsupported."""
+
+    def __init__(self, single_type_managers: Sequence[Any]) -> None:
+        self.single_type_managers = tuple(single_type_managers)
+
+    def __getattr__(self, name: str) -> Any:
+        raise unsupported(f"kv_cache_manager.coordinator.{name} (KV connectors)")
+
+
+class PagekeeperKVCacheManager:
+    """Every method vLLM 0.32's ``Scheduler`` calls on its ``KVCacheManager``, backed by the
+    pagekeeper service through :class:`~pagekeeper_client.client.PagekeeperClient`.
+
+    One full-attention KV-cache group; the pool's page size is a multiple ``r`` of the
+    engine's block size (see the module docstring). Built by :class:`PagekeeperScheduler`;
+    ``client`` must be registered as a scheduler.
+    """
+
+    def __init__(
+        self,
+        client: PagekeeperClient,
+        *,
+        kv_cache_config: Any,
+        original: Any,
+        block_size: int,
+        max_model_len: int,
+        enable_caching: bool,
+        log_stats: bool,
+        hash_algorithm: str = "sha256",
+    ) -> None:
+        from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+        from vllm.v1.core.kv_cache_utils import KVCacheBlock
+        from vllm.v1.metrics.stats import PrefixCacheStats
+
+        self._KVCacheBlocks = KVCacheBlocks
+        self._PrefixCacheStats = PrefixCacheStats
+        self.client = client
+        pool = client.pool
+        if len(pool.groups) != 1 or pool.groups[0].kind is not GroupKind.FULL:
+            raise unsupported("a pagekeeper pool with several or non-full-attention groups")
+        page_size = pool.groups[0].page_size
+        if page_size % block_size:
+            raise ValueError(
+                f"the pool's page size {page_size} is not a multiple of the engine's "
+                f"block_size {block_size} (the kernel block size)"
+            )
+        self.page_size = page_size
+        self.kernel_block_size = block_size
+        self.ratio = page_size // block_size
+        self.num_pages = pool.num_pages
+        num_kernel_blocks = int(kv_cache_config.num_blocks)
+        if self.num_pages * self.ratio > num_kernel_blocks:
+            raise ValueError(
+                f"the pool's {self.num_pages} pages of {page_size} tokens need "
+                f"{self.num_pages * self.ratio} kernel blocks of {block_size}; the engine's KV "
+                f"cache has {num_kernel_blocks} (num_gpu_blocks_override)"
+            )
+        if pool.max_model_len < max_model_len:
+            raise ValueError(
+                f"the pool's max_model_len {pool.max_model_len} is below the engine's "
+                f"{max_model_len}"
+            )
+        if enable_caching != pool.enable_prefix_caching:
+            log.warning(
+                "prefix caching is %s in the engine but %s in the pagekeeper pool; "
+                "hits only where both enable it",
+                "on" if enable_caching else "off",
+                "on" if pool.enable_prefix_caching else "off",
+            )
+        self.max_model_len = max_model_len
+        self.enable_caching = enable_caching and pool.enable_prefix_caching
+        self.log_stats = log_stats
+        self.prefix_cache_stats: Any = PrefixCacheStats() if log_stats else None
+        self.kv_cache_config = kv_cache_config
+        self.num_kv_cache_groups = 1
+        self.enable_kv_cache_events = False
+        self.mamba_shared_prefix_checkpoint = False
+        self.retained_hit_group_ids: tuple[int, ...] = ()
+        self.coordinator = _CoordinatorView(original.coordinator.single_type_managers)
+        self.empty_kv_cache_blocks = KVCacheBlocks(((),))
+        # The service extends a request's hash chain over the tokens growths append; those
+        # are the engine's own block hashes only when a page is one engine block and both
+        # hash alike (algorithm and NONE_HASH seed).
+        self._service_hashes_like_engine = self.ratio == 1 and _engine_hashing_matches(
+            pool.hash_algorithm, hash_algorithm
+        )
+        # One vLLM KVCacheBlock per kernel block id, shared by every request holding it (as
+        # vLLM's pool shares its block objects), created on first use.
+        self._block_objects: list[Any] = [None] * (self.num_pages * self.ratio)
+        self._KVCacheBlock = KVCacheBlock
+        self._mirror = PrefixMirror()
+        self._requests: dict[str, _Pages] = {}
+        self._lookups: dict[str, _Lookup] = {}
+        self._page_refs: Counter[int] = Counter()
+        self.stats = ManagerStats(rpcs_at_start=client.stats.num_rpcs)
+
+    # -- helpers -------------------------------------------------------------------------
+    def _blocks(self, pages: Iterable[int]) -> list[Any]:
+        """The kernel blocks (vLLM block objects) of these pages, in order."""
+        objects = self._block_objects
+        r = self.ratio
+        out: list[Any] = []
+        for page in pages:
+            base = page * r
+            for kid in range(base, base + r):
+                block = objects[kid]
+                if block is None:
+                    block = objects[kid] = self._KVCacheBlock(block_id=kid)
+                out.append(block)
+        return out
+
+    def _set_block_hash(self, page: int, key: bytes | None, num_tokens: int | None) -> None:
+        # The scheduler (and estimate_cached_tokens) read a block's hash and the prefix
+        # length it covers; vLLM's key is the hash with the group id appended.
+        value = None if key is None else key + b"\x00\x00\x00\x00"
+        for block in self._blocks((page,)):
+            block._block_hash = value
+            block._block_hash_num_tokens = num_tokens
+
+    def _take_new_pages(self, pages: Sequence[int]) -> None:
+        """Pages the service just handed out: any hash they held is evicted."""
+        for page in pages:
+            if self._mirror.evict(page):
+                self._set_block_hash(page, None, None)
+            self._page_refs[page] += 1
+
+    def _page_keys(self, request: Any, keys: list[bytes], num_client_pages: int) -> list[bytes]:
+        """Extend ``keys`` to every full page of the request's known tokens."""
+        num_full = request.num_tokens // self.page_size
+        if len(keys) >= num_full:
+            return keys
+        r = self.ratio
+        block_hashes = request.block_hashes
+        for i in range(len(keys), num_full):
+            if i < num_client_pages:
+                # A page of r engine blocks is named by the last block hash inside it.
+                keys.append(bytes(block_hashes[(i + 1) * r - 1]))
+            else:
+                keys.append(self._service_key(request, keys[i - 1] if i else None, i))
+        return keys
+
+    def _service_key(self, request: Any, parent: bytes | None, index: int) -> bytes:
+        """A mirror key for a page the service hashed itself (parent hash + tokens): equal
+        inputs give equal keys, as they give the service equal hashes. Local only, never
+        sent."""
+        ps = self.page_size
+        tokens = array.array(_ARRAY_INT_CODE, request.all_token_ids[index * ps : (index + 1) * ps])
+        digest = hashlib.blake2b(digest_size=24)
+        digest.update(parent or b"root:" + (request.cache_salt or "").encode())
+        digest.update(tokens.tobytes())
+        return b"svc:" + digest.digest()
+
+    def _num_client_hashed_pages(self, request: Any) -> int:
+        if self._service_hashes_like_engine:
+            return sys.maxsize
+        # The prompt's full pages; the service extends the chain over the output.
+        return int(request.num_prompt_tokens) // self.page_size
+
+    def _cache(self, state: _Pages, request: Any, num_tokens: int) -> None:
+        """Enter the request's newly full pages (up to ``num_tokens``) into the mirror, as
+        the service does when it applies the same call."""
+        if not self.enable_caching:
+            return
+        ps = self.page_size
+        num_full = min(num_tokens, request.num_tokens) // ps
+        if num_full <= state.num_cached_pages:
+            return
+        keys = self._page_keys(request, state.keys, state.num_client_hashed_pages)
+        for i in range(state.num_cached_pages, num_full):
+            page = state.page_ids[i]
+            self._mirror.insert(page, keys[i])
+            self._set_block_hash(page, keys[i], (i + 1) * ps)
+        state.num_cached_pages = num_full
+
+    def _check_request(self, request: Any) -> None:
+        if request.lora_request is not None:
+            raise unsupported("LoRA adapters")
+        if request.mm_features:
+            raise unsupported("multimodal inputs")
+        if getattr(request, "prompt_embeds", None) is not None:
+            raise unsupported("prompt embeddings")
+        if getattr(request, "num_output_placeholders", 0):
+            raise unsupported("async scheduling (output placeholders)")
+
+    def _wrap(self, pages: Sequence[int]) -> Any:
+        if not pages:
+            return self.empty_kv_cache_blocks
+        return self._KVCacheBlocks((self._blocks(pages),))
+
+    # -- prefix cache ----------------------------------------------------------------------
+    @property
+    def usage(self) -> float:
+        """Fraction of allocatable pages in use (vLLM: ``1 - free / (num_pages - 1)``)."""
+        return len(self._page_refs) / (self.num_pages - 1) if self.num_pages > 1 else 0.0
+
+    def prefix_cache_lookup_enabled(self, request: Any) -> bool:
+        return self.enable_caching and not request.skip_reading_prefix_cache
+
+    def record_prefix_cache_stats(self, request: Any, num_hits: int) -> None:
+        if not self.log_stats or not self.prefix_cache_lookup_enabled(request):
+            return
+        self.prefix_cache_stats.record(
+            num_tokens=request.num_tokens,
+            num_hits=num_hits,
+            preempted=request.num_preemptions > 0,
+        )
+
+    def make_prefix_cache_stats(self) -> Any:
+        if not self.log_stats:
+            return None
+        stats = self.prefix_cache_stats
+        self.prefix_cache_stats = self._PrefixCacheStats()
+        return stats
+
+    def get_computed_blocks(self, request: Any) -> tuple[Any, int, int]:
+        """The cached prefix of a waiting request, from the mirror (no call, no side
+        effect). The prompt's last token is never a hit."""
+        if not self.prefix_cache_lookup_enabled(request):
+            return self.empty_kv_cache_blocks, 0, 0
+        start = time.perf_counter()
+        self._check_request(request)
+        num_client_pages = self._num_client_hashed_pages(request)
+        keys = self._page_keys(request, [], num_client_pages)
+        pages = self._mirror.lookup(keys, (request.num_tokens - 1) // self.page_size)
+        self._lookups[request.request_id] = _Lookup(pages, keys, num_client_pages)
+        self.stats.manager_seconds += time.perf_counter() - start
+        return self._wrap(pages), len(pages) * self.page_size, 0
+
+    def get_computed_blocks_for_connector(self, request: Any) -> tuple[Any, int, int, bool]:
+        # Only hybrid Mamba models diverge here; a single group answers as usual.
+        return (*self.get_computed_blocks(request), False)
+
+    def truncate_computed_blocks(self, blocks: Any, num_computed_tokens: int) -> Any:
+        if num_computed_tokens % self.page_size:
+            raise ValueError(
+                f"{num_computed_tokens} computed tokens do not end on a page of {self.page_size}"
+            )
+        kept = (num_computed_tokens // self.page_size) * self.ratio
+        return (
+            self._KVCacheBlocks((list(blocks.blocks[0][:kept]),))
+            if kept
+            else (self.empty_kv_cache_blocks)
+        )
+
+    # -- allocation ----------------------------------------------------------------------
+    def allocate_slots(
+        self,
+        request: Any,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: Any = None,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        num_encoder_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+        reserved_blocks: int = 0,
+        has_scheduled_reqs: bool = True,
+        skip_zeroing_group_ids: tuple[int, ...] = (),
+    ) -> Any:
+        """Pages for ``num_new_tokens`` more tokens (+ lookahead): only the newly allocated
+        blocks, the shared empty blocks when none were needed, or None when the pool is
+        out of pages (nothing changed; the engine preempts)."""
+        del has_scheduled_reqs, skip_zeroing_group_ids  # no watermark, nothing to zero
+        if num_external_computed_tokens or delay_cache_blocks or reserved_blocks:
+            raise unsupported("KV connectors (external or asynchronously loaded tokens)")
+        if num_encoder_tokens:
+            raise unsupported("encoder-decoder models (cross-attention pages)")
+        if num_new_tokens == 0 and num_new_computed_tokens == 0:
+            raise ValueError(
+                "num_new_tokens must be greater than 0 when there are no computed tokens to adopt"
+            )
+        start = time.perf_counter()
+        try:
+            state = self._requests.get(request.request_id)
+            if state is None:
+                return self._admit(
+                    request,
+                    num_new_tokens,
+                    num_new_computed_tokens,
+                    new_computed_blocks,
+                    num_lookahead_tokens,
+                    full_sequence_must_fit,
+                )
+            if num_new_computed_tokens or (
+                new_computed_blocks is not None and any(new_computed_blocks.blocks)
+            ):
+                raise unsupported("cache hits for a running request (KV connectors)")
+            return self._grow(state, request, num_new_tokens, num_lookahead_tokens)
+        finally:
+            self.stats.manager_seconds += time.perf_counter() - start
+
+    def _admit(
+        self,
+        request: Any,
+        num_new_tokens: int,
+        num_hit_tokens: int,
+        hit_blocks: Any,
+        num_lookahead_tokens: int,
+        full_sequence_must_fit: bool,
+    ) -> Any:
+        self._check_request(request)
+        request_id = request.request_id
+        lookup = self._lookups.pop(request_id, None)
+        ps, r = self.page_size, self.ratio
+        if num_hit_tokens % ps:
+            raise ValueError(f"a cache hit of {num_hit_tokens} tokens is not whole pages of {ps}")
+        hit_pages: list[int] = []
+        if num_hit_tokens:
+            hit_pages = [b.block_id // r for b in hit_blocks.blocks[0][::r]]
+            if len(hit_pages) * ps != num_hit_tokens:
+                raise ValueError(
+                    f"request {request_id!r}: {len(hit_pages)} hit pages for {num_hit_tokens} "
+                    "hit tokens"
+                )
+        if full_sequence_must_fit and not self._full_sequence_fits(request, hit_pages):
+            self.stats.num_no_capacity += 1
+            return None
+        num_client_pages = (
+            lookup.num_client_hashed_pages
+            if lookup is not None
+            else self._num_client_hashed_pages(request)
+        )
+        page_hashes: list[bytes] | None = None
+        if self.enable_caching:
+            block_hashes = request.block_hashes
+            num_pages = min(len(block_hashes) // r, num_client_pages)
+            page_hashes = [bytes(block_hashes[(i + 1) * r - 1]) for i in range(num_pages)]
+        self.stats.num_admissions += 1
+        result = self.client.admit(
+            request_id,
+            request.all_token_ids,
+            num_new_tokens=num_new_tokens,
+            page_hashes=page_hashes,
+            extra_keys=ExtraKeys(cache_salt=request.cache_salt) if request.cache_salt else None,
+            num_lookahead_tokens=num_lookahead_tokens,
+            # A prediction of no hit reads nothing: the pages are then those vLLM allocates
+            # for a miss even if the mirror were stale.
+            enable_cache_read=num_hit_tokens > 0,
+        )
+        if result.status is AllocationStatus.NO_CAPACITY:
+            self.stats.num_no_capacity += 1
+            return None
+        got_hits = result.hit_page_ids[0].tolist() if result.hit_page_ids else []
+        if result.status is AllocationStatus.REJECTED or got_hits != hit_pages:
+            self._undo_mispredicted(request, lookup, result.status, got_hits, result.reason)
+            return None
+        new_pages = result.new_page_ids[0].tolist() if result.new_page_ids else []
+        keys = lookup.keys if lookup is not None else []
+        state = _Pages(hit_pages + new_pages, keys, num_client_pages, len(hit_pages))
+        for page in hit_pages:
+            self._page_refs[page] += 1
+        self._take_new_pages(new_pages)
+        self._requests[request_id] = state
+        self._cache(state, request, num_hit_tokens + num_new_tokens)
+        state.num_tokens_sent = request.num_tokens
+        return self._wrap(new_pages)
+
+    def _full_sequence_fits(self, request: Any, hit_pages: Sequence[int]) -> bool:
+        """vLLM's admission gate (``scheduler_reserve_full_isl``, on by default): the whole
+        prompt, not just its first chunk, must fit in the free pages; hit pages that sit in
+        the free queue count against them. Checked locally, without a call: this engine
+        owns every page of the pool that is in use, so it knows the free count exactly."""
+        num_tokens = min(int(request.num_tokens), self.max_model_len)
+        refs = self._page_refs
+        num_evictable_hits = sum(1 for page in hit_pages if page not in refs)
+        needed = cdiv(num_tokens, self.page_size) - len(hit_pages) + num_evictable_hits
+        return needed <= self.num_pages - 1 - len(refs)
+
+    def _undo_mispredicted(
+        self,
+        request: Any,
+        lookup: _Lookup | None,
+        status: AllocationStatus,
+        got_hits: list[int],
+        reason: str,
+    ) -> None:
+        """The service's hit differs from the mirror's: free what it allocated, correct the
+        mirror, and let the engine retry next step."""
+        self.stats.num_mispredicted += 1
+        request_id = request.request_id
+        log.warning(
+            "request %r: the service's prefix hit differs from the mirror's prediction "
+            "(%s; service pages %s); retrying next step. Is another scheduler sharing the pool?",
+            request_id,
+            reason or status.value,
+            got_hits,
+        )
+        if status is AllocationStatus.OK:
+            self.client.free_later(request_id)
+        keys = lookup.keys if lookup is not None else []
+        if status is AllocationStatus.REJECTED and keys:
+            # The hit was longer than predicted: ask the service (one extra call, rare).
+            found = self.client.lookup(
+                request.all_token_ids,
+                page_hashes=[k for k in keys if not k.startswith(b"svc:")][: len(keys)],
+            )
+            got_hits = found.page_ids[0].tolist() if found.page_ids else []
+        for i, page in enumerate(got_hits[: len(keys)]):
+            if self._mirror.key_of(page) != keys[i]:
+                self._mirror.insert(page, keys[i])
+        if len(got_hits) < len(keys):
+            self._mirror.forget_key(keys[len(got_hits)])
+
+    def _grow(
+        self, state: _Pages, request: Any, num_new_tokens: int, num_lookahead_tokens: int
+    ) -> Any:
+        self._check_request(request)
+        request_id = request.request_id
+        num_tokens = request.num_tokens
+        new_token_ids = request.all_token_ids[state.num_tokens_sent : num_tokens]
+        got = self.client.allocate_slots(
+            request_id,
+            num_new_tokens,
+            new_token_ids=new_token_ids,
+            num_computed_tokens=request.num_computed_tokens,
+            num_lookahead_tokens=num_lookahead_tokens,
+            sync=True,
+        )
+        if got.status is AllocationStatus.NO_CAPACITY:
+            self.stats.num_no_capacity += 1
+            return None
+        if got.status is not AllocationStatus.OK:
+            raise RuntimeError(
+                f"request {request_id!r}: the service refused a growth: {got.reason}"
+            )
+        state.num_tokens_sent = num_tokens
+        new_pages: list[int] = []
+        if got.is_local:
+            self.stats.num_local_growths += 1
+        else:
+            self.stats.num_sync_growths += 1
+            new_pages = got.new_page_ids[0].tolist() if got.new_page_ids else []
+            self._take_new_pages(new_pages)
+            state.page_ids.extend(new_pages)
+        self._cache(state, request, request.num_computed_tokens + num_new_tokens)
+        return self._wrap(new_pages)
+
+    def free(self, request: Any) -> None:
+        """Release the request's pages (queued: sent with the next call)."""
+        request_id = request.request_id
+        self._lookups.pop(request_id, None)
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return
+        start = time.perf_counter()
+        self.stats.num_frees += 1
+        self.client.free_later(request_id)
+        refs = self._page_refs
+        for page in state.page_ids:
+            refs[page] -= 1
+            if refs[page] <= 0:
+                del refs[page]
+        self.stats.manager_seconds += time.perf_counter() - start
+
+    def end_step(self) -> None:
+        """End of ``schedule()``: send the step's local growths and the queued frees (one
+        call, none when nothing is queued)."""
+        start = time.perf_counter()
+        self.stats.num_steps += 1
+        self.client.flush()
+        self.stats.manager_seconds += time.perf_counter() - start
+
+    # -- reads ---------------------------------------------------------------------------
+    def get_blocks(self, request_id: str) -> Any:
+        state = self._requests.get(request_id)
+        return self._wrap(state.page_ids) if state is not None else self.empty_kv_cache_blocks
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        ids: tuple[list[int], ...] = self.get_blocks(request_id).get_block_ids()
+        return ids
+
+    def get_block_ids_for_computed_tokens(
+        self, request_id: str, num_computed_tokens: int
+    ) -> tuple[list[int], ...]:
+        (ids,) = self.get_block_ids(request_id)
+        return (ids[: cdiv(num_computed_tokens, self.kernel_block_size)],)
+
+    def get_page_ids(self, request_id: str) -> list[int]:
+        """The request's pages (not kernel blocks), for tests and tools."""
+        state = self._requests.get(request_id)
+        return list(state.page_ids) if state is not None else []
+
+    def estimate_cached_tokens(self, request: Any) -> int:
+        """Prefix tokens the request's pages hold in the prefix cache (its hits and the
+        pages it filled)."""
+        state = self._requests.get(request.request_id)
+        return state.num_cached_pages * self.page_size if state is not None else 0
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
+        del running_request_id  # cascade attention is gone from vLLM; kept for its callers
+        return [0]
+
+    def create_kv_cache_blocks(self, blocks: tuple[list[Any], ...]) -> Any:
+        return self._KVCacheBlocks(blocks) if any(blocks) else self.empty_kv_cache_blocks
+
+    # -- per-step drains (nothing of the kind with one full-attention group) ---------------
+    def new_step_starts(self) -> None:
+        pass
+
+    def take_events(self) -> list[Any]:
+        # Engine-side KV events are refused at start-up; the service streams its own
+        # (WatchEvents).
+        return []
+
+    def take_new_block_ids(self) -> list[int]:
+        return []  # only Mamba / zeroing-backend pools record new blocks
+
+    def take_kv_cache_block_copies(self) -> tuple[list[Any], list[Any]]:
+        return [], []  # copy-on-write is for Mamba partial hits
+
+    def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
+        return {}  # Mamba "align" boundary states only
+
+    def finalize_partial_tail_offloads(self, request: Any) -> list[tuple[int, int, int]]:
+        del request
+        return []  # Mamba "align" partial tails only
+
+    def remove_skipped_blocks(
+        self,
+        request_id: str,
+        processed_computed_tokens: int,
+        num_prompt_tokens: int | None = None,
+    ) -> None:
+        # Full attention never drops pages (vLLM's FullAttentionManager: a no-op too).
+        del request_id, processed_computed_tokens, num_prompt_tokens
+
+    # -- admin ---------------------------------------------------------------------------
+    def reset_prefix_cache(self) -> bool:
+        """Drop the service's prefix cache; refused (False) while any request holds pages."""
+        if self._requests:
+            return False
+        self.client.flush()
+        try:
+            self.client.reset_prefix_cache()
+        except FailedPreconditionError as exc:
+            log.warning("reset_prefix_cache refused: %s", exc)
+            return False
+        for page in list(range(1, self.num_pages)):
+            if self._mirror.key_of(page) is not None:
+                self._set_block_hash(page, None, None)
+        self._mirror.clear()
+        if self.log_stats:
+            self.prefix_cache_stats.reset = True
+        return True
+
+    # -- connector / deferred-free paths ---------------------------------------------------
+    def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
+        del request, num_computed_tokens
+        raise unsupported("cache_blocks (async scheduling, KV connectors)")
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        del block_ids
+        raise unsupported("evict_blocks (KV connectors with invalid blocks)")
+
+    def pop_blocks_for_free(self, request: Any) -> list[Any]:
+        del request
+        raise unsupported("deferred block frees (KV connectors)")
+
+    def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
+        del request_id, start_token
+        raise unsupported("record_blocks_for_zeroing (failed async KV loads)")
+
+    @property
+    def block_pool(self) -> Any:
+        raise unsupported("direct block-pool access (deferred frees, copy-on-write)")
+
+    # -- life cycle ----------------------------------------------------------------------
+    @property
+    def num_rpcs(self) -> int:
+        """Calls made since the manager started (registration excluded)."""
+        return self.client.stats.num_rpcs - self.stats.rpcs_at_start
+
+    def close(self) -> None:
+        """Send what is queued, unregister (the service frees what is left) and close."""
+        try:
+            self.client.flush()
+        finally:
+            self.client.close()
+
+
+def _engine_hashing_matches(pool_algorithm: str, engine_algorithm: str) -> bool:
+    """Whether the service hashes appended pages exactly as this engine hashes blocks: the
+    same CBOR algorithm (vLLM's default "sha256" pickles, the service cannot match it) and
+    the same NONE_HASH seed."""
+    if engine_algorithm != pool_algorithm or pool_algorithm not in ("sha256_cbor", "xxhash_cbor"):
+        return False
+    try:
+        from vllm.v1.core import kv_cache_utils
+    except ImportError:  # pragma: no cover - only inside a vLLM engine
+        return False
+    getter = getattr(kv_cache_utils, "get_none_hash_seed", None)
+    seed = getter() if getter is not None else getattr(kv_cache_utils, "_NONE_HASH_SEED", None)
+    return seed == _DEFAULT_NONE_HASH_SEED
+
+
+# ---------------------------------------------------------------------------------------------
+# The scheduler
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_engine(scheduler: Any, vllm_config: Any, kv_cache_config: Any) -> None:
+    """Refuse, by name, every engine feature the manager does not implement."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    if getattr(scheduler, "connector", None) is not None:
+        raise unsupported("KV connectors (kv_transfer_config)")
+    if getattr(scheduler, "ec_connector", None) is not None:
+        raise unsupported("encoder-cache connectors (ec_transfer_config)")
+    if vllm_config.speculative_config is not None:
+        raise unsupported("speculative decoding")
+    if getattr(vllm_config.scheduler_config, "async_scheduling", False):
+        raise unsupported("async scheduling")
+    if vllm_config.parallel_config.pipeline_parallel_size > 1:
+        raise unsupported("pipeline parallelism")
+    if getattr(scheduler, "dcp_world_size", 1) > 1:
+        raise unsupported("decode context parallelism")
+    if getattr(scheduler, "is_encoder_decoder", False):
+        raise unsupported("encoder-decoder models")
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise unsupported(f"models with {len(groups)} KV-cache groups (hybrid models)")
+    spec = groups[0].kv_cache_spec
+    if not isinstance(spec, FullAttentionSpec) or getattr(spec, "sliding_window", None):
+        raise unsupported(f"{type(spec).__name__} layers (only full attention)")
+    if getattr(vllm_config.scheduler_config, "watermark", 0.0):
+        raise unsupported("the admission watermark (scheduler_config.watermark)")
+    if getattr(scheduler, "enable_kv_cache_events", False):
+        raise unsupported("engine-side KV cache events (use the service's WatchEvents)")
+    if getattr(scheduler, "needs_kv_cache_zeroing", False):
+        raise unsupported("backends that need new KV blocks zeroed")
+    if scheduler.hash_block_size != scheduler.block_size:
+        raise unsupported("a hash block size other than the block size")
+
+
+def _install(scheduler: Any, config: _Config) -> None:
+    """Replace the scheduler's ``kv_cache_manager`` (built by ``Scheduler.__init__``)."""
+    vllm_config = scheduler.vllm_config
+    kv_cache_config = scheduler.kv_cache_config
+    _check_engine(scheduler, vllm_config, kv_cache_config)
+    address = resolve_address(config.address)
+    if config.client_factory is not None:
+        client = config.client_factory(address, config.token)
+    else:
+        client = PagekeeperClient(address, token=config.token)
+    try:
+        client.register(ClientRole.SCHEDULER, name=config.name, lease_ttl=config.lease_ttl)
+        manager = PagekeeperKVCacheManager(
+            client,
+            kv_cache_config=kv_cache_config,
+            original=scheduler.kv_cache_manager,
+            block_size=scheduler.block_size,
+            max_model_len=scheduler.max_model_len,
+            enable_caching=bool(scheduler.cache_config.enable_prefix_caching),
+            log_stats=bool(scheduler.log_stats),
+            hash_algorithm=str(scheduler.cache_config.prefix_caching_hash_algo),
+        )
+    except BaseException:
+        client.close()
+        raise
+    scheduler.pagekeeper_manager = manager
+    log.info(
+        "pagekeeper at %s: pages of %d tokens = %d kernel blocks of %d, %d pages",
+        address,
+        manager.page_size,
+        manager.ratio,
+        manager.kernel_block_size,
+        manager.num_pages,
+    )
+    scheduler.kv_cache_manager = manager
+
+
+def make_scheduler_class(
+    base: type | None = None,
+    *,
+    address: str | None = None,
+    token: str | None = None,
+    name: str = "",
+    lease_ttl: float | None = None,
+    client_factory: Callable[[str | None, str | None], PagekeeperClient] | None = None,
+) -> type:
+    """A ``scheduler_cls`` for vLLM whose KV pages come from pagekeeper.
+
+    ``base``: the vLLM scheduler class to extend (default ``vllm.v1.core.sched.scheduler.
+    Scheduler``; ``AsyncScheduler`` is not supported). ``address``: the service
+    (default ``$PAGEKEEPER_GRPC_ADDRESS``, else ``127.0.0.1:50051``); ``token``: its bearer
+    token (default ``$PAGEKEEPER_TOKEN``). ``client_factory(address, token)`` builds the
+    client instead (tests count calls with it).
+    """
+    if base is None:
+        from vllm.v1.core.sched.scheduler import Scheduler
+
+        base = Scheduler
+    try:
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    except ImportError:  # pragma: no cover - older vLLM
+        AsyncScheduler = None
+    if AsyncScheduler is not None and issubclass(base, AsyncScheduler):
+        raise unsupported("async scheduling (AsyncScheduler)")
+    config = _Config(address, token, name, lease_ttl, client_factory)
+
+    class _PagekeeperScheduler(base):  # type: ignore[valid-type,misc]
+        """vLLM's scheduler with its KV pages allocated by the pagekeeper service."""
+
+        pagekeeper_config = config
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            _install(self, self.pagekeeper_config)
+
+        def schedule(self, *args: Any, **kwargs: Any) -> Any:
+            output = super().schedule(*args, **kwargs)
+            self.kv_cache_manager.end_step()
+            return output
+
+        def shutdown(self) -> None:
+            try:
+                super().shutdown()
+            finally:
+                # The manager, even when something wraps kv_cache_manager (a recorder).
+                manager = getattr(self, "pagekeeper_manager", None)
+                if manager is not None:
+                    manager.close()
+
+    _PagekeeperScheduler.__name__ = _PagekeeperScheduler.__qualname__ = "PagekeeperScheduler"
+    _PagekeeperScheduler.__module__ = __name__
+    return _PagekeeperScheduler
+
+
+def __getattr__(name: str) -> Any:
+    # ``scheduler_cls="pagekeeper_client.vllm.PagekeeperScheduler"`` resolves here: the class
+    # (and vLLM with it) is built on first use, so importing this module needs no vLLM.
+    if name == "PagekeeperScheduler":
+        cls = make_scheduler_class()
+        globals()[name] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,348 @@
+"""Worker side: register with the service and read the tables it publishes for each step.
+
+::
+
+    handle = register_worker("127.0.0.1:50051", "cuda:0", {0: [KernelBackend("FLASH_ATTN",
+                             multiple_of=(16,))]})
+    handle.kernel_block_sizes          # chosen per group, e.g. (16,)
+    tables = handle.view.wait(step_seq, timeout=1.0)
+    t = tables.table(0)                # group 0, at this worker's kernel block size
+    t.block_table                      # int32 [num_reqs, num_cols] kernel block ids
+    t.row_lengths                      # int32 [num_reqs]
+    t.slot_mapping                     # int64 [num_tokens]
+
+Where the tables come from depends on the ring the service describes at registration:
+shared memory (``shm``, and its GPU-less stand-in ``cpu_ipc``) is mapped into this process
+and, on a GPU worker, copied to the device once per step from pinned memory without
+blocking; ``cuda_ipc`` is read in place on the device; ``stream`` (a worker on another host)
+arrives over ``WatchTables`` and is copied into this process's tensors. The view follows the
+service when it re-creates the ring (a new generation, e.g. when a worker with other kernel
+block sizes joins): a read that finds the old ring closed re-maps and retries.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pagekeeper_client.client import PagekeeperClient, TableStream
+from pagekeeper_client.errors import FailedPreconditionError, PagekeeperError
+from pagekeeper_client.ring import (
+    DescriptorError,
+    RingClosed,
+    RingDescriptor,
+    RingError,
+    SlotFormatError,
+    StepTables,
+    StepTimeout,
+    TorchTables,
+)
+from pagekeeper_client.transports import StreamTableView, TableView, open_table_view, pack_slot
+from pagekeeper_client.types import BackendSpec, PoolConfig
+
+log = logging.getLogger("pagekeeper_client.worker")
+
+_POLL_MIN_S = 20e-6
+_POLL_MAX_S = 1e-3
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerTables:
+    """One published step's tables for this worker: per group, the table at the worker's
+    kernel block size, as torch tensors on its device."""
+
+    step_seq: int
+    epoch: int
+    num_reqs: int
+    tables: tuple[TorchTables, ...]
+    """Indexed by group id."""
+
+    def table(self, group_id: int = 0) -> TorchTables:
+        return self.tables[group_id]
+
+
+def _check_device(device: str) -> str:
+    device = device or "cpu"
+    if device == "cpu":
+        return device
+    if not device.startswith("cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda:N', got {device!r}")
+    from pagekeeper_client.transports._torch import cuda_available
+
+    if not cuda_available():
+        raise RingError(
+            f"device {device!r} asked for, but torch sees no CUDA device (use device='cpu')"
+        )
+    return device
+
+
+class WorkerTableView:
+    """Reads published steps for one registered worker, across ring re-creations.
+
+    Not thread-safe for reads: one thread (the worker's) calls :meth:`wait`.
+    """
+
+    def __init__(
+        self,
+        client: PagekeeperClient,
+        kernel_block_sizes: Sequence[int],
+        device: str,
+        *,
+        pin: str = "staging",
+    ) -> None:
+        self._client = client
+        self.kernel_block_sizes = tuple(kernel_block_sizes)
+        self.device = device
+        self._pin = pin
+        self._lock = threading.Lock()
+        self._view: TableView | None = None
+        self._descriptor: RingDescriptor | None = None
+        self._stream: TableStream | None = None
+        self._stream_thread: threading.Thread | None = None
+        self._stream_error: BaseException | None = None
+        self._is_closed = False
+        self.num_reopens = 0
+        descriptor = client.ring
+        if descriptor is None:
+            raise RingError("the service publishes no tables for this worker (no ring)")
+        self._open(descriptor)
+
+    # -- opening and following the ring ---------------------------------------------------
+    @property
+    def descriptor(self) -> RingDescriptor:
+        assert self._descriptor is not None
+        return self._descriptor
+
+    @property
+    def kind(self) -> str:
+        return self.descriptor.kind
+
+    def _open(self, descriptor: RingDescriptor) -> None:
+        old_view, old_stream = self._view, self._stream
+        if descriptor.kind == "stream":
+            view: TableView = StreamTableView(descriptor)
+        else:
+            view = open_table_view(descriptor, pin=self._pin)
+        with self._lock:
+            self._view, self._descriptor = view, descriptor
+        if descriptor.kind == "stream":
+            self._start_stream(view)  # type: ignore[arg-type]
+        for t in self._tables_needed():
+            descriptor.geometry.table_index(*t)  # KeyError: the ring lacks our table
+        if old_stream is not None:
+            old_stream.cancel()
+        if old_view is not None:
+            old_view.close()
+
+    def _tables_needed(self) -> list[tuple[int, int]]:
+        return list(enumerate(self.kernel_block_sizes))
+
+    def _start_stream(self, view: StreamTableView) -> None:
+        stream = self._client.watch_tables()
+        self._stream = stream
+
+        def consume() -> None:
+            try:
+                for item in stream:
+                    step = item.tables
+                    try:
+                        view.feed(pack_slot(step.step_seq, step.epoch, step.tables))
+                    except SlotFormatError as exc:
+                        # Another generation: the ring was re-created; the reader re-maps.
+                        log.info("WatchTables: %s", exc)
+                        break
+            except PagekeeperError as exc:
+                self._stream_error = exc
+            finally:
+                view.mark_closed()
+
+        thread = threading.Thread(target=consume, name="pagekeeper-watch-tables", daemon=True)
+        self._stream_thread = thread
+        thread.start()
+
+    def _refresh(self) -> bool:
+        """Ask the service for the current ring; re-open if it changed. Returns whether a
+        new ring was opened."""
+        try:
+            self._client.heartbeat()
+        except FailedPreconditionError:
+            self._client.reregister()
+        descriptor = self._client.ring
+        if descriptor is None:
+            raise RingClosed("the service no longer publishes tables for this worker")
+        if self._descriptor is not None and descriptor.generation == self._descriptor.generation:
+            return False
+        log.info(
+            "ring generation %d -> %d (%s)",
+            self._descriptor.generation if self._descriptor else 0,
+            descriptor.generation,
+            descriptor.kind,
+        )
+        self._open(descriptor)
+        self.num_reopens += 1
+        return True
+
+    def _current(self) -> TableView:
+        if self._is_closed:
+            raise RingError("this worker's table view is closed")
+        view = self._view
+        assert view is not None
+        return view
+
+    # -- reading --------------------------------------------------------------------------
+    def wait(self, step_seq: int, timeout: float | None = None) -> WorkerTables:
+        """Block until step ``step_seq`` is published; return this worker's tables as
+        tensors on its device (CPU: tensors the caller owns; GPU: device buffers reused for
+        step ``step_seq + depth``). Raises :class:`~pagekeeper_client.ring.StepTimeout`,
+        :class:`~pagekeeper_client.ring.ReaderFellBehind`."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            view = self._current()
+            remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            try:
+                if self.device == "cpu":
+                    step = view.wait_tensors(step_seq, remaining)
+                else:
+                    step = view.wait_tensors(step_seq, remaining, device=self.device)
+            except (RingClosed, DescriptorError):
+                if not self._refresh():
+                    raise
+                continue
+            tables = tuple(step.table(g, k) for g, k in enumerate(self.kernel_block_sizes))
+            return WorkerTables(step.step_seq, step.epoch, step.num_reqs, tables)
+
+    def wait_arrays(
+        self, step_seq: int, timeout: float | None = None, *, copy: bool = True
+    ) -> StepTables:
+        """Step ``step_seq``'s tables as numpy arrays (every table the ring holds)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            view = self._current()
+            remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            try:
+                return view.wait(step_seq, remaining, copy=copy)
+            except (RingClosed, DescriptorError):
+                if not self._refresh():
+                    raise
+                continue
+
+    def latest_step(self) -> int:
+        """The last step published to the ring (-1 before the first)."""
+        view = self._current()
+        try:
+            return view.latest_step()
+        except (RingClosed, DescriptorError):
+            self._refresh()
+            return self._current().latest_step()
+
+    def wait_next(self, after: int, timeout: float | None = None) -> int:
+        """Block until a step later than ``after`` is published; return the latest one.
+        (A worker that follows published steps without knowing their ids calls this, then
+        :meth:`wait`.)"""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = _POLL_MIN_S
+        while True:
+            latest = self.latest_step()
+            if latest > after:
+                return latest
+            if self._stream_error is not None:
+                raise self._stream_error
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                raise StepTimeout(f"no step after {after} was published within {timeout}s")
+            time.sleep(delay if deadline is None else min(delay, deadline - now))
+            delay = min(delay * 2, _POLL_MAX_S)
+
+    def close(self) -> None:
+        if self._is_closed:
+            return
+        self._is_closed = True
+        if self._stream is not None:
+            self._stream.cancel()
+        if self._view is not None:
+            self._view.close()
+        if self._stream_thread is not None:
+            self._stream_thread.join(timeout=5)
+
+
+@dataclass(eq=False)
+class WorkerHandle:
+    """A registered worker: its client (lease renewed in the background), the chosen kernel
+    block size per group and its table view."""
+
+    client: PagekeeperClient
+    kernel_block_sizes: tuple[int, ...]
+    view: WorkerTableView
+    device: str
+
+    @property
+    def pool(self) -> PoolConfig:
+        return self.client.pool
+
+    @property
+    def client_id(self) -> str:
+        return self.client.client_id
+
+    def wait(self, step_seq: int, timeout: float | None = None) -> WorkerTables:
+        return self.view.wait(step_seq, timeout)
+
+    def close(self) -> None:
+        """Close the view and unregister."""
+        self.view.close()
+        self.client.close()
+
+    def __enter__(self) -> WorkerHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def register_worker(
+    address: str | None = None,
+    device: str = "cpu",
+    backends_per_group: (
+        Mapping[int, Sequence[BackendSpec]] | Sequence[Sequence[BackendSpec]] | None
+    ) = None,
+    *,
+    token: str | None = None,
+    name: str = "",
+    lease_ttl: float | None = None,
+    pin: str = "staging",
+    client: PagekeeperClient | None = None,
+    **client_options: Any,
+) -> WorkerHandle:
+    """Register a worker and open its table view.
+
+    ``backends_per_group``: per group id, the attention backends its layers use, each a
+    :class:`~pagekeeper_client.types.KernelBackend`, an exact size or a list of sizes (a
+    group left out accepts any size and gets its page size). The service chooses one kernel
+    block size per group that every backend supports (:class:`FailedPreconditionError`,
+    with the service's reason, when none does). ``device``: "cpu" or "cuda:N" (checked:
+    torch must see CUDA). ``pin``: how a shm ring reaches a GPU ("staging" or "register").
+    """
+    device = _check_device(device)
+    own = client is None
+    if client is None:
+        client = PagekeeperClient(address, token=token, **client_options)
+    try:
+        registration = client.register(
+            "worker",
+            name=name,
+            lease_ttl=lease_ttl,
+            device=device,
+            kernel_support=backends_per_group,
+        )
+        view = WorkerTableView(client, registration.kernel_block_sizes, device, pin=pin)
+    except BaseException:
+        if own:
+            client.close()
+        raise
+    return WorkerHandle(client, registration.kernel_block_sizes, view, device)
+
+
+__all__ = ["WorkerHandle", "WorkerTableView", "WorkerTables", "register_worker"]

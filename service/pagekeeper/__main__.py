@@ -1,0 +1,98 @@
+"""``pagekeeper serve`` / ``pagekeeper config`` (also ``python -m pagekeeper``).
+
+Configuration precedence, weakest first: embedded defaults < ``--config FILE.toml`` (or
+``$PAGEKEEPER_CONFIG``) < ``PAGEKEEPER_*`` environment variables < flags. A bad value exits
+with status 2 and one line naming the field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from pagekeeper import __version__
+from pagekeeper.core.errors import ConfigError
+from pagekeeper.settings import OPTIONS, Settings, load_settings, to_json, to_toml
+
+EXIT_CONFIG = 2
+EXIT_START = 1
+
+_BOOL_PATHS = {"server.debug_invariants", "pool.enable_prefix_caching"}
+
+
+def _add_config_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="FILE", help="TOML configuration file")
+    group = parser.add_argument_group("settings (override the file and PAGEKEEPER_* env vars)")
+    for option in OPTIONS:
+        kwargs: dict[str, object] = {"dest": option.path, "default": None, "help": option.help}
+        if option.path in _BOOL_PATHS:
+            # `--debug-invariants` alone means true; `--debug-invariants=false` also works.
+            kwargs.update(nargs="?", const="true", metavar="BOOL")
+        else:
+            kwargs["metavar"] = option.path.rsplit(".", 1)[1].upper()
+        group.add_argument(option.flag, **kwargs)  # type: ignore[arg-type]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pagekeeper", description="KV-cache block-manager service for LLM serving."
+    )
+    parser.add_argument("--version", action="version", version=f"pagekeeper {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the service (gRPC + HTTP)")
+    _add_config_flags(serve)
+    serve.add_argument(
+        "--ready-file",
+        metavar="PATH",
+        help="write {pid, grpc_address, http_address, grpc_port, http_port} as JSON here once "
+        "ready (removed on exit)",
+    )
+    config = sub.add_parser("config", help="print the effective configuration")
+    _add_config_flags(config)
+    config.add_argument("--format", choices=("toml", "json"), default="toml")
+    return parser
+
+
+def _settings(ns: argparse.Namespace) -> Settings:
+    flags = {option.path: getattr(ns, option.path) for option in OPTIONS}
+    return load_settings(config_path=ns.config, environ=os.environ, flags=flags)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    try:
+        settings = _settings(ns)
+    except ConfigError as exc:
+        print(f"pagekeeper: bad configuration: {exc.field}: {exc.reason}", file=sys.stderr)
+        return EXIT_CONFIG
+    if ns.command == "config":
+        sys.stdout.write(to_toml(settings) if ns.format == "toml" else to_json(settings) + "\n")
+        return 0
+
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    from pagekeeper.runtime import build_runtime
+    from pagekeeper.server import serve
+
+    try:
+        runtime = build_runtime(settings)
+    except ConfigError as exc:
+        print(f"pagekeeper: bad configuration: {exc.field}: {exc.reason}", file=sys.stderr)
+        return EXIT_CONFIG
+    try:
+        asyncio.run(serve(settings, ready_file=ns.ready_file, runtime=runtime))
+    except OSError as exc:
+        print(f"pagekeeper: cannot start: {exc}", file=sys.stderr)
+        return EXIT_START
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The REST adapter (FastAPI): read-mostly introspection, admin actions, metrics."""

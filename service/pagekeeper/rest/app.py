@@ -1,0 +1,107 @@
+"""The FastAPI app factory: routers, the problem-body error handlers, latency metrics.
+
+No module-level state: everything hangs off ``app.state.runtime``, handed in by the caller,
+so tests build as many independent apps as they like (and override dependencies).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pagekeeper import __version__
+from pagekeeper.core.errors import ErrorCode, PagekeeperError
+from pagekeeper.errors_map import PROBLEM_CONTENT_TYPE, http_problem, problem
+from pagekeeper.rest.routers import admin, clients, events, health, lookup, metrics, pages, pool
+from pagekeeper.rest.routers import requests as requests_router
+from pagekeeper.rest.routers.dashboard import install as install_dashboard
+from pagekeeper.rest.schemas import Problem
+from pagekeeper.runtime import Runtime
+
+log = logging.getLogger(__name__)
+
+DESCRIPTION = """\
+Introspection and administration of one pagekeeper pool (the hot path is gRPC).
+
+Errors are RFC 9457 problem bodies (`application/problem+json`). Admin endpoints need
+`Authorization: Bearer <admin token>`.
+"""
+
+
+def _problem_response(status: int, body: dict[str, object]) -> JSONResponse:
+    return JSONResponse(body, status_code=status, media_type=PROBLEM_CONTENT_TYPE)
+
+
+def create_app(runtime: Runtime) -> FastAPI:
+    """Build the REST app over one runtime (state, settings, metrics)."""
+    app = FastAPI(
+        title="pagekeeper",
+        version=__version__,
+        description=DESCRIPTION,
+        # Documented once for every route: a validation failure is a problem body too.
+        responses={
+            422: {
+                "model": Problem,
+                "description": "Malformed parameters or body.",
+                "content": {
+                    PROBLEM_CONTENT_TYPE: {"schema": {"$ref": "#/components/schemas/Problem"}}
+                },
+            }
+        },
+    )
+    app.state.runtime = runtime
+
+    @app.exception_handler(PagekeeperError)
+    async def on_domain_error(request: Request, exc: PagekeeperError) -> JSONResponse:
+        status, body = http_problem(exc)
+        return _problem_response(status, body)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        details = "; ".join(
+            f"{'.'.join(str(p) for p in err.get('loc', ()))}: {err.get('msg', '')}"
+            for err in exc.errors()
+        )
+        body = problem(ErrorCode.INVALID_ARGUMENT, details or "invalid request")
+        body["status"] = 422
+        return _problem_response(422, body)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = ErrorCode.NOT_FOUND if exc.status_code == 404 else ErrorCode.INVALID_ARGUMENT
+        body = problem(code, str(exc.detail))
+        body["status"] = exc.status_code
+        body["title"] = "Not found" if exc.status_code == 404 else "HTTP error"
+        return _problem_response(exc.status_code, body)
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return _problem_response(500, problem(ErrorCode.INTERNAL, "internal error"))
+
+    http_seconds = runtime.metrics.http_seconds
+
+    @app.middleware("http")
+    async def observe_latency(
+        request: Request, call_next: Callable[[Request], Awaitable[Response]]
+    ) -> Response:
+        started = time.perf_counter()
+        response = await call_next(request)
+        route = request.scope.get("route")
+        # Label by route template, never the raw path (ids would explode the label set).
+        template = getattr(route, "path", "unmatched")
+        http_seconds.labels(request.method, template, str(response.status_code)).observe(
+            time.perf_counter() - started
+        )
+        return response
+
+    for module in (health, pool, pages, requests_router, clients, events, lookup, admin, metrics):
+        app.include_router(module.router)
+    install_dashboard(app)  # GET /, /dashboard/static/..., /v1/dashboard/...
+    return app

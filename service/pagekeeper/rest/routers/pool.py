@@ -1,0 +1,91 @@
+"""The pool at a glance."""
+
+from __future__ import annotations
+
+import numpy as np
+from fastapi import APIRouter
+
+from pagekeeper.rest.deps import RuntimeDep
+from pagekeeper.rest.schemas import (
+    GroupModel,
+    LimitsModel,
+    PagesModel,
+    PoolConfigModel,
+    PoolView,
+    PrefixCacheModel,
+    StepsModel,
+)
+
+router = APIRouter(tags=["pool"])
+
+
+@router.get("/v1/pool", response_model=PoolView, summary="Configuration, usage and counters.")
+def get_pool(runtime: RuntimeDep) -> PoolView:
+    state, settings = runtime.state, runtime.settings
+    config = settings.pool
+    stats = state.stats()
+    counters = state.counters
+    percentiles = counters.step_percentiles()
+    page_states = state.manager.page_states()
+    page_groups, ref_counts = page_states["group"], page_states["ref_count"]
+    used_per_group = np.bincount(
+        page_groups[(ref_counts > 0) & (page_groups >= 0)].astype(np.int64),
+        minlength=len(config.groups),
+    )
+    return PoolView(
+        config=PoolConfigModel(
+            num_pages=config.num_pages,
+            enable_prefix_caching=config.enable_prefix_caching,
+            hash_algorithm=config.hash_algorithm,
+            max_model_len=config.max_model_len,
+        ),
+        groups=[
+            GroupModel(
+                group_id=i,
+                kind=g.kind.value,
+                page_size=g.page_size,
+                window=g.window,
+                chunk=g.chunk,
+                enable_state_caching=g.enable_state_caching,
+                name=g.name,
+                num_used_pages=int(used_per_group[i]),
+            )
+            for i, g in enumerate(config.groups)
+        ],
+        limits=LimitsModel(
+            max_requests_per_step=settings.max_requests_per_step,
+            max_tokens_per_step=settings.max_tokens_per_step,
+            max_clients=settings.max_clients,
+            max_message_bytes=settings.max_message_bytes,
+            lease_ttl_s=settings.lease_ttl_s,
+        ),
+        pages=PagesModel(
+            num_pages=stats.num_pages,
+            num_free_pages=stats.num_free_pages,
+            num_used_pages=stats.num_used_pages,
+            num_cached_pages=stats.num_cached_pages,
+            num_free_cached_pages=stats.num_free_cached_pages,
+            usage=stats.usage,
+        ),
+        prefix_cache=PrefixCacheModel(
+            hit_rate=stats.prefix_hit_rate,
+            queries_tokens=stats.prefix_queries_tokens,
+            hits_tokens=stats.prefix_hits_tokens,
+            queries_requests=stats.prefix_queries_requests,
+            hits_requests=stats.prefix_hits_requests,
+            num_evictions=stats.num_evictions,
+        ),
+        steps=StepsModel(
+            num_steps=counters.num_steps,
+            num_retries=counters.num_step_retries,
+            num_rejected=counters.num_steps_rejected,
+            num_published=counters.num_published,
+            num_no_capacity=stats.num_no_capacity,
+            apply_p50_ms=percentiles["p50"] * 1000,
+            apply_p99_ms=percentiles["p99"] * 1000,
+        ),
+        num_requests=stats.num_requests,
+        num_clients=len(state.clients()),
+        last_event_seq=state.last_event_seq,
+        padding_tokens_per_group=list(stats.padding_tokens_per_group),
+    )

@@ -1,0 +1,109 @@
+"""Running requests: list, detail (with a kernel table on demand), admin force-free."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Path, Query
+
+from pagekeeper.core.errors import InvalidArgument
+from pagekeeper.core.tables import expand_to_kernel_blocks
+from pagekeeper.rest.deps import AdminDep, RuntimeDep, StateDep
+from pagekeeper.rest.routers.pages import parse_cursor
+from pagekeeper.rest.schemas import (
+    FreedRequest,
+    RequestDetail,
+    RequestList,
+    RequestSummary,
+    problem_responses,
+)
+from pagekeeper.state import ForceFreeCommand
+
+router = APIRouter(tags=["requests"])
+
+MAX_LIMIT = 1000
+RequestIdPath = Annotated[str, Path(min_length=1, max_length=256, description="Request id.")]
+
+
+def _summary_fields(state: StateDep, request_id: str) -> dict[str, object]:
+    info = state.request_info(request_id)
+    return {
+        "request_id": info.request_id,
+        "owner": info.owner,
+        "num_tokens": info.num_tokens,
+        "num_computed_tokens": info.num_computed_tokens,
+        "num_cached_tokens": info.num_cached_tokens,
+        "num_pages": [len(pages) for pages in info.page_ids],
+        "page_ids": [list(pages) for pages in info.page_ids],
+    }
+
+
+@router.get(
+    "/v1/requests",
+    response_model=RequestList,
+    summary="Running requests.",
+    responses=problem_responses(400),
+)
+def list_requests(
+    state: StateDep,
+    limit: Annotated[int, Query(ge=1, le=MAX_LIMIT, description="Most requests returned.")] = 100,
+    cursor: Annotated[
+        str | None, Query(description="From a previous answer's next_cursor.")
+    ] = None,
+) -> RequestList:
+    start = parse_cursor(cursor)
+    ids = state.request_ids()
+    chunk = ids[start : start + limit]
+    items = []
+    for request_id in chunk:
+        fields = _summary_fields(state, request_id)
+        fields.pop("page_ids")
+        items.append(RequestSummary(**fields))  # type: ignore[arg-type]
+    end = start + len(chunk)
+    return RequestList(items=items, next_cursor=str(end) if end < len(ids) else None)
+
+
+@router.get(
+    "/v1/requests/{request_id}",
+    response_model=RequestDetail,
+    summary="One request's pages per group; ?kernel_block_size=N adds its kernel tables.",
+    responses=problem_responses(400, 404),
+)
+def get_request(
+    state: StateDep,
+    request_id: RequestIdPath,
+    kernel_block_size: Annotated[
+        int | None,
+        Query(ge=1, lt=2**20, description="Must divide every group's page size."),
+    ] = None,
+) -> RequestDetail:
+    fields = _summary_fields(state, request_id)
+    kernel_ids = None
+    if kernel_block_size is not None:
+        kernel_ids = []
+        for group, pages in zip(state.pool_config.groups, fields["page_ids"], strict=True):  # type: ignore[call-overload]
+            if group.page_size % kernel_block_size != 0:
+                raise InvalidArgument(
+                    f"kernel_block_size {kernel_block_size} does not divide page size "
+                    f"{group.page_size}"
+                )
+            ratio = group.page_size // kernel_block_size
+            kernel_ids.append(expand_to_kernel_blocks(pages, ratio).tolist() if pages else [])
+    return RequestDetail(
+        **fields,  # type: ignore[arg-type]
+        kernel_block_size=kernel_block_size,
+        kernel_block_ids=kernel_ids,
+    )
+
+
+@router.delete(
+    "/v1/requests/{request_id}",
+    response_model=FreedRequest,
+    summary="Admin: free a request's pages, whoever owns it.",
+    dependencies=[AdminDep],
+    responses=problem_responses(401, 403, 404),
+)
+def delete_request(runtime: RuntimeDep, request_id: RequestIdPath) -> FreedRequest:
+    owner = runtime.state.request_info(request_id).owner
+    runtime.state.force_free(ForceFreeCommand(runtime.now(), request_id))
+    return FreedRequest(request_id=request_id, owner=owner)

@@ -1,0 +1,1 @@
+"""The gRPC adapter: servicer, conversions, server assembly."""

@@ -1,0 +1,342 @@
+"""Protobuf <-> domain conversion; pure functions, no I/O.
+
+Arrays travel as raw little-endian bytes: decoding is one ``numpy.frombuffer`` (zero copy),
+encoding one ``tobytes``. Malformed input raises :class:`InvalidArgument` so the servicer
+answers INVALID_ARGUMENT before anything changes.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from pagekeeper.core.config import GroupKind, PoolConfig
+from pagekeeper.core.errors import InvalidArgument
+from pagekeeper.core.events import AllCleared, KVEvent, PageRemoved, PageStored
+from pagekeeper.core.types import BatchTables, ExtraKeys, Int32Array, MultiModalKey, PoolStats
+from pagekeeper.publish.api import RingDescriptor
+from pagekeeper.state import (
+    Admission,
+    AllocationOutcome,
+    AllocationStatus,
+    Batch,
+    ClientRole,
+    GroupKernelSupport,
+    Growth,
+    KernelBackend,
+    Limits,
+    ServiceCounters,
+    StepCommand,
+    StepResult,
+)
+from pagekeeper_client._proto.pagekeeper.v1 import pagekeeper_pb2 as pb
+
+I32 = np.dtype("<i4")
+I64 = np.dtype("<i8")
+_EMPTY_I32: Int32Array = np.empty(0, dtype=np.int32)
+_EMPTY_I32.flags.writeable = False
+_IS_LITTLE_ENDIAN = sys.byteorder == "little"
+
+GROUP_KIND_TO_PB = {
+    GroupKind.FULL: pb.GROUP_KIND_FULL,
+    GroupKind.SLIDING_WINDOW: pb.GROUP_KIND_SLIDING_WINDOW,
+    GroupKind.CHUNKED_LOCAL: pb.GROUP_KIND_CHUNKED_LOCAL,
+    GroupKind.MAMBA: pb.GROUP_KIND_MAMBA,
+}
+ROLE_FROM_PB = {
+    pb.CLIENT_ROLE_SCHEDULER: ClientRole.SCHEDULER,
+    pb.CLIENT_ROLE_WORKER: ClientRole.WORKER,
+}
+STATUS_TO_PB = {
+    AllocationStatus.OK: pb.ALLOCATION_STATUS_OK,
+    AllocationStatus.NO_CAPACITY: pb.ALLOCATION_STATUS_NO_CAPACITY,
+    AllocationStatus.REJECTED: pb.ALLOCATION_STATUS_REJECTED,
+}
+RING_KIND_TO_PB = {
+    "shm": pb.RING_KIND_SHM,
+    "cuda_ipc": pb.RING_KIND_CUDA_IPC,
+    "cpu_ipc": pb.RING_KIND_CPU_IPC,
+    "stream": pb.RING_KIND_STREAM,
+}
+
+
+# -- arrays ---------------------------------------------------------------------------------
+
+
+def decode_i32(data: bytes, what: str | Callable[[], str]) -> Int32Array:
+    """Raw little-endian int32 bytes -> read-only int32 array (no copy on little-endian).
+    ``what`` names the field in the error (a callable defers building the name: this runs
+    once per request of a step)."""
+    if len(data) % 4:
+        name = what() if callable(what) else what
+        raise InvalidArgument(f"{name}: {len(data)} bytes is not a whole number of int32")
+    if not data:
+        return _EMPTY_I32
+    array = np.frombuffer(data, dtype=I32)
+    return array if _IS_LITTLE_ENDIAN else array.astype(np.int32)
+
+
+def encode_i32(values: Sequence[int] | np.ndarray) -> bytes:
+    if isinstance(values, np.ndarray):
+        return values.astype(I32, copy=False).tobytes()
+    if not values:
+        return b""
+    return np.array(values, dtype=I32).tobytes()
+
+
+def encode_i64(values: np.ndarray) -> bytes:
+    return values.astype(I64, copy=False).tobytes()
+
+
+# -- config and counters --------------------------------------------------------------------
+
+
+def pool_config_to_pb(config: PoolConfig) -> pb.PoolConfig:
+    return pb.PoolConfig(
+        num_pages=config.num_pages,
+        groups=[
+            pb.GroupInfo(
+                group_id=i,
+                kind=GROUP_KIND_TO_PB[g.kind],
+                page_size=g.page_size,
+                window=g.window or 0,
+                chunk=g.chunk or 0,
+                enable_state_caching=g.enable_state_caching,
+                name=g.name,
+            )
+            for i, g in enumerate(config.groups)
+        ],
+        enable_prefix_caching=config.enable_prefix_caching,
+        hash_algorithm=config.hash_algorithm,
+        max_model_len=config.max_model_len,
+    )
+
+
+def limits_to_pb(limits: Limits, max_message_bytes: int) -> pb.Limits:
+    return pb.Limits(
+        max_requests_per_step=limits.max_requests_per_step,
+        max_tokens_per_step=limits.max_tokens_per_step,
+        max_clients=limits.max_clients,
+        max_message_bytes=max_message_bytes,
+        lease_ttl_ms=round(limits.lease_ttl_s * 1000),
+    )
+
+
+def counters_to_pb(
+    stats: PoolStats, counters: ServiceCounters, num_clients: int, last_event_seq: int
+) -> pb.PoolCounters:
+    return pb.PoolCounters(
+        num_free_pages=stats.num_free_pages,
+        num_used_pages=stats.num_used_pages,
+        num_cached_pages=stats.num_cached_pages,
+        num_free_cached_pages=stats.num_free_cached_pages,
+        num_requests=stats.num_requests,
+        usage=stats.usage,
+        prefix_queries_tokens=stats.prefix_queries_tokens,
+        prefix_hits_tokens=stats.prefix_hits_tokens,
+        prefix_queries_requests=stats.prefix_queries_requests,
+        prefix_hits_requests=stats.prefix_hits_requests,
+        prefix_hit_rate=stats.prefix_hit_rate,
+        num_evictions=stats.num_evictions,
+        num_allocated_pages_total=stats.num_allocated_pages_total,
+        num_freed_pages_total=stats.num_freed_pages_total,
+        num_no_capacity=stats.num_no_capacity,
+        num_steps=counters.num_steps,
+        num_published=counters.num_published,
+        num_clients=num_clients,
+        last_event_seq=last_event_seq,
+    )
+
+
+# -- registration ---------------------------------------------------------------------------
+
+
+def role_from_pb(role: int) -> ClientRole:
+    try:
+        return ROLE_FROM_PB[role]
+    except KeyError:
+        raise InvalidArgument("role must be CLIENT_ROLE_SCHEDULER or CLIENT_ROLE_WORKER") from None
+
+
+def kernel_support_from_pb(
+    entries: Sequence[pb.GroupKernelSupport],
+) -> tuple[GroupKernelSupport, ...]:
+    return tuple(
+        GroupKernelSupport(
+            group_id=e.group_id,
+            backends=tuple(
+                KernelBackend(b.name, tuple(b.block_sizes), tuple(b.multiple_of))
+                for b in e.backends
+            ),
+        )
+        for e in entries
+    )
+
+
+def ring_to_pb(ring: RingDescriptor) -> pb.RingDescriptor:
+    geometry = ring.geometry
+    return pb.RingDescriptor(
+        kind=RING_KIND_TO_PB.get(ring.kind, pb.RING_KIND_UNSPECIFIED),
+        generation=ring.generation,
+        geometry=pb.RingGeometry(
+            depth=geometry.depth,
+            max_num_reqs=geometry.max_num_reqs,
+            max_num_tokens=geometry.max_num_tokens,
+            tables=[
+                pb.RingTableGeometry(group_id=g, kernel_block_size=k, max_kernel_blocks_per_row=c)
+                for g, k, c in geometry.tables
+            ],
+        ),
+        size_bytes=ring.size_bytes,
+        layout_version=ring.layout_version,
+        path=ring.path,
+        device=ring.device,
+        gpu_uuid=ring.gpu_uuid,
+        ipc_handle=ring.ipc_handle,
+        event_handles=list(ring.event_handles),
+        offset=ring.offset,
+        exporter_pid=ring.exporter_pid,
+        dtype=ring.dtype,
+        ref_counter_handle=ring.ref_counter_handle,
+        ref_counter_offset=ring.ref_counter_offset,
+    )
+
+
+# -- step -----------------------------------------------------------------------------------
+
+
+def extra_keys_from_pb(msg: pb.ExtraKeys) -> ExtraKeys | None:
+    lora_name = msg.lora_name if msg.HasField("lora_name") else None
+    lora_path = msg.lora_path if msg.HasField("lora_path") else None
+    cache_salt = msg.cache_salt if msg.HasField("cache_salt") else None
+    mm = tuple(MultiModalKey(m.identifier, m.offset, m.length) for m in msg.mm_inputs)
+    if lora_name is None and lora_path is None and cache_salt is None and not mm:
+        return None
+    return ExtraKeys(lora_name=lora_name, lora_path=lora_path, mm_inputs=mm, cache_salt=cache_salt)
+
+
+def _growth_from_pb(g: pb.Growth) -> Growth:
+    data = g.new_token_ids
+    tokens = _EMPTY_I32
+    if data:
+        tokens = decode_i32(data, lambda: f"growth {g.request_id!r}: new_token_ids")
+    return Growth(
+        g.request_id,
+        g.num_new_tokens,
+        tokens,
+        g.num_computed_tokens if g.HasField("num_computed_tokens") else None,
+        g.num_lookahead_tokens,
+    )
+
+
+def step_from_pb(request: pb.StepRequest, now: float) -> StepCommand:
+    # The hot part of a decode step: up to hundreds of growths, so one plain call each.
+    growths = tuple(map(_growth_from_pb, request.growths))
+    admissions = tuple(
+        Admission(
+            request_id=a.request_id,
+            token_ids=decode_i32(a.token_ids, lambda a=a: f"admission {a.request_id!r}: token_ids"),
+            num_new_tokens=a.num_new_tokens,
+            extra_keys=extra_keys_from_pb(a.extra_keys) if a.HasField("extra_keys") else None,
+            page_hashes=tuple(a.page_hashes) if a.page_hashes else None,
+            num_lookahead_tokens=a.num_lookahead_tokens,
+            enable_cache_read=a.enable_cache_read if a.HasField("enable_cache_read") else True,
+        )
+        for a in request.admissions
+    )
+    batch = None
+    if request.HasField("batch"):
+        b = request.batch
+        counts = b.num_scheduled_tokens
+        batch = Batch(
+            request_ids=tuple(b.request_ids),
+            num_scheduled_tokens=decode_i32(counts, "batch.num_scheduled_tokens")
+            if counts
+            else None,
+        )
+    return StepCommand(
+        now=now,
+        client_id=request.client_id,
+        generation=request.generation,
+        step_id=request.step_id,
+        frees=tuple(request.free_request_ids),
+        growths=growths,
+        admissions=admissions,
+        batch=batch,
+    )
+
+
+def _pages_to_pb(per_group: tuple[tuple[int, ...], ...]) -> list[bytes]:
+    return [encode_i32(pages) for pages in per_group]
+
+
+def outcome_to_pb(outcome: AllocationOutcome) -> pb.AllocationResult:
+    return pb.AllocationResult(
+        request_id=outcome.request_id,
+        status=STATUS_TO_PB[outcome.status],
+        num_cached_tokens=outcome.num_cached_tokens,
+        new_page_ids=_pages_to_pb(outcome.new_page_ids),
+        hit_page_ids=_pages_to_pb(outcome.hit_page_ids),
+        reason=outcome.reason,
+    )
+
+
+def step_result_to_pb(result: StepResult) -> pb.StepResponse:
+    return pb.StepResponse(
+        step_id=result.step_id,
+        results=[outcome_to_pb(o) for o in result.results],
+        is_published=result.is_published,
+        published_slot=result.published_slot,
+        unscheduled_request_ids=list(result.unscheduled_request_ids),
+        num_free_pages=result.num_free_pages,
+        last_event_seq=result.last_event_seq,
+        publish_error=result.publish_error,
+        is_retry=result.is_retry,
+    )
+
+
+# -- events and tables ----------------------------------------------------------------------
+
+
+def event_to_pb(event: KVEvent) -> pb.KVEvent:
+    if isinstance(event, PageStored):
+        stored = pb.PageStored(
+            group_id=event.group_id,
+            page_hashes=list(event.page_hashes),
+            token_ids=encode_i32(event.token_ids),
+            page_size=event.page_size,
+            page_ids=encode_i32(event.page_ids),
+        )
+        if event.parent_page_hash is not None:
+            stored.parent_page_hash = event.parent_page_hash
+        if event.lora_name is not None:
+            stored.lora_name = event.lora_name
+        return pb.KVEvent(seq=event.seq, stored=stored)
+    if isinstance(event, PageRemoved):
+        return pb.KVEvent(
+            seq=event.seq,
+            removed=pb.PageRemoved(
+                group_id=event.group_id,
+                page_hashes=list(event.page_hashes),
+                page_ids=encode_i32(event.page_ids),
+            ),
+        )
+    if isinstance(event, AllCleared):
+        return pb.KVEvent(seq=event.seq, all_cleared=pb.AllCleared())
+    raise TypeError(f"unknown event {type(event).__name__}")
+
+
+def table_to_pb(table: BatchTables) -> pb.PublishedTable:
+    block_table = table.block_table
+    num_reqs, num_cols = block_table.shape
+    return pb.PublishedTable(
+        group_id=table.group_id,
+        kernel_block_size=table.kernel_block_size,
+        block_table=np.ascontiguousarray(block_table).astype(I32, copy=False).tobytes(),
+        row_lengths=encode_i32(table.row_lengths),
+        slot_mapping=encode_i64(table.slot_mapping),
+        num_reqs=num_reqs,
+        num_cols=num_cols,
+    )

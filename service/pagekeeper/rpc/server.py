@@ -1,0 +1,116 @@
+"""Assemble the ``grpc.aio`` server: servicer, health, reflection, auth, limits, keepalive."""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from pagekeeper.rpc.servicer import PagekeeperServicer
+from pagekeeper.runtime import Runtime
+from pagekeeper.settings import Settings
+from pagekeeper_client._proto.pagekeeper.v1 import pagekeeper_pb2 as pb
+from pagekeeper_client._proto.pagekeeper.v1 import pagekeeper_pb2_grpc as pb_grpc
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PagekeeperService"].full_name
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
+
+
+def grpc_options(settings: Settings) -> list[tuple[str, Any]]:
+    """Channel arguments of the server.
+
+    Keepalive: clients may ping every 30 s even with no call in flight (the minimum accepted
+    interval is 10 s, so a 30 s client never collects "too many pings" strikes); the server
+    pings idle clients every 60 s and drops them after 20 s without an answer.
+    """
+    return [
+        ("grpc.max_receive_message_length", settings.max_message_bytes),
+        ("grpc.max_send_message_length", settings.max_message_bytes),
+        ("grpc.keepalive_time_ms", 60_000),
+        ("grpc.keepalive_timeout_ms", 20_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        ("grpc.http2.max_pings_without_data", 0),
+        # Two servers must never share a port silently.
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+def _deny_handler(message: str) -> grpc.RpcMethodHandler:
+    async def deny(request: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    return grpc.unary_unary_rpc_method_handler(deny)
+
+
+class BearerTokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Require ``authorization: Bearer <token>`` on every call except health checks (load
+    balancers and orchestrators probe health without credentials)."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+        self._missing = _deny_handler("missing 'authorization: Bearer <token>' metadata")
+        self._wrong = _deny_handler("invalid bearer token")
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        if handler_call_details.method.startswith(HEALTH_PREFIX):
+            return await continuation(handler_call_details)
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == "authorization":
+                given = value.encode() if isinstance(value, str) else value
+                if hmac.compare_digest(given, self._expected):
+                    return await continuation(handler_call_details)
+                return self._wrong
+        return self._missing
+
+
+class GrpcServer:
+    """The started server, its bound address and its health servicer."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        settings = runtime.settings
+        interceptors = [BearerTokenInterceptor(settings.token)] if settings.token else []
+        self.server = grpc.aio.server(interceptors=interceptors, options=grpc_options(settings))
+        pb_grpc.add_PagekeeperServiceServicer_to_server(PagekeeperServicer(runtime), self.server)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
+        )
+        self.address = ""
+
+    async def start(self, address: str) -> str:
+        """Bind and start; returns the bound address (the real port when 0 was asked)."""
+        port = self.server.add_insecure_port(address)
+        if not address.startswith("unix:"):
+            if port == 0:
+                raise OSError(f"cannot bind gRPC to {address}")
+            host = address.rpartition(":")[0]
+            address = f"{host}:{port}"
+        await self.set_serving(False)
+        await self.server.start()
+        self.address = address
+        return address
+
+    async def set_serving(self, is_serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if is_serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
+
+    async def stop(self, grace: float) -> None:
+        """Stop accepting, let in-flight calls finish for up to ``grace`` seconds."""
+        await self.set_serving(False)
+        await self.server.stop(grace)

@@ -1,0 +1,276 @@
+"""The gRPC servicer: convert the request, call the state, convert the answer.
+
+Unary handlers run their whole body synchronously (no ``await`` between reading and writing
+the state), so a step is atomic with respect to every other call in the process. Errors of
+the core leave through :mod:`pagekeeper.errors_map`, the one status table.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from pagekeeper import __version__
+from pagekeeper.core.errors import PagekeeperError
+from pagekeeper.errors_map import grpc_status
+from pagekeeper.rpc import convert
+from pagekeeper.runtime import Runtime
+from pagekeeper.state import (
+    ClientRole,
+    HeartbeatCommand,
+    RegisterCommand,
+    ResetPrefixCacheCommand,
+    UnregisterCommand,
+)
+from pagekeeper_client._proto.pagekeeper.v1 import pagekeeper_pb2 as pb
+from pagekeeper_client._proto.pagekeeper.v1 import pagekeeper_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+
+DEFAULT_EVENTS_PER_MESSAGE = 1024
+MAX_EVENTS_PER_MESSAGE = 16384
+# Streams re-check their client's registration at least this often while idle.
+_STREAM_RECHECK_S = 1.0
+
+
+def _unary(
+    method: Callable[[Any, Req, grpc.aio.ServicerContext], Resp],
+) -> Callable[[Any, Req, grpc.aio.ServicerContext], Any]:
+    """Wrap a synchronous handler body: map domain errors to statuses, time the call."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    async def handler(
+        self: PagekeeperServicer, request: Req, context: grpc.aio.ServicerContext
+    ) -> Resp:
+        started = time.perf_counter()
+        code = "OK"
+        try:
+            return method(self, request, context)
+        except PagekeeperError as exc:
+            status, reason = grpc_status(exc)
+            code = status.name
+            await context.abort(status, reason)
+            raise  # unreachable: abort raises
+        except Exception:
+            code = "INTERNAL"
+            log.exception("%s failed", name)
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {name}")
+            raise
+        finally:
+            self._rpc_seconds.labels(name, code).observe(time.perf_counter() - started)
+
+    return handler
+
+
+class PagekeeperServicer(pb_grpc.PagekeeperServiceServicer):  # type: ignore[misc]
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        self.state = runtime.state
+        self._rpc_seconds = runtime.metrics.rpc_seconds
+        self._step_seconds = runtime.metrics.step_apply_seconds
+        settings = runtime.settings
+        self._pool_pb = convert.pool_config_to_pb(settings.pool)
+        self._limits_pb = convert.limits_to_pb(self.state.limits, settings.max_message_bytes)
+
+    # -- pool ---------------------------------------------------------------------------
+    @_unary
+    def GetPoolInfo(self, request: pb.GetPoolInfoRequest, context: Any) -> pb.GetPoolInfoResponse:
+        state = self.state
+        return pb.GetPoolInfoResponse(
+            config=self._pool_pb,
+            limits=self._limits_pb,
+            counters=convert.counters_to_pb(
+                state.stats(), state.counters, len(state.clients()), state.last_event_seq
+            ),
+            server_version=__version__,
+        )
+
+    # -- registration -------------------------------------------------------------------
+    @_unary
+    def RegisterClient(
+        self, request: pb.RegisterClientRequest, context: Any
+    ) -> pb.RegisterClientResponse:
+        role = convert.role_from_pb(request.role)
+        result = self.state.register(
+            RegisterCommand(
+                now=self.runtime.now(),
+                role=role,
+                name=request.name,
+                client_id=request.client_id,
+                lease_ttl_s=request.lease_ttl_ms / 1000.0,
+                device=request.device,
+                kernel_support=convert.kernel_support_from_pb(request.kernel_support),
+            )
+        )
+        response = pb.RegisterClientResponse(
+            client_id=result.client_id,
+            generation=result.generation,
+            lease_ttl_ms=round(result.lease_ttl_s * 1000),
+            kernel_block_sizes=[
+                pb.KernelBlockSize(group_id=g, kernel_block_size=k)
+                for g, k in enumerate(result.kernel_block_sizes)
+            ],
+            pool=self._pool_pb,
+            limits=self._limits_pb,
+            last_step_id=result.last_step_id,
+            last_published_step_seq=result.last_published_step_seq,
+        )
+        if result.ring is not None:
+            response.ring.CopyFrom(convert.ring_to_pb(result.ring))
+        log.info(
+            "registered %s %s generation %d%s",
+            role.value,
+            result.client_id,
+            result.generation,
+            f" kernel block sizes {list(result.kernel_block_sizes)}"
+            if role is ClientRole.WORKER
+            else "",
+        )
+        return response
+
+    @_unary
+    def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> pb.HeartbeatResponse:
+        result = self.state.heartbeat(
+            HeartbeatCommand(self.runtime.now(), request.client_id, request.generation)
+        )
+        response = pb.HeartbeatResponse(
+            lease_ttl_ms=round(result.lease_ttl_s * 1000), last_event_seq=result.last_event_seq
+        )
+        if result.ring is not None:
+            response.ring.CopyFrom(convert.ring_to_pb(result.ring))
+        return response
+
+    @_unary
+    def Unregister(self, request: pb.UnregisterRequest, context: Any) -> pb.UnregisterResponse:
+        freed = self.state.unregister(
+            UnregisterCommand(self.runtime.now(), request.client_id, request.generation)
+        )
+        log.info("unregistered %s (%d requests freed)", request.client_id, freed)
+        return pb.UnregisterResponse(num_freed_requests=freed)
+
+    # -- the hot path -------------------------------------------------------------------
+    @_unary
+    def Step(self, request: pb.StepRequest, context: Any) -> pb.StepResponse:
+        command = convert.step_from_pb(request, self.runtime.now())
+        started = time.perf_counter()
+        result = self.state.step(command)
+        self._step_seconds.observe(time.perf_counter() - started)
+        return convert.step_result_to_pb(result)
+
+    @_unary
+    def Lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupResponse:
+        result = self.state.lookup(
+            convert.decode_i32(request.token_ids, "token_ids"),
+            convert.extra_keys_from_pb(request.extra_keys)
+            if request.HasField("extra_keys")
+            else None,
+            tuple(request.page_hashes) if request.page_hashes else None,
+        )
+        return pb.LookupResponse(
+            num_hit_tokens=result.num_hit_tokens,
+            page_ids=[convert.encode_i32(pages) for pages in result.page_ids],
+            page_hashes=list(result.page_hashes),
+        )
+
+    @_unary
+    def GetBlockTable(
+        self, request: pb.GetBlockTableRequest, context: Any
+    ) -> pb.GetBlockTableResponse:
+        pages, kernel_ids, kbs = self.state.block_table(
+            request.request_id, request.group_id, request.kernel_block_size
+        )
+        info = self.state.request_info(request.request_id)
+        return pb.GetBlockTableResponse(
+            request_id=request.request_id,
+            group_id=request.group_id,
+            page_size=self.state.pool_config.groups[request.group_id].page_size,
+            kernel_block_size=kbs,
+            page_ids=convert.encode_i32(pages),
+            kernel_block_ids=convert.encode_i32(kernel_ids),
+            num_tokens=info.num_tokens,
+            num_computed_tokens=info.num_computed_tokens,
+            num_cached_tokens=info.num_cached_tokens,
+            owner=info.owner,
+        )
+
+    @_unary
+    def ResetPrefixCache(
+        self, request: pb.ResetPrefixCacheRequest, context: Any
+    ) -> pb.ResetPrefixCacheResponse:
+        dropped = self.state.reset_prefix_cache(ResetPrefixCacheCommand(self.runtime.now()))
+        log.info("prefix cache reset over gRPC (%d cached pages dropped)", dropped)
+        return pb.ResetPrefixCacheResponse(num_dropped_pages=dropped)
+
+    # -- streams ------------------------------------------------------------------------
+    async def WatchEvents(
+        self, request: pb.WatchEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.WatchEventsResponse]:
+        limit = request.max_events_per_message or DEFAULT_EVENTS_PER_MESSAGE
+        if not 0 < limit <= MAX_EVENTS_PER_MESSAGE:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"max_events_per_message must lie in [1, {MAX_EVENTS_PER_MESSAGE}]",
+            )
+        runtime = self.runtime
+        since = request.since_seq
+        is_first = True
+        while not runtime.is_stopping:
+            version = runtime.events.version
+            page = self.state.events_since(since, limit)
+            if page.events or page.fell_behind or is_first:
+                is_first = False
+                yield pb.WatchEventsResponse(
+                    events=[convert.event_to_pb(e) for e in page.events],
+                    fell_behind=page.fell_behind,
+                    first_retained_seq=page.first_retained_seq,
+                    last_event_seq=page.last_event_seq,
+                )
+                if page.events:
+                    since = page.events[-1].seq
+                elif page.fell_behind:
+                    since = page.first_retained_seq - 1
+                continue
+            await runtime.events.wait(version)
+
+    async def WatchTables(
+        self, request: pb.WatchTablesRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.WatchTablesResponse]:
+        runtime, hub = self.runtime, self.runtime.hub
+        try:
+            client = self.state.check_client(request.client_id, request.generation, runtime.now())
+        except PagekeeperError as exc:
+            await context.abort(*grpc_status(exc))
+        if client.role is not ClientRole.WORKER:
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED, "WatchTables is for registered workers"
+            )
+        since = request.since_step_seq or hub.last_step_seq
+        while not runtime.is_stopping:
+            version = hub.notifier.version
+            batches, fell_behind = hub.batches_after(since)
+            for batch in batches:
+                yield pb.WatchTablesResponse(
+                    step_seq=batch.step_seq,
+                    epoch=batch.epoch,
+                    tables=[convert.table_to_pb(t) for t in batch.tables],
+                    fell_behind=fell_behind,
+                )
+                fell_behind = False
+                since = batch.step_seq
+            if batches:
+                continue
+            if not await hub.notifier.wait(version, timeout=_STREAM_RECHECK_S):
+                # Idle: end the stream once the worker is no longer registered.
+                try:
+                    self.state.check_client(request.client_id, request.generation, runtime.now())
+                except PagekeeperError as exc:
+                    await context.abort(*grpc_status(exc))

@@ -1,0 +1,170 @@
+"""The service process: one asyncio loop running the gRPC server and uvicorn (FastAPI) over
+one runtime, a lease reaper, and graceful shutdown on SIGTERM/SIGINT.
+
+Start-up order: build the pool (readiness impossible before) → bind gRPC → bind HTTP →
+mark ready (health SERVING, /readyz 200) → log the bound addresses and write the ready
+file. Shutdown: not ready → end streams → stop gRPC (drain in-flight calls up to
+``shutdown_grace_s``) → stop uvicorn (same) → release the publication ring.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import uvicorn
+
+from pagekeeper.rest.app import create_app
+from pagekeeper.rpc.server import GrpcServer
+from pagekeeper.runtime import Runtime, build_runtime
+from pagekeeper.settings import Settings, split_address
+from pagekeeper.state import ExpireLeasesCommand
+
+log = logging.getLogger("pagekeeper")
+
+READY_LINE_PREFIX = "pagekeeper ready"
+"""Start of the one stdout line that carries the bound addresses (JSON after a space)."""
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn without its own signal handling: the process shuts both servers down."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def bind_http_socket(address: str) -> socket.socket:
+    """A listening socket for uvicorn; binding here lets port 0 report its real port."""
+    if address.startswith("unix:"):
+        path = address[len("unix:") :]
+        with contextlib.suppress(FileNotFoundError):
+            if Path(path).is_socket():
+                os.unlink(path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(path)
+        sock.listen(2048)
+        return sock
+    host, port = split_address(address)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # proto=IPPROTO_TCP matters: asyncio sets TCP_NODELAY on accepted connections only when
+    # the listening socket says so (proto 0 would leave Nagle on, and every keep-alive
+    # response would wait ~40 ms for a delayed ACK).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _socket_address(sock: socket.socket, asked: str) -> str:
+    if asked.startswith("unix:"):
+        return asked
+    host, port = sock.getsockname()[:2]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def write_ready_file(path: str, info: dict[str, object]) -> None:
+    """Atomically (write + rename): a reader never sees half a file."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(info, f)
+    os.replace(tmp, path)
+
+
+async def _reap_leases(runtime: Runtime, period: float) -> None:
+    while True:
+        await asyncio.sleep(period)
+        result = runtime.state.expire_leases(ExpireLeasesCommand(runtime.now()))
+        if result.expired_client_ids:
+            log.warning(
+                "leases expired: %s (%d requests freed)",
+                ", ".join(result.expired_client_ids),
+                result.num_freed_requests,
+            )
+
+
+async def serve(
+    settings: Settings,
+    *,
+    ready_file: str | None = None,
+    stop: asyncio.Event | None = None,
+    runtime: Runtime | None = None,
+) -> None:
+    """Run until SIGTERM/SIGINT (or ``stop`` is set), then drain and return."""
+    runtime = runtime or build_runtime(settings)
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread
+            loop.add_signal_handler(sig, stop.set)
+
+    grpc_server = GrpcServer(runtime)
+    grpc_address = await grpc_server.start(settings.grpc_address)
+    http_socket = bind_http_socket(settings.http_address)
+    http_address = _socket_address(http_socket, settings.http_address)
+    config = uvicorn.Config(
+        create_app(runtime),
+        log_level="warning" if settings.log_level != "debug" else "debug",
+        access_log=settings.log_level == "debug",
+        lifespan="off",
+        timeout_graceful_shutdown=max(1, round(settings.shutdown_grace_s)),
+    )
+    http_server = _Uvicorn(config)
+    http_task = asyncio.create_task(http_server.serve(sockets=[http_socket]), name="uvicorn")
+    reaper = asyncio.create_task(
+        _reap_leases(runtime, min(1.0, settings.lease_ttl_s / 4)), name="lease-reaper"
+    )
+    try:
+        while not http_server.started:
+            if http_task.done():
+                http_task.result()  # re-raise the start-up failure
+                raise RuntimeError("the HTTP server stopped during start-up")
+            await asyncio.sleep(0.005)
+
+        runtime.is_ready = True
+        await grpc_server.set_serving(True)
+        info = {
+            "pid": os.getpid(),
+            "grpc_address": grpc_address,
+            "http_address": http_address,
+            "grpc_port": _port(grpc_address),
+            "http_port": _port(http_address),
+        }
+        if ready_file:
+            write_ready_file(ready_file, info)
+        log.info("gRPC on %s, HTTP on %s", grpc_address, http_address)
+        print(f"{READY_LINE_PREFIX} {json.dumps(info)}", flush=True)
+
+        await stop.wait()
+        log.info("shutting down: draining for up to %.1fs", settings.shutdown_grace_s)
+    finally:
+        runtime.begin_shutdown()
+        reaper.cancel()
+        await grpc_server.stop(settings.shutdown_grace_s)
+        http_server.should_exit = True
+        with contextlib.suppress(asyncio.CancelledError):
+            await http_task
+        http_socket.close()
+        runtime.hub.close()
+        if ready_file:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(ready_file)
+        log.info("stopped")
+
+
+def _port(address: str) -> int | None:
+    if address.startswith("unix:"):
+        return None
+    return int(address.rpartition(":")[2])

@@ -1,0 +1,442 @@
+"""The service's configuration: embedded defaults < TOML file < ``PAGEKEEPER_*`` env < flags.
+
+Every knob has one entry in :data:`OPTIONS` (its dotted name in the TOML file, its
+environment variable, its command-line flag and its parser), so the four sources cannot
+drift apart. A bad value raises :class:`pagekeeper.core.errors.ConfigError` naming the field;
+``pagekeeper serve`` turns that into one line on stderr and a non-zero exit.
+
+The TOML file mirrors :meth:`Settings.to_dict`::
+
+    [server]
+    grpc_address = "127.0.0.1:50051"   # or "unix:/run/pagekeeper.sock"
+    http_address = "127.0.0.1:8000"
+    [pool]
+    num_pages = 4096
+    max_model_len = 8192
+    [[pool.groups]]
+    kind = "full"
+    page_size = 16
+    [publish]
+    transport = "shm"
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+from pagekeeper.core.config import PoolConfig
+from pagekeeper.core.errors import ConfigError
+
+ENV_PREFIX = "PAGEKEEPER_"
+PUBLISH_TRANSPORTS = ("shm", "cpu_ipc", "cuda_ipc", "none")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+_REDACTED = "<redacted>"
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """Everything the service process needs; immutable once loaded."""
+
+    # -- server ------------------------------------------------------------------------
+    grpc_address: str = "127.0.0.1:50051"
+    """``HOST:PORT`` (port 0 picks a free one) or ``unix:PATH``."""
+    http_address: str = "127.0.0.1:8000"
+    """``HOST:PORT`` (port 0 picks a free one) or ``unix:PATH``."""
+    token: str | None = None
+    """Bearer token required on every gRPC call and every HTTP mutation (None: none)."""
+    admin_token: str | None = None
+    """Bearer token of the HTTP admin endpoints; defaults to ``token``. With neither set the
+    admin endpoints are refused (403): force-freeing pages needs a deliberate credential."""
+    max_message_bytes: int = 64 * 1024 * 1024
+    max_clients: int = 64
+    max_requests_per_step: int = 1024
+    """Most frees + growths + admissions in one Step, and most requests in one batch."""
+    max_tokens_per_step: int = 16384
+    """Most scheduled tokens in one published batch (the ring's slot-mapping capacity)."""
+    lease_ttl_s: float = 10.0
+    max_lease_ttl_s: float = 300.0
+    lease_grace_s: float = 0.0
+    """How long after a scheduler's lease expires its requests are freed."""
+    event_buffer_size: int = 65536
+    """KV events kept for WatchEvents / GET /v1/events resumption."""
+    debug_invariants: bool = False
+    """Run the core's ``check_invariants()`` after every mutation (slow; for debugging)."""
+    data_dir: str = "data"
+    log_level: str = "info"
+    shutdown_grace_s: float = 5.0
+    """How long SIGTERM waits for in-flight calls before cancelling them."""
+    # -- pool --------------------------------------------------------------------------
+    pool: PoolConfig = field(default_factory=PoolConfig)
+    # -- publish -----------------------------------------------------------------------
+    publish_transport: str = "shm"
+    """Where step tables are published for workers: a shared-memory ring ("shm"), CUDA IPC
+    ("cuda_ipc"), its CPU stand-in ("cpu_ipc"), or "none" (only the WatchTables stream)."""
+    ring_depth: int = 2
+    publish_device: str = ""
+    """``cuda:N`` for the cuda_ipc transport."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        for name in ("grpc_address", "http_address"):
+            _check_address(name, getattr(self, name))
+        for name in ("token", "admin_token"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ConfigError(f"server.{name}", "must be a non-empty string when set")
+        for name, low in (
+            ("max_message_bytes", 1024),
+            ("max_clients", 1),
+            ("max_requests_per_step", 1),
+            ("max_tokens_per_step", 1),
+            ("event_buffer_size", 1),
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ConfigError(f"server.{name}", f"must be an int >= {low}, got {value!r}")
+        if self.max_message_bytes >= 2**31:
+            raise ConfigError("server.max_message_bytes", "must be below 2 GiB (gRPC limit)")
+        for name in ("lease_ttl_s", "max_lease_ttl_s", "shutdown_grace_s", "lease_grace_s"):
+            value = getattr(self, name)
+            is_number = isinstance(value, int | float) and not isinstance(value, bool)
+            low_ok = is_number and (value >= 0 if name == "lease_grace_s" else value > 0)
+            if not is_number or not math.isfinite(value) or not low_ok:
+                raise ConfigError(f"server.{name}", f"must be a positive number, got {value!r}")
+        if self.lease_ttl_s > self.max_lease_ttl_s:
+            raise ConfigError(
+                "server.lease_ttl_s", f"exceeds max_lease_ttl_s {self.max_lease_ttl_s}"
+            )
+        if self.log_level not in LOG_LEVELS:
+            raise ConfigError(
+                "server.log_level", f"one of {list(LOG_LEVELS)}, got {self.log_level!r}"
+            )
+        if not isinstance(self.data_dir, str):
+            raise ConfigError("server.data_dir", "must be a path string")
+        if not isinstance(self.pool, PoolConfig):
+            raise ConfigError("pool", "must be a PoolConfig")
+        if self.publish_transport not in PUBLISH_TRANSPORTS:
+            raise ConfigError(
+                "publish.transport",
+                f"one of {list(PUBLISH_TRANSPORTS)}, got {self.publish_transport!r}",
+            )
+        if not isinstance(self.ring_depth, int) or isinstance(self.ring_depth, bool):
+            raise ConfigError("publish.ring_depth", f"must be an int, got {self.ring_depth!r}")
+        if not 1 <= self.ring_depth <= 64:
+            raise ConfigError("publish.ring_depth", f"must lie in [1, 64], got {self.ring_depth}")
+        if self.publish_transport == "cuda_ipc" and not self.publish_device.startswith("cuda:"):
+            raise ConfigError("publish.device", "the cuda_ipc transport needs device = 'cuda:N'")
+
+    @property
+    def effective_admin_token(self) -> str | None:
+        return self.admin_token if self.admin_token is not None else self.token
+
+    def to_dict(self, *, redact: bool = True) -> dict[str, Any]:
+        """The nested form of the TOML file (``None`` values dropped: TOML has no null)."""
+
+        def secret(value: str | None) -> str | None:
+            return _REDACTED if (redact and value is not None) else value
+
+        server = {
+            "grpc_address": self.grpc_address,
+            "http_address": self.http_address,
+            "token": secret(self.token),
+            "admin_token": secret(self.admin_token),
+            "max_message_bytes": self.max_message_bytes,
+            "max_clients": self.max_clients,
+            "max_requests_per_step": self.max_requests_per_step,
+            "max_tokens_per_step": self.max_tokens_per_step,
+            "lease_ttl_s": self.lease_ttl_s,
+            "max_lease_ttl_s": self.max_lease_ttl_s,
+            "lease_grace_s": self.lease_grace_s,
+            "event_buffer_size": self.event_buffer_size,
+            "debug_invariants": self.debug_invariants,
+            "data_dir": self.data_dir,
+            "log_level": self.log_level,
+            "shutdown_grace_s": self.shutdown_grace_s,
+        }
+        pool = self.pool.to_dict()
+        pool["groups"] = [{k: v for k, v in g.items() if v is not None} for g in pool["groups"]]
+        return {
+            "server": {k: v for k, v in server.items() if v is not None},
+            "pool": pool,
+            "publish": {
+                "transport": self.publish_transport,
+                "ring_depth": self.ring_depth,
+                "device": self.publish_device,
+            },
+        }
+
+
+def _check_address(name: str, value: object) -> None:
+    where = f"server.{name}"
+    if not isinstance(value, str) or not value:
+        raise ConfigError(where, "must be HOST:PORT or unix:PATH")
+    if value.startswith("unix:"):
+        if len(value) <= len("unix:"):
+            raise ConfigError(where, "unix: needs a socket path")
+        return
+    host, sep, port = value.rpartition(":")
+    if not sep or not host:
+        raise ConfigError(where, f"must be HOST:PORT or unix:PATH, got {value!r}")
+    if not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(where, f"port must be an int in [0, 65535], got {port!r}")
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """``"[::1]:80"`` → ``("::1", 80)``; ``"h:0"`` → ``("h", 0)``."""
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+# -- the one table of knobs ------------------------------------------------------------------
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"not a boolean: {text!r}")
+
+
+def _parse_int(text: str) -> int:
+    return int(text.strip().replace("_", ""))
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    """One knob: ``path`` in the TOML file (``section.key``), its env var and flag."""
+
+    path: str
+    parse: Callable[[str], Any]
+    help: str
+
+    @property
+    def env(self) -> str:
+        key = self.path.split(".", 1)[1]
+        if self.path.startswith("publish."):
+            key = "publish_" + key if key != "ring_depth" else key
+        return ENV_PREFIX + key.upper()
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.env[len(ENV_PREFIX) :].lower().replace("_", "-")
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("server.grpc_address", str, "gRPC listen address, HOST:PORT or unix:PATH"),
+    Option("server.http_address", str, "HTTP listen address, HOST:PORT or unix:PATH"),
+    Option("server.token", str, "bearer token for gRPC calls and HTTP mutations"),
+    Option("server.admin_token", str, "bearer token for HTTP admin endpoints (default: token)"),
+    Option("server.max_message_bytes", _parse_int, "largest gRPC message, bytes"),
+    Option("server.max_clients", _parse_int, "most registered clients"),
+    Option("server.max_requests_per_step", _parse_int, "most requests per Step / batch"),
+    Option("server.max_tokens_per_step", _parse_int, "most scheduled tokens per batch"),
+    Option("server.lease_ttl_s", float, "default client lease TTL, seconds"),
+    Option("server.max_lease_ttl_s", float, "longest lease a client may ask for, seconds"),
+    Option("server.lease_grace_s", float, "delay before an expired scheduler's requests are freed"),
+    Option("server.event_buffer_size", _parse_int, "KV events kept for resumption"),
+    Option("server.debug_invariants", _parse_bool, "check core invariants after every mutation"),
+    Option("server.data_dir", str, "directory for durable state"),
+    Option("server.log_level", str, "debug, info, warning or error"),
+    Option("server.shutdown_grace_s", float, "drain time on SIGTERM, seconds"),
+    Option("pool.num_pages", _parse_int, "pages in the pool, null page included"),
+    Option("pool.page_size", _parse_int, "page size of the (single) KV-cache group, tokens"),
+    Option("pool.max_model_len", _parse_int, "most tokens per request"),
+    Option("pool.enable_prefix_caching", _parse_bool, "enable the prefix cache"),
+    Option("pool.hash_algorithm", str, "page hash: sha256_cbor or xxhash_cbor"),
+    Option("publish.transport", str, "table publication: shm, cpu_ipc, cuda_ipc or none"),
+    Option("publish.ring_depth", _parse_int, "slots in the publication ring"),
+    Option("publish.device", str, "cuda:N for the cuda_ipc transport"),
+)
+OPTIONS_BY_PATH = {o.path: o for o in OPTIONS}
+
+
+def _set(tree: dict[str, Any], path: str, value: Any) -> None:
+    section, key = path.split(".", 1)
+    tree.setdefault(section, {})[key] = value
+
+
+def _merge(base: dict[str, Any], top: Mapping[str, Any]) -> None:
+    for key, value in top.items():
+        if isinstance(value, Mapping) and isinstance(base.get(key), dict):
+            _merge(base[key], value)
+        else:
+            base[key] = value
+
+
+def read_toml(path: str) -> dict[str, Any]:
+    """Parse a config file; unreadable or malformed files raise ConfigError("config")."""
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except OSError as exc:
+        raise ConfigError("config", f"cannot read {path}: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError("config", f"{path} is not valid TOML: {exc}") from None
+
+
+def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
+    """The ``PAGEKEEPER_*`` variables that name a known option, parsed."""
+    tree: dict[str, Any] = {}
+    for option in OPTIONS:
+        raw = environ.get(option.env)
+        if raw is None:
+            continue
+        tree_value = _parse(option, raw, source=option.env)
+        _set(tree, option.path, tree_value)
+    return tree
+
+
+def _parse(option: Option, raw: str, *, source: str) -> Any:
+    try:
+        return option.parse(raw)
+    except ValueError as exc:
+        raise ConfigError(option.path, f"{source}={raw!r}: {exc}") from None
+
+
+def flag_overrides(values: Mapping[str, str | None]) -> dict[str, Any]:
+    """Command-line values keyed by option path (None = flag not given), parsed."""
+    tree: dict[str, Any] = {}
+    for path, raw in values.items():
+        if raw is None:
+            continue
+        option = OPTIONS_BY_PATH[path]
+        _set(tree, path, _parse(option, raw, source=option.flag))
+    return tree
+
+
+def from_tree(tree: Mapping[str, Any]) -> Settings:
+    """Build (and validate) settings from the nested TOML-shaped form."""
+    unknown = set(tree) - {"server", "pool", "publish"}
+    if unknown:
+        raise ConfigError(sorted(unknown)[0], "unknown section (server, pool, publish)")
+    server = dict(_section(tree, "server"))
+    pool = dict(_section(tree, "pool"))
+    publish = dict(_section(tree, "publish"))
+
+    known_server = {f.name for f in fields(Settings)} - {
+        "pool",
+        "publish_transport",
+        "ring_depth",
+        "publish_device",
+    }
+    for key in server:
+        if key not in known_server:
+            raise ConfigError(f"server.{key}", "unknown field")
+    for key in publish:
+        if key not in ("transport", "ring_depth", "device"):
+            raise ConfigError(f"publish.{key}", "unknown field")
+
+    # `page_size` is the flat shortcut for single-group pools (env var / flag).
+    page_size = pool.pop("page_size", None)
+    try:
+        pool_config = PoolConfig.from_dict(pool)
+        if page_size is not None:
+            if len(pool_config.groups) != 1:
+                raise ConfigError(
+                    "page_size", "only applies to a single-group pool; set pool.groups instead"
+                )
+            group = replace(pool_config.groups[0], page_size=page_size)
+            pool_config = replace(pool_config, groups=(group,))
+    except ConfigError as exc:
+        # The core names fields inside the pool; the user knows them as pool.<field>.
+        raise ConfigError(f"pool.{exc.field}", exc.reason) from None
+    except TypeError as exc:  # e.g. a string where the core compares numbers
+        raise ConfigError("pool", str(exc)) from None
+    settings = Settings(
+        **{k: v for k, v in server.items()},
+        pool=pool_config,
+        publish_transport=publish.get("transport", "shm"),
+        ring_depth=publish.get("ring_depth", 2),
+        publish_device=publish.get("device", ""),
+    )
+    return settings
+
+
+def _section(tree: Mapping[str, Any], name: str) -> Mapping[str, Any]:
+    value = tree.get(name, {})
+    if not isinstance(value, Mapping):
+        raise ConfigError(name, "must be a table")
+    return value
+
+
+def load_settings(
+    *,
+    config_path: str | None = None,
+    environ: Mapping[str, str] | None = None,
+    flags: Mapping[str, str | None] | None = None,
+) -> Settings:
+    """Defaults < TOML (``config_path``, else ``$PAGEKEEPER_CONFIG``) < env < flags."""
+    environ = os.environ if environ is None else environ
+    tree: dict[str, Any] = {}
+    path = config_path or environ.get(ENV_PREFIX + "CONFIG")
+    if path:
+        _merge(tree, read_toml(path))
+    _merge(tree, env_overrides(environ))
+    _merge(tree, flag_overrides(flags or {}))
+    try:
+        return from_tree(tree)
+    except TypeError as exc:  # a wrongly typed value that reached a constructor
+        raise ConfigError("config", str(exc)) from None
+
+
+# -- printing --------------------------------------------------------------------------------
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a valid TOML basic string
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {type(value).__name__} as TOML")
+
+
+def to_toml(settings: Settings) -> str:
+    """The effective configuration as a TOML file ``--config`` reads back (secrets
+    redacted)."""
+    tree = settings.to_dict()
+    lines: list[str] = []
+    for section in ("server", "pool", "publish"):
+        values = tree[section]
+        lines.append(f"[{section}]")
+        tables = {
+            k: v for k, v in values.items() if isinstance(v, list) and v and isinstance(v[0], dict)
+        }
+        for key, value in values.items():
+            if key not in tables:
+                lines.append(f"{key} = {_toml_value(value)}")
+        for key, rows in tables.items():
+            for row in rows:
+                lines.append("")
+                lines.append(f"[[{section}.{key}]]")
+                lines.extend(f"{k} = {_toml_value(v)}" for k, v in row.items())
+        lines.append("")
+    return "\n".join(lines)
+
+
+def to_json(settings: Settings) -> str:
+    return json.dumps(settings.to_dict(), indent=2, sort_keys=False)
+
+
+__all__ = [
+    "OPTIONS",
+    "Option",
+    "Settings",
+    "load_settings",
+    "split_address",
+    "to_json",
+    "to_toml",
+]

@@ -1,0 +1,1153 @@
+"""The service's state, free of any transport: the core, the clients, who owns what.
+
+:class:`ServiceState` owns the :class:`~pagekeeper.core.manager.PageManager`, the client
+registry (roles, leases, generations, chosen kernel block sizes), request ownership, each
+client's last step answer (for idempotent retries), the recent KV events and cheap counters.
+The gRPC servicer and the REST routers are thin adapters around it: convert, call, convert.
+
+Every mutation is a method taking one plain *command* dataclass (:class:`StepCommand`,
+:class:`RegisterCommand`, ...; :meth:`ServiceState.apply` dispatches any of them). A command
+carries everything the mutation depends on, time included (``now``), so the same commands
+applied to a fresh state give the same state, page for page: a durable command log can
+record them before they are acknowledged and replay them after a crash.
+
+Validation happens before any change: a command that raises a
+:class:`~pagekeeper.core.errors.PagekeeperError` changed nothing. Nothing here awaits, so
+one call is atomic with respect to every other coroutine of the process.
+
+A step, in the order it is applied::
+
+    validate everything ──▶ frees ──▶ growths ──▶ admissions ──▶ build + publish batch
+    (raise: no change)      (owned)   (allocate)   (admit)        (one table per group and
+                                                                    per kernel block size)
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+from typing import Any, Protocol
+
+import numpy as np
+
+from pagekeeper.core.config import GroupKind, PoolConfig
+from pagekeeper.core.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PagekeeperError,
+    PermissionDenied,
+    ResourceExhausted,
+)
+from pagekeeper.core.events import KVEvent
+from pagekeeper.core.manager import PageManager
+from pagekeeper.core.tables import MultipleOf, choose_kernel_block_size, expand_to_kernel_blocks
+from pagekeeper.core.types import (
+    Allocation,
+    BatchTables,
+    ExtraKeys,
+    Int32Array,
+    LookupResult,
+    PoolStats,
+    RequestInfo,
+)
+from pagekeeper.publish.api import RingDescriptor
+
+MAX_ID_BYTES = 256
+"""Longest request or client id accepted (UTF-8 bytes)."""
+
+
+class ClientRole(StrEnum):
+    SCHEDULER = "scheduler"
+    WORKER = "worker"
+
+
+class AllocationStatus(StrEnum):
+    OK = "ok"
+    NO_CAPACITY = "no_capacity"
+    """Not enough free pages; nothing changed for the request (the scheduler preempts)."""
+    REJECTED = "rejected"
+    """The core refused the request's arguments at apply time (something only the apply
+    order reveals, e.g. ``num_new_tokens`` beyond what the cache hit left); nothing
+    changed for it. The reason says why."""
+
+
+class PageState(StrEnum):
+    NULL = "null"
+    """Page 0: pads tables, never handed out."""
+    FREE = "free"
+    """In the free queue with no cached hash."""
+    CACHED = "cached"
+    """In the free queue, still in the prefix-cache index (a hit can revive it)."""
+    USED = "used"
+    """Held by at least one request."""
+
+
+# -- commands ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class KernelBackend:
+    """One attention backend's supported kernel block sizes (exact, or multiples of)."""
+
+    name: str = ""
+    block_sizes: tuple[int, ...] = ()
+    multiple_of: tuple[int, ...] = ()
+
+    def specs(self) -> list[int | MultipleOf]:
+        return [*self.block_sizes, *(MultipleOf(n) for n in self.multiple_of)]
+
+
+@dataclass(frozen=True, slots=True)
+class GroupKernelSupport:
+    group_id: int
+    backends: tuple[KernelBackend, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RegisterCommand:
+    now: float
+    role: ClientRole
+    name: str = ""
+    client_id: str = ""
+    """Empty: a new id is assigned. A registered id: takeover (generation + 1)."""
+    lease_ttl_s: float = 0.0
+    """0: the server default."""
+    device: str = ""
+    kernel_support: tuple[GroupKernelSupport, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class HeartbeatCommand:
+    now: float
+    client_id: str
+    generation: int
+
+
+@dataclass(frozen=True, slots=True)
+class UnregisterCommand:
+    now: float
+    client_id: str
+    generation: int
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Admission:
+    request_id: str
+    token_ids: Int32Array
+    num_new_tokens: int = 0
+    """0: every token after the cached prefix."""
+    extra_keys: ExtraKeys | None = None
+    page_hashes: tuple[bytes, ...] | None = None
+    num_lookahead_tokens: int = 0
+    enable_cache_read: bool = True
+
+
+@dataclass(slots=True, eq=False)
+class Growth:
+    """Room for more tokens of a running request. Not ``frozen`` only because a decode step
+    builds hundreds of these and a frozen ``__init__`` costs 3-4x more; treat it as
+    immutable like every command."""
+
+    request_id: str
+    num_new_tokens: int
+    new_token_ids: Int32Array
+    num_computed_tokens: int | None = None
+    num_lookahead_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Batch:
+    request_ids: tuple[str, ...]
+    num_scheduled_tokens: Int32Array | None = None
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class StepCommand:
+    now: float
+    client_id: str
+    generation: int
+    step_id: int
+    frees: tuple[str, ...] = ()
+    growths: tuple[Growth, ...] = ()
+    admissions: tuple[Admission, ...] = ()
+    batch: Batch | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ExpireLeasesCommand:
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class ResetPrefixCacheCommand:
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class ForceFreeCommand:
+    """Admin: free a request whoever owns it."""
+
+    now: float
+    request_id: str
+
+
+Command = (
+    RegisterCommand
+    | HeartbeatCommand
+    | UnregisterCommand
+    | StepCommand
+    | ExpireLeasesCommand
+    | ResetPrefixCacheCommand
+    | ForceFreeCommand
+)
+
+# -- results -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class AllocationOutcome:
+    request_id: str
+    status: AllocationStatus
+    num_cached_tokens: int = 0
+    new_page_ids: tuple[tuple[int, ...], ...] = ()
+    hit_page_ids: tuple[tuple[int, ...], ...] = ()
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    step_id: int
+    results: tuple[AllocationOutcome, ...]
+    """Growths that got pages or were refused (in order), then every admission (in order).
+    A growth not listed succeeded without needing a new page."""
+    is_published: bool = False
+    published_slot: int = -1
+    unscheduled_request_ids: tuple[str, ...] = ()
+    num_free_pages: int = 0
+    last_event_seq: int = 0
+    publish_error: str = ""
+    is_retry: bool = False
+    """True when answered from memory (a retried step id)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RegisterResult:
+    client_id: str
+    generation: int
+    lease_ttl_s: float
+    kernel_block_sizes: tuple[int, ...]
+    ring: RingDescriptor | None
+    last_step_id: int
+    last_published_step_seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class HeartbeatResult:
+    lease_ttl_s: float
+    ring: RingDescriptor | None
+    last_event_seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class ExpireResult:
+    expired_client_ids: tuple[str, ...]
+    num_freed_requests: int
+
+
+@dataclass(frozen=True, slots=True)
+class PageView:
+    page_id: int
+    state: PageState
+    ref_count: int
+    is_cached: bool
+    group_id: int | None
+    page_hash: bytes | None
+
+
+@dataclass(frozen=True, slots=True)
+class EventsPage:
+    events: tuple[KVEvent, ...]
+    fell_behind: bool
+    first_retained_seq: int
+    last_event_seq: int
+
+
+@dataclass(slots=True)
+class ClientRecord:
+    """One registration (mutable: the registry's own record)."""
+
+    client_id: str
+    role: ClientRole
+    name: str
+    device: str
+    generation: int
+    lease_ttl_s: float
+    registered_at: float
+    expires_at: float
+    kernel_support: tuple[GroupKernelSupport, ...] = ()
+    kernel_block_sizes: tuple[int, ...] = ()
+    request_ids: set[str] = field(default_factory=set)
+    last_step_id: int = 0
+    last_step_result: StepResult | None = None
+    num_steps: int = 0
+
+
+@dataclass(slots=True)
+class _RequestRecord:
+    """What the state tracks per running request to validate a whole step up front (the
+    same numbers the core tracks; ``--debug-invariants`` compares them)."""
+
+    owner: str
+    num_tokens: int
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class ServiceCounters:
+    num_steps: int = 0
+    num_step_retries: int = 0
+    num_steps_rejected: int = 0
+    num_published: int = 0
+    num_publish_errors: int = 0
+    num_registrations: int = 0
+    num_expired_clients: int = 0
+    step_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=1024))
+    """Apply time of the most recent steps (not including transport), for percentiles."""
+
+    def step_percentiles(self) -> dict[str, float]:
+        if not self.step_seconds:
+            return {"p50": 0.0, "p99": 0.0, "max": 0.0}
+        arr = np.fromiter(self.step_seconds, dtype=np.float64)
+        p50, p99 = np.percentile(arr, [50, 99])
+        return {"p50": float(p50), "p99": float(p99), "max": float(arr.max())}
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_requests_per_step: int = 1024
+    max_tokens_per_step: int = 16384
+    max_clients: int = 64
+    lease_ttl_s: float = 10.0
+    max_lease_ttl_s: float = 300.0
+    lease_grace_s: float = 0.0
+    event_buffer_size: int = 65536
+
+
+class TableSink(Protocol):
+    """Where published batches go (the publication hub: a ring plus stream subscribers).
+    Absent while replaying a log: replay rebuilds state, it does not republish."""
+
+    def configure(self, tables: tuple[tuple[int, int], ...]) -> RingDescriptor | None:
+        """(Re)create the ring for these (group_id, kernel_block_size) tables; an empty
+        tuple releases it. Returns the current descriptor (None: no ring)."""
+        ...
+
+    def descriptor(self) -> RingDescriptor | None: ...
+
+    def publish(self, step_seq: int, tables: Sequence[BatchTables]) -> int:
+        """Publish one batch; returns the ring slot written (-1 without a ring)."""
+        ...
+
+
+def _as_int32(array: Any, what: str) -> Int32Array:
+    out = np.asarray(array)
+    if out.ndim != 1 or out.dtype.kind not in "iu":
+        raise InvalidArgument(f"{what} must be a 1-D integer array")
+    return out.astype(np.int32, copy=False)
+
+
+def _check_id(value: object, what: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise InvalidArgument(f"{what} must be a non-empty string")
+    if len(value.encode("utf-8", "surrogatepass")) > MAX_ID_BYTES:
+        raise InvalidArgument(f"{what} is longer than {MAX_ID_BYTES} bytes")
+    return value
+
+
+class ServiceState:
+    """The single writer over one pool. Not thread-safe: one event loop calls it."""
+
+    def __init__(
+        self,
+        pool_config: PoolConfig,
+        limits: Limits | None = None,
+        *,
+        sink: TableSink | None = None,
+        debug_invariants: bool = False,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.pool_config = pool_config
+        self.limits = limits or Limits()
+        self.manager = PageManager(pool_config)
+        self.sink = sink
+        self.debug_invariants = debug_invariants
+        self.clock = clock
+        """Adapters stamp commands with ``clock()``; the state itself never reads it."""
+        self.counters = ServiceCounters()
+        self._clients: dict[str, ClientRecord] = {}
+        self._requests: dict[str, _RequestRecord] = {}
+        self._next_client_number = 1
+        self._last_published_step_seq = 0
+        # Distinct per-group kernel block size tuples of registered workers -> how many use
+        # each; a published batch carries one table per group and per distinct size.
+        self._kernel_sets: dict[tuple[int, ...], int] = {}
+        self._events: deque[KVEvent] = deque(maxlen=self.limits.event_buffer_size)
+        self._last_event_seq = 0
+        self._listeners: list[Callable[[], None]] = []
+        self._page_sizes = tuple(g.page_size for g in pool_config.groups)
+
+    # -- listeners ---------------------------------------------------------------------
+    def add_listener(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` after every mutation (e.g. to wake event streams)."""
+        self._listeners.append(callback)
+
+    def remove_listener(self, callback: Callable[[], None]) -> None:
+        self._listeners.remove(callback)
+
+    def _after_mutation(self) -> None:
+        events = self.manager.take_events()
+        if events:
+            self._events.extend(events)
+            self._last_event_seq = events[-1].seq
+        if self.debug_invariants:
+            self.check_invariants()
+        for callback in self._listeners:
+            callback()
+
+    # -- dispatch ----------------------------------------------------------------------
+    def apply(self, command: Command) -> Any:
+        """Apply any command (what a log replay calls)."""
+        if isinstance(command, StepCommand):
+            return self.step(command)
+        if isinstance(command, RegisterCommand):
+            return self.register(command)
+        if isinstance(command, HeartbeatCommand):
+            return self.heartbeat(command)
+        if isinstance(command, UnregisterCommand):
+            return self.unregister(command)
+        if isinstance(command, ExpireLeasesCommand):
+            return self.expire_leases(command)
+        if isinstance(command, ResetPrefixCacheCommand):
+            return self.reset_prefix_cache(command)
+        if isinstance(command, ForceFreeCommand):
+            return self.force_free(command)
+        raise InvalidArgument(f"unknown command {type(command).__name__}")
+
+    # -- clients -----------------------------------------------------------------------
+    def _client(self, client_id: str, generation: int, now: float) -> ClientRecord:
+        client = self._clients.get(client_id)
+        if client is None:
+            raise NotFound(f"client {client_id!r} is not registered (register first)")
+        if generation != client.generation:
+            raise FailedPrecondition(
+                f"client {client_id!r}: generation {generation} is not the current "
+                f"registration {client.generation} (a newer registration took over)"
+            )
+        if now > client.expires_at:
+            raise FailedPrecondition(
+                f"client {client_id!r}: lease expired {now - client.expires_at:.3f}s ago; "
+                "register again with this client_id to resume"
+            )
+        return client
+
+    def _kernel_block_sizes(self, support: Sequence[GroupKernelSupport]) -> tuple[int, ...]:
+        """The chosen kernel block size per group for one worker (raises before change)."""
+        groups = self.pool_config.groups
+        by_group: dict[int, GroupKernelSupport] = {}
+        for entry in support:
+            if not 0 <= entry.group_id < len(groups):
+                raise InvalidArgument(
+                    f"kernel_support names group {entry.group_id}; the pool has "
+                    f"{len(groups)} group(s)"
+                )
+            if entry.group_id in by_group:
+                raise InvalidArgument(f"kernel_support lists group {entry.group_id} twice")
+            by_group[entry.group_id] = entry
+        sizes = []
+        for group_id, group in enumerate(groups):
+            chosen = by_group.get(group_id)
+            backends = [b.specs() for b in chosen.backends] if chosen else []
+            try:
+                size = choose_kernel_block_size(
+                    group.page_size, backends, is_mamba=group.kind is GroupKind.MAMBA
+                )
+            except PagekeeperError as exc:
+                raise type(exc)(f"group {group_id}: {exc.message}") from None
+            sizes.append(size)
+        return tuple(sizes)
+
+    def _published_tables(
+        self, kernel_sets: Iterable[tuple[int, ...]]
+    ) -> tuple[tuple[int, int], ...]:
+        return tuple(sorted({(g, k) for sizes in kernel_sets for g, k in enumerate(sizes)}))
+
+    def _reconfigure_sink(self, kernel_sets: dict[tuple[int, ...], int]) -> RingDescriptor | None:
+        """Point the sink at the tables ``kernel_sets`` needs; called *before* the registry
+        changes, so a failure (e.g. no memory for the ring) leaves everything as it was."""
+        if self.sink is None:
+            return None
+        wanted = self._published_tables(kernel_sets)
+        if wanted == self._published_tables(self._kernel_sets):
+            return self.sink.descriptor()
+        return self.sink.configure(wanted)
+
+    def register(self, cmd: RegisterCommand) -> RegisterResult:
+        if not isinstance(cmd.role, ClientRole):
+            raise InvalidArgument("role must be SCHEDULER or WORKER")
+        lease = cmd.lease_ttl_s
+        if not lease >= 0:  # also catches NaN
+            raise InvalidArgument(f"lease_ttl_ms must be >= 0, got {lease}")
+        lease = self.limits.lease_ttl_s if lease == 0 else min(lease, self.limits.max_lease_ttl_s)
+        if cmd.role is ClientRole.WORKER:
+            sizes = self._kernel_block_sizes(cmd.kernel_support)
+        else:
+            if cmd.kernel_support:
+                raise InvalidArgument("only workers send kernel_support")
+            sizes = ()
+        existing = self._clients.get(cmd.client_id) if cmd.client_id else None
+        if cmd.client_id:
+            _check_id(cmd.client_id, "client_id")
+            if existing is None:
+                raise NotFound(
+                    f"client {cmd.client_id!r} is not registered (leave client_id empty to "
+                    "get a new one)"
+                )
+            if existing.role is not cmd.role:
+                raise FailedPrecondition(
+                    f"client {cmd.client_id!r} registered as {existing.role.value}, not "
+                    f"{cmd.role.value}"
+                )
+        elif len(self._clients) >= self.limits.max_clients:
+            raise ResourceExhausted(f"max_clients {self.limits.max_clients} already registered")
+
+        kernel_sets = dict(self._kernel_sets)
+        if existing is not None and existing.kernel_block_sizes:
+            _release(kernel_sets, existing.kernel_block_sizes)
+        if sizes:
+            kernel_sets[sizes] = kernel_sets.get(sizes, 0) + 1
+        ring = self._reconfigure_sink(kernel_sets)
+
+        # -- no failure past this point --
+        self._kernel_sets = kernel_sets
+        if existing is not None:
+            client = existing
+            client.generation += 1
+            client.name = cmd.name or client.name
+            client.device = cmd.device
+        else:
+            client_id = f"{cmd.role.value}-{self._next_client_number}"
+            self._next_client_number += 1
+            client = ClientRecord(
+                client_id=client_id,
+                role=cmd.role,
+                name=cmd.name,
+                device=cmd.device,
+                generation=1,
+                lease_ttl_s=lease,
+                registered_at=cmd.now,
+                expires_at=cmd.now + lease,
+            )
+            self._clients[client_id] = client
+        client.lease_ttl_s = lease
+        client.expires_at = cmd.now + lease
+        client.kernel_support = cmd.kernel_support
+        client.kernel_block_sizes = sizes
+        self.counters.num_registrations += 1
+        self._after_mutation()
+        return RegisterResult(
+            client_id=client.client_id,
+            generation=client.generation,
+            lease_ttl_s=lease,
+            kernel_block_sizes=sizes,
+            ring=ring if cmd.role is ClientRole.WORKER else None,
+            last_step_id=client.last_step_id,
+            last_published_step_seq=self._last_published_step_seq,
+        )
+
+    def heartbeat(self, cmd: HeartbeatCommand) -> HeartbeatResult:
+        client = self._client(cmd.client_id, cmd.generation, cmd.now)
+        client.expires_at = cmd.now + client.lease_ttl_s
+        ring = None
+        if client.role is ClientRole.WORKER and self.sink is not None:
+            ring = self.sink.descriptor()
+        return HeartbeatResult(client.lease_ttl_s, ring, self._last_event_seq)
+
+    def _remove_client(self, client: ClientRecord) -> int:
+        """Free the client's requests and drop it; returns how many requests were freed."""
+        kernel_sets = dict(self._kernel_sets)
+        if client.kernel_block_sizes:
+            _release(kernel_sets, client.kernel_block_sizes)
+            # Releasing a ring cannot be refused; a failure here is a bug worth surfacing.
+            self._reconfigure_sink(kernel_sets)
+        self._kernel_sets = kernel_sets
+        freed = 0
+        # Sorted: the free order decides the free queue, so it must not depend on set order.
+        for request_id in sorted(client.request_ids):
+            self.manager.free(request_id)
+            del self._requests[request_id]
+            freed += 1
+        del self._clients[client.client_id]
+        return freed
+
+    def unregister(self, cmd: UnregisterCommand) -> int:
+        client = self._client(cmd.client_id, cmd.generation, cmd.now)
+        freed = self._remove_client(client)
+        self._after_mutation()
+        return freed
+
+    def expire_leases(self, cmd: ExpireLeasesCommand) -> ExpireResult:
+        """Drop every client whose lease ran out (schedulers after ``lease_grace_s``)."""
+        expired = []
+        for client in list(self._clients.values()):
+            grace = self.limits.lease_grace_s if client.role is ClientRole.SCHEDULER else 0.0
+            if cmd.now > client.expires_at + grace:
+                expired.append(client)
+        if not expired:
+            return ExpireResult((), 0)
+        freed = sum(self._remove_client(c) for c in expired)
+        self.counters.num_expired_clients += len(expired)
+        self._after_mutation()
+        return ExpireResult(tuple(c.client_id for c in expired), freed)
+
+    # -- steps -------------------------------------------------------------------------
+    def step(self, cmd: StepCommand) -> StepResult:
+        started = time.perf_counter()
+        client = self._client(cmd.client_id, cmd.generation, cmd.now)
+        if client.role is not ClientRole.SCHEDULER:
+            raise PermissionDenied(f"client {client.client_id!r} is a worker; only schedulers step")
+        if not isinstance(cmd.step_id, int) or cmd.step_id < 1:
+            raise InvalidArgument(f"step_id must be >= 1, got {cmd.step_id!r}")
+        if cmd.step_id <= client.last_step_id:
+            stored = client.last_step_result
+            if cmd.step_id == client.last_step_id and stored is not None:
+                self.counters.num_step_retries += 1
+                client.expires_at = cmd.now + client.lease_ttl_s
+                return _as_retry(stored)
+            raise FailedPrecondition(
+                f"step_id {cmd.step_id} is older than client {client.client_id!r}'s last "
+                f"step {client.last_step_id}"
+            )
+        try:
+            will_publish = self._validate_step(client, cmd)
+        except PagekeeperError:
+            self.counters.num_steps_rejected += 1
+            raise
+
+        # -- mutations: nothing below raises a PagekeeperError for this step as a whole --
+        manager = self.manager
+        requests = self._requests
+        for request_id in cmd.frees:
+            manager.free(request_id)
+            del requests[request_id]
+            client.request_ids.discard(request_id)
+        outcomes: list[AllocationOutcome] = []
+        left_out: set[str] = set()
+        for growth in cmd.growths:
+            outcome = self._apply_growth(growth)
+            if outcome is None:
+                continue  # OK with no new page: the common decode, not listed
+            if outcome.status is not AllocationStatus.OK:
+                left_out.add(growth.request_id)
+            outcomes.append(outcome)
+        for admission in cmd.admissions:
+            outcome = self._apply_admission(client, admission)
+            if outcome.status is not AllocationStatus.OK:
+                left_out.add(admission.request_id)
+            outcomes.append(outcome)
+
+        is_published, slot, publish_error = False, -1, ""
+        unscheduled: tuple[str, ...] = ()
+        if cmd.batch is not None:
+            unscheduled = tuple(r for r in cmd.batch.request_ids if r in left_out)
+            if will_publish and self.sink is not None:
+                is_published, slot, publish_error = self._publish(cmd.step_id, cmd.batch, left_out)
+        if will_publish:
+            # Decided by the state, not by the sink's outcome, so a replay (no sink) keeps
+            # the same ordering constraint on later steps.
+            self._last_published_step_seq = cmd.step_id
+
+        client.last_step_id = cmd.step_id
+        client.expires_at = cmd.now + client.lease_ttl_s
+        client.num_steps += 1
+        self.counters.num_steps += 1
+        self._after_mutation()
+        result = StepResult(
+            step_id=cmd.step_id,
+            results=tuple(outcomes),
+            is_published=is_published,
+            published_slot=slot,
+            unscheduled_request_ids=unscheduled,
+            num_free_pages=manager.pool.num_free_pages,
+            last_event_seq=self._last_event_seq,
+            publish_error=publish_error,
+        )
+        client.last_step_result = result
+        self.counters.step_seconds.append(time.perf_counter() - started)
+        return result
+
+    def _validate_step(self, client: ClientRecord, cmd: StepCommand) -> bool:
+        """Check the whole step against the state as it will be when each part applies;
+        raise on the first problem. Returns whether the batch will be published."""
+        limits = self.limits
+        max_len = self.pool_config.max_model_len
+        num_items = len(cmd.frees) + len(cmd.growths) + len(cmd.admissions)
+        if num_items > limits.max_requests_per_step:
+            raise ResourceExhausted(
+                f"{num_items} frees + growths + admissions exceed max_requests_per_step "
+                f"{limits.max_requests_per_step}"
+            )
+        requests = self._requests
+        owner = client.client_id
+        freed: set[str] = set()
+        for request_id in cmd.frees:
+            self._check_owned(request_id, owner)
+            if request_id in freed:
+                raise InvalidArgument(f"request {request_id!r} is freed twice in one step")
+            freed.add(request_id)
+        grown: set[str] = set()
+        for growth in cmd.growths:
+            request_id = growth.request_id
+            record = self._check_owned(request_id, owner)
+            if request_id in freed:
+                raise InvalidArgument(f"request {request_id!r} is both freed and grown")
+            if request_id in grown:
+                raise InvalidArgument(f"request {request_id!r} is grown twice in one step")
+            grown.add(request_id)
+            self._validate_growth(growth, record, max_len)
+        if cmd.growths:
+            _check_growth_tokens(cmd.growths)
+        admitted: set[str] = set()
+        for admission in cmd.admissions:
+            request_id = _check_id(admission.request_id, "request_id")
+            if request_id in admitted:
+                raise InvalidArgument(f"request {request_id!r} is admitted twice in one step")
+            if request_id in grown:
+                raise InvalidArgument(f"request {request_id!r} is both grown and admitted")
+            if request_id in requests and request_id not in freed:
+                raise AlreadyExists(f"request {request_id!r} already holds pages")
+            admitted.add(request_id)
+            self._validate_admission(admission, max_len)
+
+        batch = cmd.batch
+        if batch is None:
+            return False
+        if len(batch.request_ids) > limits.max_requests_per_step:
+            raise ResourceExhausted(
+                f"batch of {len(batch.request_ids)} requests exceeds max_requests_per_step "
+                f"{limits.max_requests_per_step}"
+            )
+        seen: set[str] = set()
+        for request_id in batch.request_ids:
+            if request_id in seen:
+                raise InvalidArgument(f"request {request_id!r} appears twice in the batch")
+            seen.add(request_id)
+            if request_id in admitted:
+                continue
+            if request_id in freed:
+                raise InvalidArgument(f"request {request_id!r} is freed and in the batch")
+            self._check_owned(request_id, owner)
+        counts = batch.num_scheduled_tokens
+        if counts is not None:
+            counts = _as_int32(counts, "num_scheduled_tokens")
+            if counts.shape[0] != len(batch.request_ids):
+                raise InvalidArgument(
+                    f"num_scheduled_tokens has {counts.shape[0]} entries for "
+                    f"{len(batch.request_ids)} batch requests"
+                )
+            if counts.size and int(counts.min()) < 0:
+                raise InvalidArgument("num_scheduled_tokens must be >= 0")
+            total = int(counts.sum(dtype=np.int64))
+            if total > limits.max_tokens_per_step:
+                raise ResourceExhausted(
+                    f"{total} scheduled tokens exceed max_tokens_per_step "
+                    f"{limits.max_tokens_per_step}"
+                )
+        will_publish = bool(self._kernel_sets)
+        if will_publish and cmd.step_id <= self._last_published_step_seq:
+            raise FailedPrecondition(
+                f"step_id {cmd.step_id} must exceed the last published step "
+                f"{self._last_published_step_seq} (workers wait on increasing step ids)"
+            )
+        return will_publish
+
+    def _check_owned(self, request_id: str, owner: str) -> _RequestRecord:
+        record = self._requests.get(request_id)
+        if record is None:
+            raise NotFound(f"request {request_id!r} holds no pages")
+        if record.owner != owner:
+            raise PermissionDenied(f"request {request_id!r} belongs to another client")
+        return record
+
+    def _validate_growth(self, growth: Growth, record: _RequestRecord, max_len: int) -> None:
+        """The core's own checks, done up front so a bad growth cannot stop a step halfway."""
+        rid = growth.request_id
+        new_tokens = growth.new_token_ids
+        # Token values are checked for the whole step at once (_check_growth_tokens).
+        if not isinstance(new_tokens, np.ndarray) or new_tokens.ndim != 1:
+            raise InvalidArgument(f"request {rid!r}: new_token_ids must be a 1-D integer array")
+        if growth.num_new_tokens < 1:
+            raise InvalidArgument(f"request {rid!r}: num_new_tokens must be >= 1")
+        if growth.num_lookahead_tokens < 0:
+            raise InvalidArgument(f"request {rid!r}: num_lookahead_tokens must be >= 0")
+        num_tokens = record.num_tokens + len(new_tokens)
+        if num_tokens > max_len:
+            raise InvalidArgument(
+                f"request {rid!r}: {num_tokens} tokens exceed max_model_len {max_len}"
+            )
+        computed = growth.num_computed_tokens
+        if computed is None:
+            computed = record.num_computed_tokens
+        elif not 0 <= computed <= num_tokens:
+            raise InvalidArgument(
+                f"request {rid!r}: num_computed_tokens {computed} outside [0, {num_tokens}]"
+            )
+        if computed + growth.num_new_tokens > num_tokens + growth.num_lookahead_tokens:
+            raise InvalidArgument(
+                f"request {rid!r}: {computed} computed + {growth.num_new_tokens} new tokens "
+                f"exceed its {num_tokens} tokens"
+            )
+
+    def _validate_admission(self, admission: Admission, max_len: int) -> None:
+        rid = admission.request_id
+        tokens = _as_int32(admission.token_ids, f"request {rid!r}: token_ids")
+        if tokens.size == 0:
+            raise InvalidArgument(f"request {rid!r}: token_ids must not be empty")
+        if tokens.shape[0] > max_len:
+            raise InvalidArgument(
+                f"request {rid!r}: {tokens.shape[0]} tokens exceed max_model_len {max_len}"
+            )
+        if int(tokens.min()) < 0:
+            raise InvalidArgument(f"request {rid!r}: token ids must be >= 0")
+        if not 0 <= admission.num_new_tokens <= tokens.shape[0]:
+            raise InvalidArgument(
+                f"request {rid!r}: num_new_tokens {admission.num_new_tokens} outside "
+                f"[0, {tokens.shape[0]}]"
+            )
+        if admission.num_lookahead_tokens < 0:
+            raise InvalidArgument(f"request {rid!r}: num_lookahead_tokens must be >= 0")
+        hashes = admission.page_hashes
+        if hashes is not None:
+            num_full = tokens.shape[0] // self.pool_config.hash_page_size
+            if len(hashes) > num_full:
+                raise InvalidArgument(
+                    f"request {rid!r}: {len(hashes)} page hashes for {tokens.shape[0]} tokens "
+                    f"(at most {num_full})"
+                )
+            if any(not h for h in hashes):
+                raise InvalidArgument(f"request {rid!r}: page hashes must be non-empty")
+        _validate_extra_keys(admission.extra_keys, rid, tokens.shape[0])
+
+    def _apply_growth(self, growth: Growth) -> AllocationOutcome | None:
+        """The growth's outcome; None when it succeeded without a new page (most decodes:
+        answering nothing keeps a 256-decode step's reply small)."""
+        rid = growth.request_id
+        try:
+            allocation = self.manager.allocate(
+                rid,
+                growth.num_new_tokens,
+                new_token_ids=growth.new_token_ids,
+                num_computed_tokens=growth.num_computed_tokens,
+                num_lookahead_tokens=growth.num_lookahead_tokens,
+            )
+        except PagekeeperError as exc:
+            return AllocationOutcome(rid, AllocationStatus.REJECTED, reason=exc.message)
+        if allocation is None:
+            return AllocationOutcome(rid, AllocationStatus.NO_CAPACITY)
+        record = self._requests[rid]
+        record.num_tokens += len(growth.new_token_ids)
+        computed = growth.num_computed_tokens
+        record.num_computed_tokens = (
+            record.num_computed_tokens if computed is None else computed
+        ) + growth.num_new_tokens
+        if not any(allocation.new_page_ids):
+            return None
+        return _outcome(allocation)
+
+    def _apply_admission(self, client: ClientRecord, admission: Admission) -> AllocationOutcome:
+        rid = admission.request_id
+        num_new = admission.num_new_tokens or None
+        try:
+            allocation = self.manager.admit(
+                rid,
+                admission.token_ids,
+                num_new_tokens=num_new,
+                extra_keys=admission.extra_keys,
+                page_hashes=admission.page_hashes,
+                num_lookahead_tokens=admission.num_lookahead_tokens,
+                enable_cache_read=admission.enable_cache_read,
+                owner=client.client_id,
+            )
+        except PagekeeperError as exc:
+            return AllocationOutcome(rid, AllocationStatus.REJECTED, reason=exc.message)
+        if allocation is None:
+            return AllocationOutcome(rid, AllocationStatus.NO_CAPACITY)
+        num_tokens = len(admission.token_ids)
+        cached = allocation.num_cached_tokens
+        computed = cached + (num_new if num_new is not None else num_tokens - cached)
+        self._requests[rid] = _RequestRecord(client.client_id, num_tokens, computed)
+        client.request_ids.add(rid)
+        return _outcome(allocation)
+
+    def _publish(self, step_id: int, batch: Batch, left_out: set[str]) -> tuple[bool, int, str]:
+        """Build one table per group and per distinct kernel block size, then publish."""
+        assert self.sink is not None
+        if left_out:
+            keep = [i for i, r in enumerate(batch.request_ids) if r not in left_out]
+            request_ids: Sequence[str] = [batch.request_ids[i] for i in keep]
+            counts = (
+                None if batch.num_scheduled_tokens is None else batch.num_scheduled_tokens[keep]
+            )
+        else:
+            request_ids, counts = batch.request_ids, batch.num_scheduled_tokens
+        tables: list[BatchTables] = []
+        seen: set[tuple[int, int]] = set()
+        try:
+            for sizes in sorted(self._kernel_sets):
+                built = self.manager.build_batch(
+                    request_ids,
+                    sizes,
+                    num_scheduled_tokens=None if counts is None else counts.tolist(),
+                )
+                for table in built:
+                    key = (table.group_id, table.kernel_block_size)
+                    if key not in seen:
+                        seen.add(key)
+                        tables.append(table)
+            slot = self.sink.publish(step_id, tables)
+        except PagekeeperError as exc:
+            # The allocations stand (they were answered); only the publication failed.
+            self.counters.num_publish_errors += 1
+            return False, -1, exc.message
+        self.counters.num_published += 1
+        return True, slot, ""
+
+    # -- admin -------------------------------------------------------------------------
+    def reset_prefix_cache(self, cmd: ResetPrefixCacheCommand) -> int:
+        """Drop the prefix cache; returns how many cached pages were dropped."""
+        del cmd  # time does not matter; kept for the log
+        before = self.manager.pool.num_cached_pages
+        if not self.manager.reset_prefix_cache():
+            num = len(self._requests)
+            raise FailedPrecondition(
+                f"{num} running request(s) hold pages; the prefix cache can only be reset "
+                "when none do"
+            )
+        self._after_mutation()
+        return before
+
+    def force_free(self, cmd: ForceFreeCommand) -> None:
+        record = self._requests.get(cmd.request_id)
+        if record is None:
+            raise NotFound(f"request {cmd.request_id!r} holds no pages")
+        self.manager.free(cmd.request_id)
+        del self._requests[cmd.request_id]
+        owner = self._clients.get(record.owner)
+        if owner is not None:
+            owner.request_ids.discard(cmd.request_id)
+        self._after_mutation()
+
+    # -- reads -------------------------------------------------------------------------
+    @property
+    def last_event_seq(self) -> int:
+        return self._last_event_seq
+
+    @property
+    def last_published_step_seq(self) -> int:
+        return self._last_published_step_seq
+
+    @property
+    def num_workers(self) -> int:
+        return sum(self._kernel_sets.values())
+
+    def stats(self) -> PoolStats:
+        return self.manager.stats()
+
+    def clients(self) -> list[ClientRecord]:
+        return list(self._clients.values())
+
+    def client(self, client_id: str) -> ClientRecord:
+        record = self._clients.get(client_id)
+        if record is None:
+            raise NotFound(f"client {client_id!r} is not registered")
+        return record
+
+    def check_client(self, client_id: str, generation: int, now: float) -> ClientRecord:
+        """A registered client with this generation and a live lease (for streams)."""
+        return self._client(client_id, generation, now)
+
+    def request_ids(self) -> list[str]:
+        """Running requests, in admission order."""
+        return list(self._requests)
+
+    def request_info(self, request_id: str) -> RequestInfo:
+        return self.manager.request_info(request_id)
+
+    def lookup(
+        self,
+        token_ids: Int32Array,
+        extra_keys: ExtraKeys | None = None,
+        page_hashes: Sequence[bytes] | None = None,
+    ) -> LookupResult:
+        tokens = _as_int32(token_ids, "token_ids")
+        if tokens.shape[0] > self.pool_config.max_model_len:
+            raise InvalidArgument(
+                f"{tokens.shape[0]} tokens exceed max_model_len {self.pool_config.max_model_len}"
+            )
+        if tokens.size and int(tokens.min()) < 0:
+            raise InvalidArgument("token ids must be >= 0")
+        _validate_extra_keys(extra_keys, "lookup", tokens.shape[0])
+        return self.manager.lookup(tokens, extra_keys=extra_keys, page_hashes=page_hashes)
+
+    def block_table(
+        self, request_id: str, group_id: int, kernel_block_size: int = 0
+    ) -> tuple[Int32Array, Int32Array, int]:
+        """(physical table, kernel table, kernel block size) of one request in one group."""
+        if not 0 <= group_id < len(self._page_sizes):
+            raise InvalidArgument(f"group_id {group_id} out of range [0, {len(self._page_sizes)})")
+        page_size = self._page_sizes[group_id]
+        kbs = kernel_block_size or page_size
+        if kbs < 1 or page_size % kbs != 0:
+            raise InvalidArgument(
+                f"kernel_block_size {kbs} must be a positive divisor of page size {page_size}"
+            )
+        pages = self.manager.page_table(request_id, group_id)
+        return pages, expand_to_kernel_blocks(pages, page_size // kbs), kbs
+
+    def page(self, page_id: int) -> PageView:
+        pool = self.manager.pool
+        if not 0 <= page_id < self.pool_config.num_pages:
+            raise NotFound(f"page {page_id} does not exist (pool has {self.pool_config.num_pages})")
+        key = pool.page_hash(page_id)
+        ref = pool.ref_count(page_id)
+        is_cached = pool.is_cached(page_id)
+        if page_id == 0:
+            state = PageState.NULL
+        elif ref > 0:
+            state = PageState.USED
+        elif is_cached:
+            state = PageState.CACHED
+        else:
+            state = PageState.FREE
+        group_id = key[0] if key is not None else None
+        if group_id is None and ref > 0:
+            group_id = int(self.manager.page_states()["group"][page_id])
+        return PageView(page_id, state, ref, is_cached, group_id, key[1] if key else None)
+
+    def page_ids_in_state(
+        self, state: PageState | None, start: int, limit: int
+    ) -> tuple[list[int], int | None]:
+        """Page ids ``>= start`` in ``state`` (all when None), at most ``limit``, and the next
+        start (None at the end)."""
+        states = self.manager.page_states()
+        ref, cached = states["ref_count"], states["is_cached"]
+        ids = np.arange(self.pool_config.num_pages)
+        if state is None:
+            mask = np.ones_like(ref, dtype=bool)
+        elif state is PageState.USED:
+            mask = ref > 0
+        elif state is PageState.CACHED:
+            mask = (ref == 0) & cached & (ids != 0)
+        elif state is PageState.FREE:
+            mask = (ref == 0) & ~cached & (ids != 0)
+        else:
+            mask = ids == 0
+        mask[: max(start, 0)] = False
+        chosen = np.flatnonzero(mask)
+        page = chosen[:limit].tolist()
+        next_start = int(chosen[limit]) if chosen.shape[0] > limit else None
+        return page, next_start
+
+    def events_since(self, since_seq: int, limit: int) -> EventsPage:
+        """Events with ``seq > since_seq``, oldest first, at most ``limit``; ``fell_behind``
+        when some after ``since_seq`` were already dropped from the buffer."""
+        events = self._events
+        first = events[0].seq if events else self._last_event_seq + 1
+        fell_behind = since_seq < first - 1
+        start = bisect.bisect_right(events, since_seq, key=lambda e: e.seq)
+        chunk = tuple(events[i] for i in range(start, min(start + limit, len(events))))
+        return EventsPage(chunk, fell_behind, first, self._last_event_seq)
+
+    # -- integrity ---------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """The core's invariants, plus: the state's request records match the core's."""
+        from pagekeeper.core.errors import InvariantViolation
+
+        self.manager.check_invariants()
+        problems = []
+        core_ids = set(self.manager.request_ids())
+        if core_ids != set(self._requests):
+            problems.append(
+                f"state tracks {len(self._requests)} requests, the core {len(core_ids)}"
+            )
+        for rid, record in self._requests.items():
+            if rid not in core_ids:
+                continue
+            info = self.manager.request_info(rid)
+            if (info.num_tokens, info.num_computed_tokens) != (
+                record.num_tokens,
+                record.num_computed_tokens,
+            ):
+                problems.append(
+                    f"request {rid!r}: state has {record.num_tokens}/{record.num_computed_tokens}"
+                    f" tokens/computed, core {info.num_tokens}/{info.num_computed_tokens}"
+                )
+            owner = self._clients.get(record.owner)
+            if owner is not None and rid not in owner.request_ids:
+                problems.append(f"request {rid!r} missing from its owner's set")
+        if problems:
+            raise InvariantViolation("; ".join(problems))
+
+
+def _check_growth_tokens(growths: Sequence[Growth]) -> None:
+    """Every growth's new token ids are integers >= 0: one vectorised pass over the step
+    (a per-growth ``min()`` would cost a few microseconds each, hundreds of times)."""
+    arrays = [g.new_token_ids for g in growths if len(g.new_token_ids)]
+    if not arrays:
+        return
+    tokens = np.concatenate(arrays)
+    if tokens.dtype.kind not in "iu":
+        raise InvalidArgument("new_token_ids must hold integers")
+    if int(tokens.min()) < 0:
+        bad = next(g for g in growths if len(g.new_token_ids) and g.new_token_ids.min() < 0)
+        raise InvalidArgument(f"request {bad.request_id!r}: token ids must be >= 0")
+
+
+def _release(kernel_sets: dict[tuple[int, ...], int], sizes: tuple[int, ...]) -> None:
+    count = kernel_sets[sizes] - 1
+    if count:
+        kernel_sets[sizes] = count
+    else:
+        del kernel_sets[sizes]
+
+
+def _validate_extra_keys(extra: ExtraKeys | None, rid: str, num_tokens: int) -> None:
+    if extra is None:
+        return
+    for mm in extra.mm_inputs:
+        if not mm.identifier:
+            raise InvalidArgument(f"request {rid!r}: a multimodal input needs an identifier")
+        if mm.offset < 0 or mm.length < 1 or mm.offset + mm.length > num_tokens:
+            raise InvalidArgument(
+                f"request {rid!r}: multimodal range [{mm.offset}, {mm.offset + mm.length}) "
+                f"outside the request's {num_tokens} tokens"
+            )
+
+
+def _outcome(allocation: Allocation) -> AllocationOutcome:
+    return AllocationOutcome(
+        request_id=allocation.request_id,
+        status=AllocationStatus.OK,
+        num_cached_tokens=allocation.num_cached_tokens,
+        new_page_ids=allocation.new_page_ids,
+        hit_page_ids=allocation.hit_page_ids,
+    )
+
+
+def _as_retry(result: StepResult) -> StepResult:
+    return replace(result, is_retry=True)

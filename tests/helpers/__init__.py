@@ -1,0 +1,1 @@
+"""Reusable test helpers (a real pagekeeper server as a subprocess, ...)."""

@@ -1,0 +1,228 @@
+"""Every REST path against the real server, with the gRPC side driving the state."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pagekeeper_client._proto.pagekeeper.v1 import pagekeeper_pb2 as pb
+from tests.helpers.grpc_util import Scheduler, from_i32, i32
+
+PROBLEM = "application/problem+json"
+
+
+@pytest.fixture
+def running(pagekeeper_server):
+    """A scheduler holding two requests (one reusing the other's prefix)."""
+    sched = Scheduler(pagekeeper_server, "rest")
+    # Tokens unique to this scheduler: earlier tests' cached pages must not hit.
+    seed = int(sched.client_id.rsplit("-", 1)[1])
+    tokens = np.random.default_rng(seed).integers(0, 30_000, 70).tolist()
+    a, b = f"{sched.client_id}-a", f"{sched.client_id}-b"
+    first = sched.admit(a, tokens)
+    assert first.num_cached_tokens == 0
+    assert sched.admit(b, tokens).num_cached_tokens == 64
+    yield sched, a, b, from_i32(first.new_page_ids[0]), tokens
+    sched.stub.Unregister(
+        pb.UnregisterRequest(client_id=sched.client_id, generation=sched.generation),
+        metadata=sched.md,
+    )
+
+
+def test_health_and_readiness(pagekeeper_server):
+    http = pagekeeper_server.http()
+    assert http.get("/healthz").json() == {"status": "ok"}
+    assert http.get("/readyz").json() == {"status": "ready"}
+
+
+def test_pool(pagekeeper_server, running):
+    pool = pagekeeper_server.http().get("/v1/pool").json()
+    assert pool["config"]["num_pages"] == 512
+    assert pool["groups"][0]["page_size"] == 16
+    assert pool["groups"][0]["num_used_pages"] == pool["pages"]["num_used_pages"] > 0
+    pages = pool["pages"]
+    assert pages["num_free_pages"] + pages["num_used_pages"] == 511
+    assert pool["prefix_cache"]["hits_tokens"] >= 64
+    assert 0 < pool["prefix_cache"]["hit_rate"] <= 1
+    assert pool["steps"]["num_steps"] >= 2
+    assert pool["num_requests"] >= 2 and pool["num_clients"] >= 1
+
+
+def test_pages(pagekeeper_server, running):
+    http = pagekeeper_server.http()
+    _, _, _, pages_a, _ = running
+    shared = http.get(f"/v1/pages/{pages_a[0]}").json()
+    assert shared["state"] == "used" and shared["ref_count"] == 2
+    assert shared["is_cached"] and len(shared["page_hash"]) == 64  # sha256 hex
+    assert shared["group_id"] == 0
+    null = http.get("/v1/pages/0").json()
+    assert null["state"] == "null" and null["ref_count"] == 0
+    missing = http.get("/v1/pages/512")
+    assert missing.status_code == 404 and missing.headers["content-type"] == PROBLEM
+    assert missing.json()["type"].endswith("/not_found")
+    # Listing by state, paginated: concatenated pages equal the whole listing.
+    used = http.get("/v1/pages", params={"state": "used", "limit": 1000}).json()
+    assert {p["page_id"] for p in used["items"]} >= set(pages_a)
+    assert used["next_cursor"] is None
+    collected, cursor = [], None
+    while True:
+        params = {"state": "used", "limit": 2} | ({"cursor": cursor} if cursor else {})
+        chunk = http.get("/v1/pages", params=params).json()
+        collected += [p["page_id"] for p in chunk["items"]]
+        cursor = chunk["next_cursor"]
+        if cursor is None:
+            break
+    assert collected == [p["page_id"] for p in used["items"]]
+    free = http.get("/v1/pages", params={"state": "free", "limit": 5}).json()["items"]
+    assert all(p["state"] == "free" and p["ref_count"] == 0 for p in free)
+    assert http.get("/v1/pages", params={"cursor": "x"}).status_code == 400
+    assert http.get("/v1/pages", params={"state": "bogus"}).status_code == 422
+
+
+def test_requests(pagekeeper_server, running):
+    http = pagekeeper_server.http()
+    sched, a, b, pages_a, _ = running
+    listed = {
+        r["request_id"]: r for r in http.get("/v1/requests", params={"limit": 1000}).json()["items"]
+    }
+    assert listed[a]["owner"] == sched.client_id
+    assert listed[b]["num_cached_tokens"] == 64
+    assert listed[a]["num_pages"] == [5]
+    detail = http.get(f"/v1/requests/{a}").json()
+    assert detail["page_ids"] == [pages_a]
+    assert detail["kernel_block_ids"] is None
+    with_kernel = http.get(f"/v1/requests/{a}", params={"kernel_block_size": 8}).json()
+    assert with_kernel["kernel_block_ids"] == [[p * 2 + j for p in pages_a for j in range(2)]]
+    bad = http.get(f"/v1/requests/{a}", params={"kernel_block_size": 5})
+    assert bad.status_code == 400 and "does not divide" in bad.json()["detail"]
+    assert http.get("/v1/requests/nope").status_code == 404
+
+
+def test_clients(pagekeeper_server, running):
+    sched = running[0]
+    clients = {c["client_id"]: c for c in pagekeeper_server.http().get("/v1/clients").json()}
+    mine = clients[sched.client_id]
+    assert mine["role"] == "scheduler" and mine["name"] == "rest"
+    assert mine["generation"] == 1 and mine["num_requests"] == 2
+    assert mine["last_step_id"] == sched.step_id
+    assert 0 < mine["lease_remaining_s"] <= mine["lease_ttl_s"]
+
+
+def test_events(pagekeeper_server, running):
+    http = pagekeeper_server.http()
+    everything = http.get("/v1/events", params={"since": 0, "limit": 10000}).json()
+    assert not everything["fell_behind"]
+    stored = [e for e in everything["events"] if e["type"] == "stored"]
+    assert stored and all(len(h) == 64 for e in stored for h in e["page_hashes"])
+    last = everything["last_event_seq"]
+    assert http.get("/v1/events", params={"since": last}).json()["events"] == []
+    tail = http.get("/v1/events", params={"since": last - 1}).json()["events"]
+    assert [e["seq"] for e in tail] == [last]
+
+
+def test_lookup(pagekeeper_server, running):
+    http = pagekeeper_server.http()
+    tokens = running[4]
+    hit = http.post("/v1/lookup", json={"token_ids": tokens}).json()
+    assert hit["num_hit_tokens"] == 64 and len(hit["page_ids"][0]) == 4
+    salted = http.post(
+        "/v1/lookup", json={"token_ids": tokens, "extra_keys": {"cache_salt": "s"}}
+    ).json()
+    assert salted["num_hit_tokens"] == 0
+    # Client-computed hashes give the same answer.
+    by_hash = http.post("/v1/lookup", json={"token_ids": tokens, "page_hashes": hit["page_hashes"]})
+    assert by_hash.json()["num_hit_tokens"] == 64
+    assert http.post("/v1/lookup", json={"token_ids": [-1]}).status_code == 422
+    too_long = http.post("/v1/lookup", json={"token_ids": [1] * 4097})
+    assert too_long.status_code == 400 and "max_model_len" in too_long.json()["detail"]
+    assert (
+        http.post("/v1/lookup", json={"token_ids": [1], "page_hashes": ["abc"]}).status_code == 400
+    )
+
+
+def test_admin_needs_the_admin_token(pagekeeper_server, running):
+    http = pagekeeper_server.http()
+    _, a, *_ = running
+    for method, path in (("POST", "/v1/admin/reset-prefix-cache"), ("DELETE", f"/v1/requests/{a}")):
+        missing = http.request(method, path)
+        assert missing.status_code == 401 and missing.headers["content-type"] == PROBLEM
+        # The gRPC token is not the admin token.
+        wrong = http.request(
+            method, path, headers={"Authorization": f"Bearer {pagekeeper_server.token}"}
+        )
+        assert wrong.status_code == 401
+    assert http.get(f"/v1/requests/{a}").status_code == 200  # nothing happened
+
+
+def test_admin_force_free_and_reset(pagekeeper_server, running):
+    http = pagekeeper_server.http()
+    sched, a, *_ = running
+    headers = pagekeeper_server.admin_headers
+    busy = http.post("/v1/admin/reset-prefix-cache", headers=headers)
+    assert busy.status_code == 409 and busy.json()["type"].endswith("/failed_precondition")
+    freed = http.delete(f"/v1/requests/{a}", headers=headers)
+    assert freed.json() == {"request_id": a, "owner": sched.client_id}
+    assert http.get(f"/v1/requests/{a}").status_code == 404
+    assert http.delete(f"/v1/requests/{a}", headers=headers).status_code == 404
+    # The owner learns it through NOT_FOUND on its next use of the id.
+    reply = sched.step(growths=[])
+    assert reply.results == []
+    # The client's own count follows.
+    mine = {c["client_id"]: c for c in http.get("/v1/clients").json()}[sched.client_id]
+    assert mine["num_requests"] == 1
+
+
+def test_admin_disabled_without_a_token(server_factory):
+    server = server_factory("--num-pages", "32")
+    http = server.http()
+    refused = http.post("/v1/admin/reset-prefix-cache")
+    assert refused.status_code == 403 and "PAGEKEEPER_ADMIN_TOKEN" in refused.json()["detail"]
+
+
+def test_reset_over_http(server_factory):
+    server = server_factory("--num-pages", "32", admin_token="adm")
+    sched = Scheduler(server)
+    sched.admit("r", list(range(40)))
+    sched.free("r")
+    http = server.http()
+    assert (
+        http.post("/v1/lookup", json={"token_ids": list(range(40))}).json()["num_hit_tokens"] == 32
+    )
+    reset = http.post("/v1/admin/reset-prefix-cache", headers={"Authorization": "Bearer adm"})
+    assert reset.json() == {"num_dropped_pages": 2}
+    assert (
+        http.post("/v1/lookup", json={"token_ids": list(range(40))}).json()["num_hit_tokens"] == 0
+    )
+    events = http.get("/v1/events").json()["events"]
+    assert events[-1]["type"] == "all_cleared"
+
+
+def test_metrics(pagekeeper_server, running):
+    http = pagekeeper_server.http()
+    http.get("/v1/pool")
+    text = http.get("/metrics").text
+    assert 'pagekeeper_rpc_duration_seconds_bucket{code="OK",le="0.001",method="Step"}' in text
+    assert (
+        'pagekeeper_http_duration_seconds_count{method="GET",route="/v1/pool",status="200"}' in text
+    )
+    assert "pagekeeper_free_pages " in text and "pagekeeper_steps_total " in text
+    assert "pagekeeper_step_apply_seconds_count" in text
+
+
+def test_openapi_documents_every_model(pagekeeper_server):
+    document = pagekeeper_server.http().get("/openapi.json").json()
+    for name, model in document["components"]["schemas"].items():
+        if name in {"HTTPValidationError", "ValidationError"}:
+            continue
+        for field, spec in model.get("properties", {}).items():
+            described = "description" in spec or "$ref" in spec or "allOf" in spec
+            assert described, f"{name}.{field} is undocumented"
+    assert pagekeeper_server.http().get("/docs").status_code == 200
+
+
+def test_grpc_and_rest_agree(pagekeeper_server, running):
+    sched, a, *_ = running
+    table = sched.stub.GetBlockTable(pb.GetBlockTableRequest(request_id=a), metadata=sched.md)
+    detail = pagekeeper_server.http().get(f"/v1/requests/{a}").json()
+    assert from_i32(table.page_ids) == detail["page_ids"][0]
+    assert i32(detail["page_ids"][0]) == table.page_ids

@@ -1,0 +1,124 @@
+"""Configuration: defaults < TOML < PAGEKEEPER_* env < flags; bad values name their field."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagekeeper.core.config import GroupKind
+from pagekeeper.core.errors import ConfigError
+from pagekeeper.settings import OPTIONS, Settings, load_settings, read_toml, to_json, to_toml
+
+TOML = """
+[server]
+grpc_address = "127.0.0.1:6000"
+http_address = "127.0.0.1:6001"
+max_clients = 7
+[pool]
+num_pages = 1000
+max_model_len = 2048
+[[pool.groups]]
+kind = "full"
+page_size = 32
+[[pool.groups]]
+kind = "sliding_window"
+page_size = 32
+window = 128
+[publish]
+transport = "none"
+"""
+
+
+def test_defaults_need_no_file():
+    settings = load_settings(environ={})
+    assert settings.grpc_address == "127.0.0.1:50051"
+    assert settings.http_address == "127.0.0.1:8000"
+    assert settings.pool.num_pages == 4096 and settings.pool.groups[0].page_size == 16
+    assert settings.pool.enable_prefix_caching and settings.pool.max_model_len == 8192
+    assert settings.publish_transport == "shm" and settings.token is None
+
+
+def test_precedence(tmp_path):
+    path = tmp_path / "pk.toml"
+    path.write_text(TOML)
+    from_file = load_settings(config_path=str(path), environ={})
+    assert from_file.grpc_address == "127.0.0.1:6000" and from_file.max_clients == 7
+    assert [g.kind for g in from_file.pool.groups] == [GroupKind.FULL, GroupKind.SLIDING_WINDOW]
+    env = {"PAGEKEEPER_GRPC_ADDRESS": "unix:/tmp/pk.sock", "PAGEKEEPER_MAX_CLIENTS": "9"}
+    from_env = load_settings(config_path=str(path), environ=env)
+    assert from_env.grpc_address == "unix:/tmp/pk.sock" and from_env.max_clients == 9
+    assert from_env.http_address == "127.0.0.1:6001"  # the file still counts
+    flags = {"server.max_clients": "11", "pool.num_pages": "77"}
+    final = load_settings(config_path=str(path), environ=env, flags=flags)
+    assert final.max_clients == 11 and final.pool.num_pages == 77
+    assert final.grpc_address == "unix:/tmp/pk.sock"
+    # $PAGEKEEPER_CONFIG names the file when --config does not.
+    assert load_settings(environ={"PAGEKEEPER_CONFIG": str(path)}).max_clients == 7
+
+
+def test_printed_config_reads_back(tmp_path):
+    path = tmp_path / "pk.toml"
+    path.write_text(TOML)
+    settings = load_settings(config_path=str(path), environ={"PAGEKEEPER_TOKEN": "s3cret"})
+    printed = to_toml(settings)
+    assert "s3cret" not in printed and "s3cret" not in to_json(settings)
+    again = tmp_path / "again.toml"
+    again.write_text(printed.replace('"<redacted>"', '"s3cret"'))
+    assert load_settings(config_path=str(again), environ={}) == settings
+    assert read_toml(str(again))["pool"]["groups"][1]["window"] == 128
+
+
+@pytest.mark.parametrize(
+    ("source", "field"),
+    [
+        ({"env": {"PAGEKEEPER_NUM_PAGES": "1"}}, "pool.num_pages"),
+        ({"env": {"PAGEKEEPER_NUM_PAGES": "many"}}, "pool.num_pages"),
+        ({"env": {"PAGEKEEPER_PAGE_SIZE": "0"}}, "pool.groups[0].page_size"),
+        ({"env": {"PAGEKEEPER_GRPC_ADDRESS": "nowhere"}}, "server.grpc_address"),
+        ({"env": {"PAGEKEEPER_HTTP_ADDRESS": "127.0.0.1:99999"}}, "server.http_address"),
+        ({"env": {"PAGEKEEPER_DEBUG_INVARIANTS": "maybe"}}, "server.debug_invariants"),
+        ({"flags": {"publish.transport": "pigeon"}}, "publish.transport"),
+        ({"flags": {"server.lease_ttl_s": "-1"}}, "server.lease_ttl_s"),
+        ({"flags": {"server.max_message_bytes": "3000000000"}}, "server.max_message_bytes"),
+        ({"flags": {"server.log_level": "loud"}}, "server.log_level"),
+        ({"toml": "[server]\nbogus = 1\n"}, "server.bogus"),
+        ({"toml": "[pool]\nnum_pages = 'x'\n"}, "pool.num_pages"),
+        ({"toml": "[pool]\n[[pool.groups]]\nkind = 'sliding_window'\n"}, "pool.groups[0].window"),
+        ({"toml": "[pool]\n[[pool.groups]]\nkind = 'quantum'\n"}, "pool.groups[0].kind"),
+        ({"toml": "[elsewhere]\n"}, "elsewhere"),
+        ({"toml": "this is = = not toml"}, "config"),
+    ],
+)
+def test_bad_values_name_the_field(tmp_path, source, field):
+    path = None
+    if "toml" in source:
+        path = tmp_path / "bad.toml"
+        path.write_text(source["toml"])
+    with pytest.raises(ConfigError) as exc:
+        load_settings(
+            config_path=str(path) if path else None,
+            environ=source.get("env", {}),
+            flags=source.get("flags"),
+        )
+    assert exc.value.field == field
+
+
+def test_every_option_has_env_and_flag():
+    envs = {o.env for o in OPTIONS}
+    flags = {o.flag for o in OPTIONS}
+    assert len(envs) == len(flags) == len(OPTIONS)
+    for required in (
+        "PAGEKEEPER_GRPC_ADDRESS",
+        "PAGEKEEPER_HTTP_ADDRESS",
+        "PAGEKEEPER_TOKEN",
+        "PAGEKEEPER_NUM_PAGES",
+    ):
+        assert required in envs
+    assert "--grpc-address" in flags and "--debug-invariants" in flags
+
+
+def test_settings_validate_on_construction():
+    with pytest.raises(ConfigError) as exc:
+        Settings(ring_depth=0)
+    assert exc.value.field == "publish.ring_depth"
+    assert Settings(token="t").effective_admin_token == "t"
+    assert Settings(token="t", admin_token="a").effective_admin_token == "a"

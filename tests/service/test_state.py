@@ -1,0 +1,360 @@
+"""The transport-free service state: commands in, results out, deterministic."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pagekeeper.core.config import GroupConfig, GroupKind, PoolConfig
+from pagekeeper.core.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+)
+from pagekeeper.publication import PublicationHub
+from pagekeeper.publish.api import RingDescriptor, RingGeometry
+from pagekeeper.state import (
+    Admission,
+    AllocationStatus,
+    Batch,
+    ClientRole,
+    ExpireLeasesCommand,
+    ForceFreeCommand,
+    GroupKernelSupport,
+    Growth,
+    HeartbeatCommand,
+    KernelBackend,
+    Limits,
+    PageState,
+    RegisterCommand,
+    ServiceState,
+    StepCommand,
+    UnregisterCommand,
+)
+
+
+def tokens(start: int, n: int) -> np.ndarray:
+    return np.arange(start, start + n, dtype=np.int32)
+
+
+def make_state(num_pages: int = 64, **limits: object) -> ServiceState:
+    return ServiceState(
+        PoolConfig(num_pages=num_pages, max_model_len=512),
+        Limits(**limits),  # type: ignore[arg-type]
+        debug_invariants=True,
+    )
+
+
+def scheduler(state: ServiceState, now: float = 0.0) -> tuple[str, int]:
+    result = state.register(RegisterCommand(now=now, role=ClientRole.SCHEDULER))
+    return result.client_id, result.generation
+
+
+def step(state: ServiceState, client: tuple[str, int], step_id: int, now: float = 1.0, **kw):
+    return state.step(
+        StepCommand(now=now, client_id=client[0], generation=client[1], step_id=step_id, **kw)
+    )
+
+
+def test_step_order_free_grow_admit():
+    state = make_state()
+    me = scheduler(state)
+    r = step(
+        state, me, 1, admissions=(Admission("a", tokens(0, 40)), Admission("b", tokens(100, 20)))
+    )
+    assert [o.status for o in r.results] == [AllocationStatus.OK] * 2
+    a_pages = r.results[0].new_page_ids[0]
+    assert a_pages == (1, 2, 3)
+    # One step: free a, grow b by 13 tokens (20 -> 33: into a 3rd page), re-admit a.
+    r = step(
+        state,
+        me,
+        2,
+        frees=("a",),
+        growths=(Growth("b", 13, tokens(120, 13)),),
+        admissions=(Admission("a", tokens(0, 40)),),
+    )
+    grow, readmit = r.results
+    assert grow.request_id == "b" and grow.new_page_ids[0] != ()
+    # a's two full pages were cached and freed to the tail; the re-admission hits them.
+    assert readmit.num_cached_tokens == 32 and readmit.hit_page_ids[0] == (1, 2)
+
+
+def test_retry_and_old_step_ids():
+    state = make_state()
+    me = scheduler(state)
+    first = step(state, me, 5, admissions=(Admission("a", tokens(0, 40)),))
+    again = step(state, me, 5, admissions=(Admission("zzz", tokens(0, 40)),))
+    assert again.is_retry and again.results == first.results
+    assert not state.manager.has_request("zzz")
+    with pytest.raises(FailedPrecondition, match="older"):
+        step(state, me, 4)
+    with pytest.raises(InvalidArgument):
+        step(state, me, 0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"frees": ("nope",)}, NotFound),
+        ({"frees": ("a", "a")}, InvalidArgument),
+        (
+            {"growths": (Growth("a", 1, tokens(0, 1)), Growth("a", 1, tokens(0, 1)))},
+            InvalidArgument,
+        ),
+        ({"admissions": (Admission("a", tokens(0, 4)),)}, AlreadyExists),
+        ({"admissions": (Admission("n", tokens(0, 513)),)}, InvalidArgument),
+        ({"admissions": (Admission("n", np.array([], dtype=np.int32)),)}, InvalidArgument),
+        ({"admissions": (Admission("n", tokens(0, 4), num_new_tokens=5),)}, InvalidArgument),
+        ({"admissions": (Admission("", tokens(0, 4)),)}, InvalidArgument),
+        ({"admissions": (Admission("x" * 300, tokens(0, 4)),)}, InvalidArgument),
+        ({"growths": (Growth("a", 1, tokens(0, 480)),)}, InvalidArgument),
+        ({"growths": (Growth("a", 1, np.array([5, -3], dtype=np.int32)),)}, InvalidArgument),
+        ({"growths": (Growth("a", 1, np.array([0.5])),)}, InvalidArgument),
+        ({"growths": (Growth("a", 1, tokens(0, 1), num_computed_tokens=100),)}, InvalidArgument),
+        ({"batch": Batch(("a", "zz"))}, NotFound),
+        ({"batch": Batch(("a",), np.array([1, 2], dtype=np.int32))}, InvalidArgument),
+        ({"batch": Batch(("a",), np.array([-1], dtype=np.int32))}, InvalidArgument),
+        ({"batch": Batch(("a",), np.array([10**5], dtype=np.int32))}, ResourceExhausted),
+        ({"frees": tuple(f"r{i}" for i in range(1025))}, ResourceExhausted),
+    ],
+)
+def test_bad_steps_change_nothing(kwargs, error):
+    state = make_state()
+    me = scheduler(state)
+    step(state, me, 1, admissions=(Admission("a", tokens(0, 40)),))
+    before = (
+        state.manager.page_table("a").tolist(),
+        state.manager.pool.free_queue(),
+        state.last_event_seq,
+    )
+    with pytest.raises(error):
+        step(state, me, 2, **kwargs)
+    after = (
+        state.manager.page_table("a").tolist(),
+        state.manager.pool.free_queue(),
+        state.last_event_seq,
+    )
+    assert after == before
+    assert state.client(me[0]).last_step_id == 1
+    assert state.counters.num_steps_rejected == 1
+
+
+def test_ownership_roles_generations():
+    state = make_state()
+    owner, other = scheduler(state), scheduler(state)
+    step(state, owner, 1, admissions=(Admission("a", tokens(0, 40)),))
+    with pytest.raises(PermissionDenied):
+        step(state, other, 1, frees=("a",))
+    worker = state.register(RegisterCommand(now=0.0, role=ClientRole.WORKER))
+    with pytest.raises(PermissionDenied, match="only schedulers"):
+        step(state, (worker.client_id, worker.generation), 1)
+    takeover = state.register(
+        RegisterCommand(now=0.0, role=ClientRole.SCHEDULER, client_id=owner[0])
+    )
+    assert takeover.generation == 2 and takeover.last_step_id == 1
+    with pytest.raises(FailedPrecondition, match="generation"):
+        step(state, owner, 2, frees=("a",))
+    with pytest.raises(FailedPrecondition, match="registered as scheduler"):
+        state.register(RegisterCommand(now=0.0, role=ClientRole.WORKER, client_id=owner[0]))
+    with pytest.raises(NotFound):
+        state.register(RegisterCommand(now=0.0, role=ClientRole.SCHEDULER, client_id="ghost"))
+    assert state.unregister(UnregisterCommand(0.0, owner[0], 2)) == 1
+    assert not state.manager.has_request("a")
+
+
+def test_leases_expire_by_command_time():
+    state = ServiceState(PoolConfig(num_pages=64), Limits(lease_ttl_s=5.0, lease_grace_s=2.0))
+    me = scheduler(state, now=100.0)
+    step(state, me, 1, now=101.0, admissions=(Admission("a", tokens(0, 40)),))  # renews to 106
+    state.heartbeat(HeartbeatCommand(104.0, *me))  # renews to 109
+    with pytest.raises(FailedPrecondition, match="lease expired"):
+        state.heartbeat(HeartbeatCommand(109.5, *me))
+    assert state.expire_leases(ExpireLeasesCommand(110.0)).expired_client_ids == ()  # grace
+    result = state.expire_leases(ExpireLeasesCommand(111.5))
+    assert result.expired_client_ids == (me[0],) and result.num_freed_requests == 1
+    assert state.manager.stats().num_used_pages == 0
+    with pytest.raises(NotFound):
+        state.heartbeat(HeartbeatCommand(112.0, *me))
+
+
+def test_client_limit_and_kernel_choice():
+    pool = PoolConfig(
+        num_pages=64,
+        groups=(GroupConfig(page_size=64), GroupConfig(kind=GroupKind.MAMBA, page_size=64)),
+        max_model_len=1024,
+    )
+    state = ServiceState(pool, Limits(max_clients=2))
+    support = (
+        GroupKernelSupport(
+            0, (KernelBackend("FLASHINFER", (16, 32)), KernelBackend("FA", (), (16,)))
+        ),
+    )
+    worker = state.register(
+        RegisterCommand(now=0.0, role=ClientRole.WORKER, kernel_support=support)
+    )
+    assert worker.kernel_block_sizes == (32, 64)
+    with pytest.raises(FailedPrecondition, match="mamba"):
+        state.register(
+            RegisterCommand(
+                now=0.0,
+                role=ClientRole.WORKER,
+                kernel_support=(GroupKernelSupport(1, (KernelBackend("X", (16,)),)),),
+            )
+        )
+    with pytest.raises(InvalidArgument, match="group 5"):
+        state.register(
+            RegisterCommand(
+                now=0.0, role=ClientRole.WORKER, kernel_support=(GroupKernelSupport(5, ()),)
+            )
+        )
+    scheduler(state)
+    with pytest.raises(ResourceExhausted, match="max_clients"):
+        scheduler(state)
+
+
+class FakePublisher:
+    created: list[FakePublisher] = []
+
+    def __init__(self, kind: str, geometry: RingGeometry) -> None:
+        self.geometry = geometry
+        self.published: list[tuple[int, list]] = []
+        self.is_closed = False
+        self.generation = 1000 + len(FakePublisher.created)
+        FakePublisher.created.append(self)
+
+    def publish(self, step_seq, tables):
+        self.published.append((step_seq, list(tables)))
+        return step_seq % self.geometry.depth
+
+    def descriptor(self) -> RingDescriptor:
+        return RingDescriptor(
+            "shm", self.generation, self.geometry, 123, path=f"/dev/shm/{self.generation}"
+        )
+
+    def close(self) -> None:
+        self.is_closed = True
+
+
+def test_publication_follows_registered_workers():
+    FakePublisher.created.clear()
+    pool = PoolConfig(num_pages=64, groups=(GroupConfig(page_size=32),), max_model_len=256)
+    hub = PublicationHub(
+        pool, transport="shm", depth=2, max_num_reqs=8, max_num_tokens=64, factory=FakePublisher
+    )
+    state = ServiceState(pool, Limits(), sink=hub, debug_invariants=True)
+    me = scheduler(state)
+    # No worker: a batch is validated but nothing is built or published.
+    r = step(state, me, 1, admissions=(Admission("a", tokens(0, 40)),), batch=Batch(("a",)))
+    assert not r.is_published and FakePublisher.created == []
+
+    def worker(size: int):
+        support = (GroupKernelSupport(0, (KernelBackend("k", (size,)),)),)
+        return state.register(
+            RegisterCommand(now=0.0, role=ClientRole.WORKER, kernel_support=support)
+        )
+
+    w16 = worker(16)
+    assert w16.ring is not None and w16.ring.geometry.tables == ((0, 16, 16),)
+    r = step(state, me, 2, growths=(Growth("a", 1, tokens(40, 1)),), batch=Batch(("a",)))
+    assert r.is_published and r.published_slot == 0
+    ((seq, tables),) = FakePublisher.created[0].published
+    assert seq == 2 and [(t.group_id, t.kernel_block_size) for t in tables] == [(0, 16)]
+    assert tables[0].slot_mapping.tolist() == [
+        r_ for r_ in [state.manager.page_table("a")[1] * 32 + 8]
+    ]
+    # A second worker with another size: the ring is re-created with both tables.
+    w8 = worker(8)
+    assert FakePublisher.created[0].is_closed
+    assert w8.ring.geometry.tables == ((0, 8, 32), (0, 16, 16))
+    r = step(state, me, 3, batch=Batch(("a",), np.array([1], dtype=np.int32)))
+    ((_, tables),) = FakePublisher.created[1].published
+    assert sorted((t.kernel_block_size, t.block_table.shape[1]) for t in tables) == [
+        (8, 8),
+        (16, 4),
+    ]
+    # Publishing ids must increase; the last worker leaving releases the ring.
+    other = scheduler(state)
+    with pytest.raises(FailedPrecondition, match="last published"):
+        step(state, other, 3, batch=Batch(()))
+    state.unregister(UnregisterCommand(0.0, w16.client_id, w16.generation))
+    state.unregister(UnregisterCommand(0.0, w8.client_id, w8.generation))
+    assert FakePublisher.created[-1].is_closed and hub.descriptor() is None
+
+
+def test_replay_gives_the_same_state():
+    """Commands recorded while driving one state, applied to a fresh one, give the same
+    pages, free queue, events and answers (what a durable command log relies on)."""
+    rng = np.random.default_rng(0)
+    live = ServiceState(PoolConfig(num_pages=48, max_model_len=512), debug_invariants=True)
+    log: list[object] = [RegisterCommand(now=0.0, role=ClientRole.SCHEDULER)]
+    live.apply(log[0])
+    running: list[str] = []
+    preempted: list[str] = []
+    answers = []
+    for step_id in range(1, 80):
+        # Free what got no capacity last step (preemption), and every third step the oldest.
+        frees = tuple(preempted) + (tuple(running[:1]) if step_id % 3 == 0 and running else ())
+        running = [r for r in running if r not in frees]
+        growths = tuple(Growth(r, 1, tokens(int(rng.integers(0, 99)), 1)) for r in running)
+        prefix = int(rng.integers(0, 3)) * 1000
+        new = f"r{step_id}"
+        prompt = np.concatenate([tokens(prefix, 32), tokens(step_id * 7, 20)])
+        command = StepCommand(
+            float(step_id),
+            "scheduler-1",
+            1,
+            step_id,
+            frees,
+            growths,
+            (Admission(new, prompt),),
+            Batch(tuple(running)),
+        )
+        log.append(command)
+        result = live.apply(command)
+        answers.append(result)
+        statuses = {o.request_id: o.status for o in result.results}
+        preempted = [r for r in running if statuses.get(r) is AllocationStatus.NO_CAPACITY]
+        running = [r for r in running if r not in preempted]
+        if statuses[new] is AllocationStatus.OK:
+            running.append(new)
+    assert any(o.status is AllocationStatus.NO_CAPACITY for a in answers for o in a.results)
+
+    replayed = ServiceState(PoolConfig(num_pages=48, max_model_len=512), debug_invariants=True)
+    replay_answers = [replayed.apply(c) for c in log][1:]
+    assert replay_answers == answers
+    assert replayed.request_ids() == live.request_ids()
+    for rid in live.request_ids():
+        assert replayed.manager.page_table(rid).tolist() == live.manager.page_table(rid).tolist()
+    assert replayed.manager.pool.free_queue() == live.manager.pool.free_queue()
+    assert replayed.events_since(0, 10**6) == live.events_since(0, 10**6)
+
+
+def test_force_free_and_pages_view():
+    state = make_state()
+    me = scheduler(state)
+    step(state, me, 1, admissions=(Admission("a", tokens(0, 40)),))
+    assert state.page(1).state is PageState.USED and state.page(0).state is PageState.NULL
+    used, nxt = state.page_ids_in_state(PageState.USED, 0, 2)
+    assert used == [1, 2] and nxt == 3
+    state.force_free(ForceFreeCommand(0.0, "a"))
+    assert state.page(1).state is PageState.CACHED and state.page(3).state is PageState.FREE
+    assert state.client(me[0]).request_ids == set()
+    with pytest.raises(NotFound):
+        state.force_free(ForceFreeCommand(0.0, "a"))
+    with pytest.raises(NotFound):
+        state.page(64)
+
+
+def test_events_buffer_reports_falling_behind():
+    state = ServiceState(PoolConfig(num_pages=64), Limits(event_buffer_size=3))
+    me = scheduler(state)
+    for i in range(5):
+        step(state, me, i + 1, admissions=(Admission(f"r{i}", tokens(i * 100, 20)),))
+    page = state.events_since(0, 100)
+    assert page.fell_behind and [e.seq for e in page.events] == [3, 4, 5]
+    assert not state.events_since(2, 100).fell_behind
+    assert state.events_since(5, 100).events == ()

@@ -1,0 +1,1 @@
+"""vLLM engine harness: a real vLLM runs on pagekeeper (``make test-vllm``)."""
