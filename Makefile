@@ -32,6 +32,7 @@ serve: $(STAMP)
 	$(VENV)/bin/pagekeeper serve
 
 test: $(STAMP)
+	./scripts/install_browser.sh
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 lint: $(STAMP)

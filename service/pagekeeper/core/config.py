@@ -130,6 +130,8 @@ class PoolConfig:
             raise ConfigError("num_pages", "must fit in int32")
         if not isinstance(self.groups, tuple) or not self.groups:
             raise ConfigError("groups", "at least one KV-cache group is required")
+        if len(self.groups) > 254:
+            raise ConfigError("groups", "at most 254 KV-cache groups")
         for i, group in enumerate(self.groups):
             if not isinstance(group, GroupConfig):
                 raise ConfigError(f"groups[{i}]", "must be a GroupConfig")

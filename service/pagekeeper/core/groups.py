@@ -61,9 +61,9 @@ class GroupManager:
         """Pages of the longest cached prefix of at most ``max_length`` tokens (null pages
         where the kind needs none). Hashes are this group's, one per page."""
         hit: list[int] = []
-        lookup, group_id = self.pool.lookup, self.group_id
+        index = self.pool.index(self.group_id)
         for page_hash in hashes[: max_length // self.page_size]:
-            page = lookup(group_id, page_hash)
+            page = index.get(page_hash)
             if page is None:
                 break
             hit.append(page)
@@ -92,8 +92,8 @@ class GroupManager:
         num_skipped_pages = self.num_skipped_tokens(num_computed_tokens) // self.page_size
         new = max(required - max(num_skipped_pages, len(hit_pages)), 0)
         kept = hit_pages[num_skipped_pages:]
-        pool = self.pool
-        evictable = sum(1 for p in kept if p != NULL_PAGE and pool.ref_count(p) == 0)
+        ref = self.pool.ref_counts
+        evictable = sum(1 for p in kept if p != NULL_PAGE and ref[p] == 0)
         return new + evictable
 
     def save_hits(

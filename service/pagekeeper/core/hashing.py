@@ -16,15 +16,14 @@ exactly as vLLM 0.33 computes block hashes (``hash_block_tokens`` over
 ``cbor`` is canonical CBOR (``cbor2.dumps(obj, canonical=True)``). vLLM pays for a generic
 encoder per page; we encode exactly this shape ourselves. Every page's message is::
 
-    83 | 58 20 <parent: 32 bytes> | 90 <16 uints> | f6            (sha256, page 16, no keys)
-    ^array(3)  ^bytes(32)            ^array(16)     ^null, or array(k) of tagged tuples
-    '-- per page, Python --------'  '-- "body": all pages encoded at once, numpy ------'
+    83 | 58 20 <parent: 32 bytes> | 90 | <16 CBOR uints> | f6      (sha256, page 16, no keys)
+    ^array(3)  ^bytes(32)           ^array(16)              ^null, or array(k) of tagged tuples
 
-The bodies of all pages are built in one vectorised pass (a 64-bit word per token holding
-its CBOR encoding right-aligned, then one compress drops the bytes each variable-length
-encoding does not use), so only the parent concatenation and one digest call remain per
-page. A few pages (decode) take a plain-Python encoder instead; both are checked against
-cbor2 in the tests.
+The token ids of all pages are encoded in one vectorised pass (a 64-bit word per token
+holding its CBOR encoding right-aligned, then one compress drops the bytes each
+variable-length encoding does not use); what remains per page is one join of five byte
+strings and one digest call. A few pages (decode) take a plain-Python encoder instead;
+both are checked against cbor2 in the tests.
 
 Only full pages are hashed. Hashes are raw ``bytes``, deterministic across processes
 (never Python's ``hash()``). Pure: no I/O, numpy only (``xxhash`` for ``xxhash_cbor``).
@@ -35,8 +34,9 @@ from __future__ import annotations
 import array
 import hashlib
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from functools import lru_cache
+from itertools import repeat
 from typing import Any, Final, Literal, TypeAlias, cast
 
 import numpy as np
@@ -84,10 +84,10 @@ _UINT64_LIMIT: Final = 1 << 64
 # array.array's 32-bit unsigned typecode ("I" on every mainstream platform).
 _UINT32_TYPECODE: Final = next(code for code in "IL" if array.array(code).itemsize == 4)
 
-# Fewer tokens than this are encoded in plain Python: numpy's fixed cost per call (~20
-# array operations, ~25 µs) exceeds a per-token loop (~0.15 µs a token) below ~170 tokens,
+# Fewer tokens than this are encoded in plain Python: numpy's fixed cost per call (~10
+# array operations, ~10 µs) exceeds a per-token loop (~0.13 µs a token) below ~80 tokens,
 # which covers the decode path (one page at a time).
-_NUMPY_MIN_TOKENS: Final = 160
+_NUMPY_MIN_TOKENS: Final = 80
 
 
 # --------------------------------------------------------------------------------------
@@ -325,121 +325,53 @@ def _encode_uints_py(values: Sequence[int]) -> bytes:
     return struct.pack(">" + "".join(fmt), *args)
 
 
-# Vectorised CBOR for all pages at once. Every token becomes one big-endian 64-bit word
-# holding its whole CBOR encoding right-aligned (head byte just above the payload: a
-# token below 2**32 takes at most 5 bytes); the array head and the extra keys are raw
-# bytes, left-aligned over as many words as they need. A keep mask per word (one uint64
-# whose bytes are 0/1, looked up by size class) marks the bytes that belong to the
-# encoding, and one compress over all words yields every page's body, in order.
+# Vectorised CBOR for the tokens of all pages at once: every token becomes one big-endian
+# 64-bit word holding its whole encoding right-aligned (head byte just above the payload;
+# an id below 2**32 takes at most 5 bytes). A keep mask per word (one uint64 whose bytes
+# are 0/1, looked up by size class) marks the bytes of the encoding, and one compress over
+# all words yields the concatenated encodings, in order. Few numpy calls on purpose: each
+# costs a microsecond or more (much more with cold caches), the data itself is small.
+_CLASS_BOUNDS: Final = np.array([24, 0x100, 0x1_0000], dtype=np.uint64)
 _CLASS_HEAD: Final = np.array([0, 0x18 << 8, 0x19 << 16, 0x1A << 32], dtype=np.uint64)
 _CLASS_LEN: Final = np.array([1, 2, 3, 5], dtype=np.int64)
 
 
-def _keep_masks() -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]:
-    suffix = np.zeros((len(_CLASS_LEN), 8), dtype=np.bool_)
+def _keep_masks() -> npt.NDArray[np.uint64]:
+    keep = np.zeros((len(_CLASS_LEN), 8), dtype=np.bool_)
     for cls, length in enumerate(_CLASS_LEN):
-        suffix[cls, 8 - length :] = True
-    prefix = np.zeros((9, 8), dtype=np.bool_)
-    for m in range(9):
-        prefix[m, :m] = True
-    return suffix.view(np.uint64).reshape(-1), prefix.view(np.uint64).reshape(-1)
+        keep[cls, 8 - length :] = True
+    return keep.view(np.uint64).reshape(-1)
 
 
-# _KEEP_SUFFIX[c]: the last len(class c) bytes of a token word; _KEEP_PREFIX[m]: the first
-# m bytes of a raw word.
-_KEEP_SUFFIX, _KEEP_PREFIX = _keep_masks()
+# _KEEP[c]: the last len(class c) bytes of a token word.
+_KEEP: Final = _keep_masks()
 
 
-@lru_cache(maxsize=256)
-def _raw_words(
-    data: bytes, num_words: int
-) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]:
-    """``data`` left-aligned over ``num_words`` big-endian words, and their keep masks
-    (read-only: cached, as the same array head and keys recur on every call)."""
-    words = np.frombuffer(data.ljust(num_words * 8, b"\0"), dtype=">u8")
-    full, rest = divmod(len(data), 8)
-    counts = np.zeros(num_words, dtype=np.intp)
-    counts[:full] = 8
-    if rest:
-        counts[full] = rest
-    keep = _KEEP_PREFIX[counts]
-    keep.setflags(write=False)
-    return words, keep
-
-
-def _encode_pages_np(
-    tokens: npt.NDArray[np.unsignedinteger[Any]],
-    page_size: int,
-    array_head: bytes,
-    common_extra: bytes,
-    special_extra: dict[int, bytes],
+def _encode_tokens_np(
+    tokens: npt.NDArray[np.unsignedinteger[Any]], page_size: int
 ) -> tuple[bytes, list[int]]:
-    """Bodies ``array_head tokens... extra`` of every page (tokens < 2**32), concatenated,
-    and each body's end offset."""
-    num_pages = tokens.shape[0] // page_size
-    extra_len = max([len(common_extra), *map(len, special_extra.values())])
-    head_words = -(-len(array_head) // 8)
-    extra_words = -(-extra_len // 8)
-    first_token = head_words
-    tail = first_token + page_size
-    num_words = tail + extra_words
-    words = np.empty((num_pages, num_words), dtype=">u8")
-    keep = np.empty((num_pages, num_words), dtype=np.uint64)
-
-    words[:, :first_token], keep[:, :first_token] = _raw_words(array_head, head_words)
-
-    values = tokens.reshape(num_pages, page_size)
+    """The CBOR uints of all tokens (each < 2**32), concatenated, and the end offset of
+    every page's run of them."""
     # Size class 0..3 (< 24, < 2**8, < 2**16, < 2**32): one byte, then 1, 2, 4 payload bytes.
-    cls = (values >= 24).view(np.uint8) + (values >= 0x100).view(np.uint8)
-    cls += (values >= 0x1_0000).view(np.uint8)
+    cls = np.searchsorted(_CLASS_BOUNDS, tokens, side="right")
+    words = np.empty(tokens.shape[0], dtype=">u8")
     # A value below 24 is its own head; class c's head byte sits just above its payload.
-    np.bitwise_or(values, _CLASS_HEAD.take(cls), out=words[:, first_token:tail])
-    keep[:, first_token:tail] = _KEEP_SUFFIX.take(cls)
-
-    words[:, tail:], keep[:, tail:] = _raw_words(common_extra, extra_words)
-    # Pages with their own keys (page 0's salt, multimodal overlaps): one padded row each,
-    # written with one fancy assignment (an image can cover hundreds of pages).
-    fixed_len = len(array_head) + len(common_extra)
-    if special_extra:
-        pages = np.fromiter(special_extra, dtype=np.intp, count=len(special_extra))
-        lengths = np.fromiter(map(len, special_extra.values()), np.int64, len(special_extra))
-        width = extra_words * 8
-        rows = b"".join([extra.ljust(width, b"\0") for extra in special_extra.values()])
-        words[pages, tail:] = np.frombuffer(rows, dtype=">u8").reshape(len(pages), extra_words)
-        counts = np.clip(lengths[:, None] - np.arange(0, width, 8), 0, 8)
-        keep[pages, tail:] = _KEEP_PREFIX.take(counts)
-
-    body = np.compress(keep.view(np.bool_).reshape(-1), words.view(np.uint8).reshape(-1))
+    np.bitwise_or(tokens, _CLASS_HEAD.take(cls), out=words)
+    keep = _KEEP.take(cls)
+    body = np.compress(keep.view(np.bool_), words.view(np.uint8))
     ends = _CLASS_LEN.take(cls).cumsum()[page_size - 1 :: page_size]
-    if special_extra:
-        fixed = np.full(num_pages, fixed_len, dtype=np.int64)
-        fixed[pages] = len(array_head) + lengths
-        ends += fixed.cumsum()
-    else:
-        ends += np.arange(fixed_len, (num_pages + 1) * fixed_len, fixed_len)
     return body.tobytes(), ends.tolist()
 
 
-def _encode_pages_py(
-    tokens: Sequence[int],
-    page_size: int,
-    array_head: bytes,
-    common_extra: bytes,
-    special_extra: dict[int, bytes],
-) -> tuple[bytes, list[int]]:
-    """The same bodies as ``_encode_pages_np``, in plain Python (few pages, or ids of
-    2**32 and up)."""
-    parts: list[bytes] = []
+def _encode_tokens_py(tokens: Sequence[int], page_size: int) -> tuple[bytes, list[int]]:
+    """The same as ``_encode_tokens_np``, in plain Python (a few pages, or ids >= 2**32)."""
+    parts = [
+        _encode_uints_py(tokens[start : start + page_size])
+        for start in range(0, len(tokens) - page_size + 1, page_size)
+    ]
     ends: list[int] = []
     end = 0
-    for page in range(len(tokens) // page_size):
-        start = page * page_size
-        part = (
-            array_head
-            + _encode_uints_py(tokens[start : start + page_size])
-            + special_extra.get(page, common_extra)
-        )
-        parts.append(part)
+    for part in parts:
         end += len(part)
         ends.append(end)
     return b"".join(parts), ends
@@ -487,30 +419,42 @@ NONE_HASH: Final[bytes] = none_hash(SHA256_CBOR)
 _PARENT_HEADS: Final = {size: b"\x83" + _head(2, size) for size in _DIGEST_SIZES.values()}
 
 
-def _chain(algorithm: str, parent: bytes, body: bytes, ends: list[int]) -> list[bytes]:
-    """Hash page after page: ``H(83 | bytes-head parent | body_i)``, each the next parent."""
+def _chain(
+    algorithm: str,
+    parent: bytes,
+    array_head: bytes,
+    tokens: bytes,
+    ends: list[int],
+    extras: Iterable[bytes],
+) -> list[bytes]:
+    """Hash page after page, each hash the next page's parent. Page i's message::
+
+    83 | bytes-head parent | array_head | tokens[ends[i-1]:ends[i]] | extras[i]
+    """
     # Page 0's parent may be any bytes (a caller-given hash); later parents are digests.
     first_head = _PARENT_HEADS.get(len(parent)) or b"\x83" + _head(2, len(parent))
     head = _PARENT_HEADS[_DIGEST_SIZES[algorithm]]
+    join = b"".join
     out: list[bytes] = []
     append = out.append
-    start = ends[0]
+    pages = zip(ends, extras, strict=False)  # extras may be an endless repeat()
+    start, extra = next(pages)
     # Two copies of one loop: a shared callable would add a Python frame per page.
     if algorithm == SHA256_CBOR:
         sha256 = hashlib.sha256
-        parent = sha256(first_head + parent + body[:start]).digest()
+        parent = sha256(join((first_head, parent, array_head, tokens[:start], extra))).digest()
         append(parent)
-        for end in ends[1:]:
-            parent = sha256(head + parent + body[start:end]).digest()
+        for end, extra in pages:
+            parent = sha256(join((head, parent, array_head, tokens[start:end], extra))).digest()
             append(parent)
             start = end
     else:
         xxh = _xxh3_128_digest
         assert xxh is not None  # _check_algorithm ran first
-        parent = xxh(first_head + parent + body[:start])
+        parent = xxh(join((first_head, parent, array_head, tokens[:start], extra)))
         append(parent)
-        for end in ends[1:]:
-            parent = xxh(head + parent + body[start:end])
+        for end, extra in pages:
+            parent = xxh(join((head, parent, array_head, tokens[start:end], extra)))
             append(parent)
             start = end
     return out
@@ -596,32 +540,41 @@ class PageHasher:
             return []
         num_tokens = num_pages * page_size
         keys = self._keys
-        special = (
-            keys.special_pages(first_page, num_pages, page_size)
-            if keys.mm or (keys.salt and first_page == 0)
-            else {}
-        )
+        # Most pages carry the same extra keys; the few that differ are listed.
+        extras: Iterable[bytes] = repeat(keys.common)
+        if keys.mm or (keys.salt and first_page == 0):
+            special = keys.special_pages(first_page, num_pages, page_size)
+            extras = [special.get(page, keys.common) for page in range(num_pages)]
         tokens: Sequence[int]
+        if num_pages == 1 and not isinstance(token_ids, np.ndarray):
+            # The decode step: one page just filled. No chain machinery.
+            page = token_ids[:page_size]
+            try:
+                encoded = _encode_uints_py(page)
+            except (struct.error, TypeError) as exc:
+                raise InvalidArgument(_describe_bad_token(page)) from exc
+            head = _PARENT_HEADS.get(len(parent)) or b"\x83" + _head(2, len(parent))
+            extra = next(iter(extras))
+            message = b"".join((head, parent, self._array_head, encoded, extra))
+            return [_digest(self.algorithm, message)]
         if num_tokens >= _NUMPY_MIN_TOKENS:
             # A list is packed whole (no slice copy) and its partial page dropped after.
             whole = isinstance(token_ids, np.ndarray)
             values = _as_uint32(token_ids[:num_tokens] if whole else token_ids)
             if values is not None:
-                body, ends = _encode_pages_np(
-                    values[:num_tokens], page_size, self._array_head, keys.common, special
-                )
-                return _chain(self.algorithm, parent, body, ends)
-        head = token_ids[:num_tokens]
-        if isinstance(head, np.ndarray):
-            values = _as_uint32(head)  # refuses non-integer dtypes and negative ids
-            tokens = (head if values is None else values).tolist()
+                body, ends = _encode_tokens_np(values[:num_tokens], page_size)
+                return _chain(self.algorithm, parent, self._array_head, body, ends, extras)
+        hashed = token_ids[:num_tokens]
+        if isinstance(hashed, np.ndarray):
+            values = _as_uint32(hashed)  # refuses non-integer dtypes and negative ids
+            tokens = (hashed if values is None else values).tolist()
         else:
-            tokens = head
+            tokens = hashed
         try:
-            body, ends = _encode_pages_py(tokens, page_size, self._array_head, keys.common, special)
+            body, ends = _encode_tokens_py(tokens, page_size)
         except (struct.error, TypeError) as exc:
             raise InvalidArgument(_describe_bad_token(tokens)) from exc
-        return _chain(self.algorithm, parent, body, ends)
+        return _chain(self.algorithm, parent, self._array_head, body, ends, extras)
 
 
 def hash_pages(

@@ -66,20 +66,19 @@ class _Request:
 
 
 def _as_token_list(token_ids: TokenIds, what: str) -> list[int]:
-    if type(token_ids) is list and all(type(t) is int for t in token_ids):
-        if token_ids and min(token_ids) < 0:
-            raise InvalidArgument(f"{what} must be non-negative")
-        return list(token_ids)
+    """A private list of non-negative int token ids, or InvalidArgument."""
     if isinstance(token_ids, np.ndarray):
         if token_ids.ndim != 1 or token_ids.dtype.kind not in "iu":
             raise InvalidArgument(f"{what} must be a 1-D integer array")
-        tokens: list[int] = token_ids.tolist()
-    else:
-        tokens = list(token_ids)
+        if token_ids.size and token_ids.min() < 0:
+            raise InvalidArgument(f"{what} must be non-negative")
+        as_list: list[int] = token_ids.tolist()
+        return as_list
+    tokens = list(token_ids)
+    # One C-level pass over the types; the per-token fallback only runs on odd input.
+    if set(map(type, tokens)) - {int}:
         for t in tokens:
-            if type(t) is not int:
-                if isinstance(t, (int, np.integer)) and not isinstance(t, bool):
-                    continue
+            if type(t) is not int and (isinstance(t, bool) or not isinstance(t, np.integer)):
                 raise InvalidArgument(f"{what} must be integers, got {type(t).__name__}")
         tokens = [int(t) for t in tokens]
     if tokens and min(tokens) < 0:
@@ -146,9 +145,8 @@ class PageManager:
                     f"{len(hashes)} page hashes for {len(tokens)} tokens "
                     f"(at most {num_full} full pages of {self.hash_page_size})"
                 )
-            for h in hashes:
-                if not isinstance(h, bytes) or not h:
-                    raise InvalidArgument("page hashes must be non-empty bytes")
+            if set(map(type, hashes)) - {bytes} or not all(hashes):
+                raise InvalidArgument("page hashes must be non-empty bytes")
             if len(hashes) < num_full:
                 # Complete the chain from the client's last hash.
                 start = len(hashes)
@@ -172,6 +170,9 @@ class PageManager:
         """The longest prefix every group can reuse (vLLM's hybrid coordinator): shrink the
         candidate length until each group's hit covers it, then trim every group to it."""
         groups = self.groups
+        if self._single_full is not None:
+            hit = self._single_full.find_cache_hit(hashes, max_length)
+            return [hit], len(hit) * self._single_full.page_size
         align = self._hit_alignment
         length = (max_length // align) * align
         group_hashes = [self._group_hashes(g.group_id, hashes) for g in groups]
@@ -289,8 +290,8 @@ class PageManager:
                 del rid
                 pages = g.rows.row(row)
                 group[pages[pages != NULL_PAGE]] = g.group_id
-        for page, (gid, _h) in pool._page_key.items():
-            group[page] = gid
+        cached_pages = np.flatnonzero(pool._cached_np)
+        group[cached_pages] = pool._cached_np[cached_pages].astype(np.int16) - 1
         return {
             "ref_count": pool._ref_np.copy(),
             "is_cached": pool._cached_np.astype(bool),
@@ -315,8 +316,8 @@ class PageManager:
 
         ``token_ids``: every token known (prompt, plus output so far for a resumed request).
         ``num_new_tokens``: tokens to compute now after the cached prefix (default, or more
-        than the hit leaves: all the rest; fewer for a chunked prefill). Returns None, changing nothing, when pages run
-        out. Raises AlreadyExists, InvalidArgument.
+        than the hit leaves: all the rest; fewer for a chunked prefill). Returns None,
+        changing nothing, when pages run out. Raises AlreadyExists, InvalidArgument.
         """
         tokens = _as_token_list(token_ids, "token_ids")
         self._check_new_request(request_id, tokens)

@@ -31,7 +31,7 @@ from pagekeeper.core.events import AllCleared, KVEvent, PageRemoved, PageStored
 
 NULL_PAGE = 0
 # Below this many pages, plain scalar loops beat numpy's per-call overhead.
-_SMALL = 12
+_SMALL = 64
 
 
 def _int32_array(size: int, fill: int) -> tuple[array[int], npt.NDArray[np.int32]]:
@@ -70,7 +70,8 @@ class PagePool:
         # with the same hash (vLLM keeps duplicates) wait in ``_dups`` in insertion order.
         self._index: list[dict[bytes, int]] = []
         self._dups: list[dict[bytes, list[int]]] = []
-        self._page_key: dict[int, tuple[int, bytes]] = {}
+        # Hash of every cached page; ``_cached[page]`` holds its group id + 1 (0: not cached).
+        self._page_hash: dict[int, bytes] = {}
         self._events: list[KVEvent] = []
         self._event_seq = 0
         self.num_evictions = 0
@@ -89,7 +90,7 @@ class PagePool:
 
     @property
     def num_cached_pages(self) -> int:
-        return len(self._page_key)
+        return len(self._page_hash)
 
     def usage(self) -> float:
         """Fraction of the allocatable pages in use (the null page excluded), as vLLM."""
@@ -103,7 +104,8 @@ class PagePool:
 
     def page_hash(self, page_id: int) -> tuple[int, bytes] | None:
         """``(group_id, hash)`` of a cached page, else None."""
-        return self._page_key.get(page_id)
+        page_hash = self._page_hash.get(page_id)
+        return None if page_hash is None else (self._cached[page_id] - 1, page_hash)
 
     def is_free(self, page_id: int) -> bool:
         return page_id != NULL_PAGE and self._pos[page_id] >= 0
@@ -130,48 +132,16 @@ class PagePool:
         self._head = start
         self._tail = start + len(live)
 
-    def _take(self, n: int) -> list[int]:
-        """Pop ``n`` pages from the head (caller checked ``n <= num_free``)."""
-        buf, pos = self._buf, self._pos
-        head = self._head
-        if n <= _SMALL:
-            out: list[int] = []
-            while len(out) < n:
-                page = buf[head]
-                buf[head] = -1
-                head += 1
-                if page >= 0:
-                    out.append(page)
-                    pos[page] = -1
-            self._head = head
-        else:
-            parts: list[npt.NDArray[np.int32]] = []
-            need = n
-            start = head
-            while need:
-                seg = self._buf_np[head : head + need]
-                live = seg[seg >= 0]
-                parts.append(live)
-                head += len(seg)
-                need -= len(live)
-            self._buf_np[start:head] = -1
-            self._head = head
-            ids = np.concatenate(parts)
-            self._pos_np[ids] = -1
-            out = ids.tolist()
-        self._num_free -= n
-        return out
-
     def _prepend(self, pages: Sequence[int]) -> None:
         k = len(pages)
         if self._head < k:
             self._recenter()
         start = self._head - k
         if k <= _SMALL:
-            buf, pos = self._buf, self._pos
-            for i, page in enumerate(pages):
-                buf[start + i] = page
-                pos[page] = start + i
+            self._buf[start : self._head] = array("i", pages)
+            pos = self._pos
+            for i, page in enumerate(pages, start):
+                pos[page] = i
         else:
             ids = np.asarray(pages, dtype=np.int32)
             self._buf_np[start : self._head] = ids
@@ -185,28 +155,16 @@ class PagePool:
             self._recenter()
         start = self._tail
         if k <= _SMALL:
-            buf, pos = self._buf, self._pos
-            for i, page in enumerate(pages):
-                buf[start + i] = page
-                pos[page] = start + i
+            self._buf[start : start + k] = array("i", pages)
+            pos = self._pos
+            for i, page in enumerate(pages, start):
+                pos[page] = i
         else:
             ids = np.asarray(pages, dtype=np.int32)
             self._buf_np[start : start + k] = ids
             self._pos_np[ids] = np.arange(start, start + k, dtype=np.int32)
         self._tail = start + k
         self._num_free += k
-
-    def _remove(self, page: int) -> None:
-        cell = self._pos[page]
-        self._buf[cell] = -1
-        self._pos[page] = -1
-        self._num_free -= 1
-        if cell == self._head:
-            # Keep the head on a live cell so single-page takes stay short.
-            buf, head, tail = self._buf, self._head + 1, self._tail
-            while head < tail and buf[head] < 0:
-                head += 1
-            self._head = head
 
     # -- allocation ----------------------------------------------------------------------
     def allocate(self, num: int) -> list[int]:
@@ -218,44 +176,82 @@ class PagePool:
             return []
         if num > self._num_free:
             raise InvalidArgument(f"cannot allocate {num} pages: {self._num_free} free")
-        pages = self._take(num)
+        head = self._head
+        evicted: list[int] = []
         if num <= _SMALL:
-            ref, cached = self._ref, self._cached
-            for page in pages:
+            buf, pos, ref, cached = self._buf, self._pos, self._ref, self._cached
+            pages: list[int] = []
+            take = pages.append
+            left = num
+            while left:
+                page = buf[head]
+                head += 1
+                if page < 0:
+                    continue  # a hole left by a page taken out of the middle
+                buf[head - 1] = -1
+                pos[page] = -1
                 ref[page] = 1
+                take(page)
                 if cached[page]:
-                    self._evict(page)
+                    evicted.append(page)
+                left -= 1
         else:
-            ids = np.asarray(pages, dtype=np.int32)
+            parts: list[npt.NDArray[np.int32]] = []
+            need, start = num, head
+            while need:
+                seg = self._buf_np[head : head + need]
+                live = seg[seg >= 0]
+                parts.append(live)
+                head += len(seg)
+                need -= len(live)
+            self._buf_np[start:head] = -1
+            ids = np.concatenate(parts)
+            self._pos_np[ids] = -1
             self._ref_np[ids] = 1
-            if self.enable_caching:
-                hit = self._cached_np[ids]
-                if hit.any():
-                    for page in ids[hit.astype(bool)].tolist():
-                        self._evict(page)
+            hit = self._cached_np[ids]
+            if hit.any():
+                evicted = ids[hit.astype(bool)].tolist()
+            pages = ids.tolist()
+        self._head = head
+        self._num_free -= num
         self.num_allocated_total += num
+        if evicted:
+            self._evict(evicted)
         return pages
 
     def touch(self, pages: Iterable[int]) -> None:
         """A prefix hit: take each page out of the free queue if needed, ref count +1."""
-        ref = self._ref
+        ref, pos, buf = self._ref, self._pos, self._buf
+        removed = 0
         for page in pages:
             if page == NULL_PAGE:
                 continue
-            if ref[page] == 0:
-                self._remove(page)
-            ref[page] += 1
+            count = ref[page]
+            if count == 0:
+                buf[pos[page]] = -1  # leave a hole: O(1) removal from the middle
+                pos[page] = -1
+                removed += 1
+            ref[page] = count + 1
+        if removed:
+            self._num_free -= removed
+            head, tail = self._head, self._tail
+            while head < tail and buf[head] < 0:
+                head += 1
+            self._head = head
 
     def free(self, pages: Sequence[int] | npt.NDArray[np.int32]) -> None:
         """Drop one reference of each page; ``pages`` are in eviction order (a request's
         pages last to first). Pages reaching 0 without a hash go to the head as one run,
         cached ones to the tail, both in the given order."""
+        head_run: list[int]
+        tail_run: list[int]
         if len(pages) <= _SMALL:
+            if type(pages) is not list:
+                pages = [int(p) for p in pages]
             ref, cached = self._ref, self._cached
-            head_run: list[int] = []
-            tail_run: list[int] = []
+            head_run = []
+            tail_run = []
             for page in pages:
-                page = int(page)
                 if page == NULL_PAGE:
                     continue
                 count = ref[page] - 1
@@ -263,7 +259,10 @@ class PagePool:
                     raise InvariantViolation(f"page {page} freed with ref count 0")
                 ref[page] = count
                 if count == 0:
-                    (tail_run if cached[page] else head_run).append(page)
+                    if cached[page]:
+                        tail_run.append(page)
+                    else:
+                        head_run.append(page)
         else:
             ids = np.asarray(pages, dtype=np.int32)
             ids = ids[ids != NULL_PAGE]
@@ -285,6 +284,15 @@ class PagePool:
             self.num_freed_total += len(tail_run)
 
     # -- prefix-cache index --------------------------------------------------------------
+    def index(self, group_id: int) -> dict[bytes, int]:
+        """The group's hash -> first page map, for scans (read only: never mutate it)."""
+        return self._index[group_id]
+
+    @property
+    def ref_counts(self) -> array[int]:
+        """Per-page ref counts, for scans (read only: never mutate it)."""
+        return self._ref
+
     def lookup(self, group_id: int, page_hash: bytes) -> int | None:
         """First page cached under this hash in this group, or None."""
         return self._index[group_id].get(page_hash)
@@ -302,62 +310,114 @@ class PagePool:
     ) -> None:
         """Enter full pages into the index (one ``stored`` event for the run)."""
         index, dups = self._index[group_id], self._dups[group_id]
+        cached, hash_of = self._cached, self._page_hash
+        tag = group_id + 1
+        if len(pages) != len(hashes):
+            raise InvalidArgument(f"{len(pages)} pages but {len(hashes)} hashes")
+        if (
+            len(pages) > 4
+            and NULL_PAGE not in pages
+            and index.keys().isdisjoint(hashes)
+            and len(set(hashes)) == len(hashes)
+        ):
+            # The common case (a run of fresh pages with new hashes): bulk dict updates.
+            ids = np.asarray(pages, dtype=np.int64)
+            if self._cached_np[ids].any():
+                raise InvariantViolation(f"pages {pages} include an already cached page")
+            index.update(zip(hashes, pages, strict=True))
+            hash_of.update(zip(pages, hashes, strict=True))
+            self._cached_np[ids] = tag
+            self._stored_event(
+                group_id, pages, hashes, parent_hash, token_ids, page_size, lora_name
+            )
+            return
         stored_pages: list[int] = []
         stored_hashes: list[bytes] = []
         for page, page_hash in zip(pages, hashes, strict=True):
             if page == NULL_PAGE:
                 continue
-            if self._cached[page]:
+            if cached[page]:
                 raise InvariantViolation(f"page {page} is already cached")
             if page_hash in index:
                 dups.setdefault(page_hash, []).append(page)
             else:
                 index[page_hash] = page
-            self._cached[page] = 1
-            self._page_key[page] = (group_id, page_hash)
+            cached[page] = tag
+            hash_of[page] = page_hash
             stored_pages.append(page)
             stored_hashes.append(page_hash)
         if stored_pages:
-            self._event_seq += 1
-            self._events.append(
-                PageStored(
-                    seq=self._event_seq,
-                    group_id=group_id,
-                    page_hashes=tuple(stored_hashes),
-                    parent_page_hash=parent_hash,
-                    token_ids=tuple(token_ids),
-                    page_size=page_size,
-                    page_ids=tuple(stored_pages),
-                    lora_name=lora_name,
-                )
+            self._stored_event(
+                group_id, stored_pages, stored_hashes, parent_hash, token_ids, page_size, lora_name
             )
 
-    def _unindex(self, page: int) -> tuple[int, bytes]:
-        group_id, page_hash = self._page_key.pop(page)
-        self._cached[page] = 0
-        index, dups = self._index[group_id], self._dups[group_id]
-        if index.get(page_hash) == page:
-            waiting = dups.get(page_hash)
-            if waiting:
-                index[page_hash] = waiting.pop(0)
+    def _stored_event(
+        self,
+        group_id: int,
+        pages: Sequence[int],
+        hashes: Sequence[bytes],
+        parent_hash: bytes | None,
+        token_ids: Sequence[int],
+        page_size: int,
+        lora_name: str | None,
+    ) -> None:
+        self._event_seq += 1
+        self._events.append(
+            PageStored(
+                seq=self._event_seq,
+                group_id=group_id,
+                page_hashes=tuple(hashes),
+                parent_page_hash=parent_hash,
+                token_ids=tuple(token_ids),
+                page_size=page_size,
+                page_ids=tuple(pages),
+                lora_name=lora_name,
+            )
+        )
+
+    def _evict(self, pages: list[int]) -> None:
+        """Drop freshly taken pages from the index (lazy eviction happens here). One
+        ``removed`` event per run of pages of the same group, in allocation order."""
+        cached, hash_of = self._cached, self._page_hash
+        run_group = -1
+        run_pages: list[int] = []
+        run_hashes: list[bytes] = []
+        for page in pages:
+            group_id = cached[page] - 1
+            page_hash = hash_of.pop(page)
+            cached[page] = 0
+            index, dups = self._index[group_id], self._dups[group_id]
+            if index.get(page_hash) == page:
+                waiting = dups.get(page_hash)
+                if waiting:
+                    index[page_hash] = waiting.pop(0)
+                    if not waiting:
+                        del dups[page_hash]
+                else:
+                    del index[page_hash]
+            else:
+                waiting = dups[page_hash]
+                waiting.remove(page)
                 if not waiting:
                     del dups[page_hash]
-            else:
-                del index[page_hash]
-        else:
-            waiting = dups[page_hash]
-            waiting.remove(page)
-            if not waiting:
-                del dups[page_hash]
-        return group_id, page_hash
+            if group_id != run_group and run_pages:
+                self._removed_event(run_group, run_pages, run_hashes)
+                run_pages, run_hashes = [], []
+            run_group = group_id
+            run_pages.append(page)
+            run_hashes.append(page_hash)
+        if run_pages:
+            self._removed_event(run_group, run_pages, run_hashes)
+        self.num_evictions += len(pages)
 
-    def _evict(self, page: int) -> None:
-        group_id, page_hash = self._unindex(page)
-        self.num_evictions += 1
+    def _removed_event(self, group_id: int, pages: list[int], hashes: list[bytes]) -> None:
         self._event_seq += 1
         self._events.append(
             PageRemoved(
-                seq=self._event_seq, group_id=group_id, page_hashes=(page_hash,), page_ids=(page,)
+                seq=self._event_seq,
+                group_id=group_id,
+                page_hashes=tuple(hashes),
+                page_ids=tuple(pages),
             )
         )
 
@@ -365,9 +425,8 @@ class PagePool:
         """Forget every hash; only when no request holds a page (as vLLM)."""
         if self.num_used_pages != 0:
             return False
-        for page in list(self._page_key):
-            self._cached[page] = 0
-        self._page_key.clear()
+        self._cached_np[:] = 0
+        self._page_hash.clear()
         for index, dups in zip(self._index, self._dups, strict=True):
             index.clear()
             dups.clear()
@@ -433,7 +492,7 @@ class PagePool:
             for page_hash, page in index.items():
                 members = [page, *dups.get(page_hash, [])]
                 for member in members:
-                    if self._page_key.get(member) != (group_id, page_hash):
+                    if self.page_hash(member) != (group_id, page_hash):
                         problems.append(f"index entry for page {member} has a stale hash")
                     if member in seen:
                         problems.append(f"page {member} indexed twice")
@@ -441,10 +500,10 @@ class PagePool:
             for page_hash in dups:
                 if page_hash not in index:
                     problems.append("duplicate list without a primary index entry")
-        if seen != set(self._page_key):
-            problems.append(f"{len(self._page_key)} pages have hashes but {len(seen)} are indexed")
+        if seen != set(self._page_hash):
+            problems.append(f"{len(self._page_hash)} pages have hashes but {len(seen)} are indexed")
         flagged = set(np.flatnonzero(self._cached_np).tolist())
-        if flagged != set(self._page_key):
+        if flagged != set(self._page_hash):
             problems.append("is_cached flags disagree with the page hashes")
         if self._cached[NULL_PAGE]:
             problems.append("the null page is cached")

@@ -13,13 +13,13 @@ from pagekeeper.runtime import Runtime
 from pagekeeper.state import ServiceState
 
 
-def get_runtime(request: Request) -> Runtime:
+async def get_runtime(request: Request) -> Runtime:
     """The runtime the app was built with (``app.state.runtime``; overridable in tests)."""
     runtime: Runtime = request.app.state.runtime
     return runtime
 
 
-def get_state(runtime: Annotated[Runtime, Depends(get_runtime)]) -> ServiceState:
+async def get_state(runtime: Annotated[Runtime, Depends(get_runtime)]) -> ServiceState:
     return runtime.state
 
 
@@ -32,7 +32,7 @@ _bearer = HTTPBearer(
 )
 
 
-def require_admin(
+async def require_admin(
     runtime: RuntimeDep,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
 ) -> None:

@@ -25,7 +25,7 @@ router = APIRouter(
     summary="Drop the prefix cache (409 while requests hold pages).",
     responses=problem_responses(409),
 )
-def reset_prefix_cache(runtime: RuntimeDep) -> ResetAnswer:
+async def reset_prefix_cache(runtime: RuntimeDep) -> ResetAnswer:
     dropped = runtime.state.reset_prefix_cache(ResetPrefixCacheCommand(runtime.now()))
     log.info("prefix cache reset over HTTP (%d cached pages dropped)", dropped)
     return ResetAnswer(num_dropped_pages=dropped)

@@ -11,7 +11,7 @@ router = APIRouter(tags=["clients"])
 
 
 @router.get("/v1/clients", response_model=list[ClientModel], summary="Registrations and leases.")
-def list_clients(runtime: RuntimeDep) -> list[ClientModel]:
+async def list_clients(runtime: RuntimeDep) -> list[ClientModel]:
     now = runtime.now()
     return [
         ClientModel(

@@ -262,10 +262,11 @@ async def largest_requests(
             for g in groups
         ]
 
-    sizes = [
-        (sum(pages), -i, rid, pages) for i, rid in enumerate(request_ids) for pages in [held(rid)]
-    ]
-    top = heapq.nlargest(limit, sizes)
+    ranked = []
+    for i, rid in enumerate(request_ids):
+        pages = held(rid)
+        ranked.append((sum(pages), -i, rid, pages))  # ties: the earlier admission first
+    top = heapq.nlargest(limit, ranked)
     items = []
     for total, _, rid, pages in top:
         info = state.request_info(rid)

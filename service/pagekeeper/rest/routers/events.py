@@ -41,7 +41,7 @@ def event_model(event: KVEvent) -> EventModel:
 
 
 @router.get("/v1/events", response_model=EventList, summary="KV events after a sequence number.")
-def list_events(
+async def list_events(
     state: StateDep,
     since: Annotated[int, Query(ge=0, lt=2**63, description="Return events with seq > since.")] = 0,
     limit: Annotated[int, Query(ge=1, le=MAX_LIMIT, description="Most events returned.")] = 1000,

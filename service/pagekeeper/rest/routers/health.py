@@ -14,7 +14,7 @@ router = APIRouter(tags=["health"])
 
 
 @router.get("/healthz", response_model=Status, summary="Liveness: the process answers.")
-def healthz() -> Status:
+async def healthz() -> Status:
     return Status(status="ok")
 
 
@@ -24,7 +24,7 @@ def healthz() -> Status:
     summary="Readiness: the pool exists and both servers listen.",
     responses=problem_responses(503),
 )
-def readyz(runtime: RuntimeDep) -> Status | JSONResponse:
+async def readyz(runtime: RuntimeDep) -> Status | JSONResponse:
     if not runtime.is_ready:
         body = problem(ErrorCode.FAILED_PRECONDITION, "not ready: starting or shutting down")
         body["status"] = 503

@@ -19,7 +19,7 @@ router = APIRouter(tags=["lookup"])
     summary="Longest cached prefix.",
     responses=problem_responses(400),
 )
-def lookup(state: StateDep, body: LookupBody) -> LookupAnswer:
+async def lookup(state: StateDep, body: LookupBody) -> LookupAnswer:
     extra = None
     if body.extra_keys is not None:
         e = body.extra_keys

@@ -17,5 +17,5 @@ router = APIRouter(tags=["metrics"])
     response_class=Response,
     responses={200: {"content": {CONTENT_TYPE: {}}, "description": "Metrics."}},
 )
-def metrics(runtime: RuntimeDep) -> Response:
+async def metrics(runtime: RuntimeDep) -> Response:
     return Response(runtime.metrics.render(), media_type=CONTENT_TYPE)

@@ -42,7 +42,7 @@ def parse_cursor(cursor: str | None) -> int:
     summary="Pages, optionally by state.",
     responses=problem_responses(400),
 )
-def list_pages(
+async def list_pages(
     state: StateDep,
     page_state: Annotated[
         PageState | None,
@@ -66,7 +66,7 @@ def list_pages(
     summary="One page.",
     responses=problem_responses(404),
 )
-def get_page(
+async def get_page(
     state: StateDep,
     page_id: Annotated[int, Path(ge=0, lt=2**31, description="Page id.")],
 ) -> PageModel:

@@ -20,7 +20,7 @@ router = APIRouter(tags=["pool"])
 
 
 @router.get("/v1/pool", response_model=PoolView, summary="Configuration, usage and counters.")
-def get_pool(runtime: RuntimeDep) -> PoolView:
+async def get_pool(runtime: RuntimeDep) -> PoolView:
     state, settings = runtime.state, runtime.settings
     config = settings.pool
     stats = state.stats()

@@ -44,7 +44,7 @@ def _summary_fields(state: StateDep, request_id: str) -> dict[str, object]:
     summary="Running requests.",
     responses=problem_responses(400),
 )
-def list_requests(
+async def list_requests(
     state: StateDep,
     limit: Annotated[int, Query(ge=1, le=MAX_LIMIT, description="Most requests returned.")] = 100,
     cursor: Annotated[
@@ -69,7 +69,7 @@ def list_requests(
     summary="One request's pages per group; ?kernel_block_size=N adds its kernel tables.",
     responses=problem_responses(400, 404),
 )
-def get_request(
+async def get_request(
     state: StateDep,
     request_id: RequestIdPath,
     kernel_block_size: Annotated[
@@ -103,7 +103,7 @@ def get_request(
     dependencies=[AdminDep],
     responses=problem_responses(401, 403, 404),
 )
-def delete_request(runtime: RuntimeDep, request_id: RequestIdPath) -> FreedRequest:
+async def delete_request(runtime: RuntimeDep, request_id: RequestIdPath) -> FreedRequest:
     owner = runtime.state.request_info(request_id).owner
     runtime.state.force_free(ForceFreeCommand(runtime.now(), request_id))
     return FreedRequest(request_id=request_id, owner=owner)
