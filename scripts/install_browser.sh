@@ -33,12 +33,19 @@ fi
 export DEBIAN_FRONTEND=noninteractive
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
-# `update` only when the package lists do not know chromium yet (a fresh container).
+install() {
+    "${SUDO[@]}" apt-get install -y -qq --no-install-recommends chromium chromium-driver \
+        >>"$log" 2>&1
+}
+# `update` first only when the package lists do not know chromium yet (a fresh container),
+# and again if the install fails on lists gone stale.
+updated=0
 if ! apt-cache show chromium-driver >/dev/null 2>&1; then
-    "${SUDO[@]}" apt-get update -qq >"$log" 2>&1 || true
+    "${SUDO[@]}" apt-get update -qq >>"$log" 2>&1 || true
+    updated=1
 fi
-if ! "${SUDO[@]}" apt-get install -y -qq --no-install-recommends chromium chromium-driver \
-    >>"$log" 2>&1; then
+if ! install && { [ "$updated" -eq 1 ] || ! "${SUDO[@]}" apt-get update -qq >>"$log" 2>&1 ||
+    ! install; }; then
     echo "install_browser: apt-get install chromium chromium-driver failed; the dashboard" \
         "browser test will be skipped. Last lines:" >&2
     tail -n 5 "$log" >&2

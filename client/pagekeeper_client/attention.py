@@ -108,8 +108,8 @@ class ReferencePagedAttention:
             raise IndexError(f"slot {int(slots.max())} beyond the cache ({self.num_slots} slots)")
         flat_k = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)
         flat_v = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
-        flat_k[slots] = k[keep].to(flat_k.dtype)
-        flat_v[slots] = v[keep].to(flat_v.dtype)
+        flat_k[slots] = k.to(device=flat_k.device, dtype=flat_k.dtype)[keep]
+        flat_v[slots] = v.to(device=flat_v.device, dtype=flat_v.dtype)[keep]
 
     def paged_attention(
         self,
@@ -144,6 +144,7 @@ class ReferencePagedAttention:
         scale = 1.0 / math.sqrt(self.head_dim) if scale is None else scale
         kbs = self.kernel_block_size
         table = block_table.to(device=self.k_cache.device, dtype=torch.long)
+        q = q.to(self.k_cache.device)
         limits = None if row_lengths is None else [int(x) for x in row_lengths]
         out = torch.empty_like(q)
         start = 0

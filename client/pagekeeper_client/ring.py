@@ -34,6 +34,10 @@ wrote for ``S``; changed means step ``S + depth`` started overwriting it and the
 behind (there is nothing left to retry: that step's data is gone). ``step < S``: not yet
 published (stale), keep waiting. ``step > S``: overwritten, the reader fell behind.
 
+Waiting: a reader spins ~50 us on the slot's words, then sleeps on a futex on the slot's
+seq word, which the writer wakes right after the slot turns even (and on close); without
+futexes (not Linux) it sleeps with exponential backoff up to 1 ms.
+
 The writer never waits for readers. Step ``S``'s slot is rewritten only when ``S + depth`` (or
 a later step landing in that slot) is published, so a worker that finishes with step ``S``
 before the scheduler publishes ``S + depth`` never loses a step; one that falls further

@@ -2,7 +2,7 @@
 sampled time series.
 
 * :func:`bin_page_states` turns the core's per-page arrays into per-group, per-bin counts of
-  each page state, vectorised (one ``bincount`` over the pool: a few milliseconds at 1M pages),
+  each page state, vectorised (one ``bincount`` over the pool: ~10 ms at 1M pages),
   so a browser draws one cell per bin however large the pool is.
 * :class:`DashboardSampler` reads the state's counters about once a second and keeps a bounded
   history of :class:`Sample` rows (rates and interval percentiles come from the difference
@@ -50,8 +50,8 @@ FREE, CACHED, USED, SHARED, NULL, OTHER = range(len(PAGE_STATES))
 _NUM_OWN_STATES = 5  # every state but OTHER, which only exists from a lane's point of view
 
 MAX_BINS = 65536
-"""Most bins one page map may ask for (a 4K screen full of 4-pixel cells is ~500K pixels;
-a map drawn from more bins than that is not more readable)."""
+"""Most bins one page map may ask for (a 4K screen of 6-pixel cells holds ~230K; the page
+asks for ~14K per lane: a map drawn from more bins is not more readable)."""
 
 DEFAULT_INTERVAL_S = 1.0
 DEFAULT_HISTORY = 600

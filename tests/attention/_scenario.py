@@ -194,7 +194,7 @@ def run_step(
     """The worker's step: write the new tokens' K/V at their slots, then paged attention."""
     k, v = new_kv(scenario)
     cache.write_kv(slots, k, v)
-    return cache.paged_attention(
+    out: torch.Tensor = cache.paged_attention(
         scenario.q,
         block_table,
         scenario.seq_lens,
@@ -202,6 +202,7 @@ def run_step(
         row_lengths=row_lengths,
         sliding_window=scenario.window,
     )
+    return out
 
 
 def reference(scenario: Scenario) -> torch.Tensor:

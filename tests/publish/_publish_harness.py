@@ -162,6 +162,18 @@ def _hammer(view: Any, descriptor: Any, seconds: float, copy: bool) -> dict[str,
     return counts
 
 
+def _tensor_storage(view: Any, step: int, timeout: float) -> dict[str, Any]:
+    """Where a step's device tensors live (cuda_ipc: views of the imported ring)."""
+    tensors = view.wait_tensors(step, timeout)
+    table = tensors.tables[0].block_table
+    return {
+        "device": str(table.device),
+        "storage_nbytes": table.untyped_storage().nbytes(),
+        "data_ptr": table.data_ptr(),
+        "is_current": view.is_current(step),
+    }
+
+
 def _await_latest(view: Any, step: int, timeout: float) -> int:
     """Poll until the view has seen step ``step`` (stream views receive asynchronously)."""
     deadline = time.monotonic() + timeout
@@ -196,8 +208,8 @@ def _serve(cmd_conn: Any, feed_conn: Any) -> None:  # pragma: no cover - runs in
 
     threading.Thread(target=feeder, daemon=True).start()
 
-    def open_view(view_id: int, descriptor: Any) -> None:
-        view = open_table_view(descriptor)
+    def open_view(view_id: int, descriptor: Any, options: dict[str, Any]) -> None:
+        view = open_table_view(descriptor, **options)
         with lock:
             views[view_id] = view
             descriptors[view_id] = descriptor
@@ -214,9 +226,10 @@ def _serve(cmd_conn: Any, feed_conn: Any) -> None:  # pragma: no cover - runs in
         "wait": lambda v, step, timeout, copy: _tables_to_wire(
             views[v].wait(step, timeout, copy=copy)
         ),
-        "wait_tensors": lambda v, step, timeout: _tensors_to_wire(
-            views[v].wait_tensors(step, timeout)
+        "wait_tensors": lambda v, step, timeout, device=None: _tensors_to_wire(
+            views[v].wait_tensors(step, timeout, device=device)
         ),
+        "tensor_storage": lambda v, step, timeout: _tensor_storage(views[v], step, timeout),
         "latest_step": lambda v: views[v].latest_step(),
         "is_current": lambda v, step: views[v].is_current(step),
         "stats": lambda v: {
@@ -300,10 +313,10 @@ class RemoteReader:
         _reraise(reply[1], reply[2])
         return None
 
-    def open(self, descriptor: Any) -> int:
+    def open(self, descriptor: Any, **options: Any) -> int:
         RemoteReader._next_id += 1
         view_id = RemoteReader._next_id
-        self.call("open", view_id, descriptor)
+        self.call("open", view_id, descriptor, options)
         return view_id
 
     def feed(self, view_id: int, payload: bytes | None) -> None:

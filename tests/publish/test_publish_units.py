@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -113,7 +114,7 @@ def test_corrupt_header_is_refused(tmp_path: Any) -> None:
 # -- seqlock edge cases (in-process shm) ---------------------------------------------------------
 
 
-def test_a_slot_being_written_is_never_returned(tmp_path: Any) -> None:
+def test_a_slot_being_written_is_never_returned(tmp_path: Any, monkeypatch: Any) -> None:
     """The writer stops half-way through step 2 (which overwrites step 0's slot): readers of
     either step get a timeout, never the half-written bytes; then both resolve correctly."""
     publisher = ShmPublisher(GEOMETRY, shm_dir=str(tmp_path))
@@ -128,7 +129,7 @@ def test_a_slot_being_written_is_never_returned(tmp_path: Any) -> None:
         inside.set()
         assert release.wait(10)
 
-    publisher._write_data = paused_write  # type: ignore[method-assign,assignment]
+    monkeypatch.setattr(publisher, "_write_data", paused_write)
     writer = threading.Thread(target=publisher.publish, args=(2, batch(2)))
     writer.start()
     assert inside.wait(10)
@@ -207,6 +208,42 @@ def test_wait_tensors_on_cpu_zero_copy_and_copy(tmp_path: Any) -> None:
         view.wait_tensors(7, device="meta")
     view.close()
     publisher.close()
+
+
+def test_sleeping_readers_are_woken_by_publish_and_close(tmp_path: Any, monkeypatch: Any) -> None:
+    """A reader asleep in the kernel (futex) is woken by the publish of its slot and by
+    close, not by its periodic re-check (pushed out to 30 s here)."""
+    from pagekeeper_client import _futex
+    from pagekeeper_client.transports import _mapped
+
+    if not _futex.AVAILABLE:
+        pytest.skip("no futex on this platform: readers poll with backoff")
+    monkeypatch.setattr(_mapped, "FUTEX_MAX_WAIT_SECONDS", 30.0)
+    publisher = ShmPublisher(GEOMETRY, shm_dir=str(tmp_path))
+    view = open_table_view(publisher.descriptor())
+    results: list[Any] = []
+
+    def wait(step: int) -> None:
+        try:
+            results.append(view.wait(step, timeout=60).step_seq)
+        except Exception as exc:
+            results.append(exc)
+
+    for step, act in ((5, lambda: publisher.publish(5, batch(5))), (6, publisher.close)):
+        reader = threading.Thread(target=wait, args=(step,))
+        reader.start()
+        deadline = time.monotonic() + 10
+        while view.stats.num_sleeps == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.05)  # well inside the futex sleep now
+        sleeps = view.stats.num_sleeps
+        started = time.monotonic()
+        act()
+        reader.join(10)
+        assert time.monotonic() - started < 5, "the reader was not woken"
+        assert view.stats.num_sleeps - sleeps <= 2
+    assert results[0] == 5 and isinstance(results[1], RingClosed)
+    view.close()
 
 
 # -- shm lifetime ---------------------------------------------------------------------------------
