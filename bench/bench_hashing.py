@@ -7,9 +7,10 @@ Hashes one request (default 2,000 tokens, page 16) with:
   (d) pagekeeper ``xxhash_cbor`` (when ``xxhash`` imports), and vLLM's when it can
 plus the decode path: one more page filled (``PageHasher.extend`` vs vLLM's hasher).
 
-Variants run interleaved (A B C A B C ...) so machine drift hits all alike; the table
-shows median µs per request and the speed-up over vLLM's own function (or over the
-cbor2 baseline where vLLM is absent). Every variant's hashes are checked bit for bit.
+Variants run interleaved (each round in a fresh random order) so machine drift and cold
+caches hit all alike; the table shows median (and min) µs per request and the speed-up
+over vLLM's own function (or over the cbor2 baseline where vLLM is absent). Every
+variant's hashes are checked bit for bit first.
 
 Run alone with the project venv:   .venv/bin/python bench/bench_hashing.py
 Against vLLM (side venv, see VLLM_ANCHOR.md):
@@ -140,8 +141,14 @@ def load_vllm_decode(page_size: int) -> Callable[[list[int]], Callable[[], list[
 def interleaved(
     variants: dict[str, Callable[[], object]], repeats: int, inner: int
 ) -> dict[str, tuple[float, float]]:
-    """(median, min) µs per call of each variant, sampled in turn (A B C A B C ...)."""
+    """(median, min) µs per call of each variant, sampled in turn (A B C, C A B, ...).
+
+    The order is shuffled every round: the variant that runs right after another one
+    finds its caches cold, and a fixed order would always hand that cost to the same one.
+    """
     samples: dict[str, list[float]] = {name: [] for name in variants}
+    order = list(variants)
+    shuffle = random.Random(1).shuffle
     for fn in variants.values():  # warm-up
         fn()
     clock = time.perf_counter_ns
@@ -151,7 +158,9 @@ def interleaved(
     gc.disable()
     try:
         for _ in range(repeats):
-            for name, fn in variants.items():
+            shuffle(order)
+            for name in order:
+                fn = variants[name]
                 t0 = clock()
                 for _ in range(inner):
                     fn()

@@ -92,8 +92,9 @@ class GroupManager:
         num_skipped_pages = self.num_skipped_tokens(num_computed_tokens) // self.page_size
         new = max(required - max(num_skipped_pages, len(hit_pages)), 0)
         kept = hit_pages[num_skipped_pages:]
-        ref = self.pool.ref_counts
-        evictable = sum(1 for p in kept if p != NULL_PAGE and ref[p] == 0)
+        # Hit pages with ref count 0 sit in the free queue (the null page's count is 0 too).
+        refs = list(map(self.pool.ref_counts.__getitem__, kept))
+        evictable = refs.count(0) - list(kept).count(NULL_PAGE)
         return new + evictable
 
     def save_hits(

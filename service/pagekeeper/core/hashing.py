@@ -610,16 +610,15 @@ def _plain_hasher(page_size: int, algorithm: str) -> PageHasher:
 
 
 def join_hashes(
-    hashes: Sequence[bytes], factor: int, *, mode: Literal["concat", "last"] = "concat"
+    hashes: Sequence[bytes], factor: int, *, mode: Literal["concat", "last"] = "last"
 ) -> list[bytes]:
     """Hashes of a group whose page size is ``factor`` times the hash page size, one per
     *complete* big page (a trailing partial big page gets none).
 
-    ``"concat"`` (default): the concatenation of the big page's ``factor`` small hashes,
-    as earlier vLLM releases' ``BlockHashListWithBlockSize`` merged them. ``"last"``: its
-    last small hash, which already chains over the whole prefix; vLLM 0.33's
-    ``BlockHashListWithBlockSize`` does this (it keys each group's index by group id, so
-    equal bytes in two groups never collide). Both identify the same prefixes, so they
+    ``"last"`` (default): the big page's last small hash, which already chains over the
+    whole prefix; vLLM 0.33's ``BlockHashListWithBlockSize`` does this (it keys each group's
+    index by group id, so equal bytes in two groups never collide). ``"concat"``: the
+    concatenation of its ``factor`` small hashes, as earlier vLLM releases merged them. Both identify the same prefixes, so they
     give the same cache hits; they differ only in the bytes (and in the events).
     """
     factor = _check_positive_int("factor", factor, 1)

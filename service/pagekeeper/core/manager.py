@@ -34,7 +34,7 @@ from pagekeeper.core.errors import (
 )
 from pagekeeper.core.events import KVEvent
 from pagekeeper.core.groups import GroupManager, make_group_manager
-from pagekeeper.core.hashing import hash_pages
+from pagekeeper.core.hashing import hash_pages, join_hashes
 from pagekeeper.core.pool import NULL_PAGE, PagePool
 from pagekeeper.core.tables import build_batch_tables
 from pagekeeper.core.types import (
@@ -132,7 +132,7 @@ class PageManager:
         # A larger page is named by the last small-page hash inside it (the chain already
         # covers the whole prefix), as vLLM's BlockHashListWithBlockSize does.
         factor = self._hash_factors[group_id]
-        return hashes if factor == 1 else hashes[factor - 1 :: factor]
+        return hashes if factor == 1 else join_hashes(hashes, factor)
 
     def _compute_hashes(
         self, tokens: list[int], extra_keys: ExtraKeys, page_hashes: Sequence[bytes] | None
@@ -217,12 +217,19 @@ class PageManager:
         page_hashes: Sequence[bytes] | None = None,
     ) -> LookupResult:
         """Longest cached prefix of ``token_ids`` that every group can reuse, touching
-        nothing (for routers). Unlike admission, it may cover every token."""
-        tokens = _as_token_list(token_ids, "token_ids")
-        if not self.enable_caching or not tokens:
+        nothing (for routers). Unlike admission, it may cover every token. When
+        ``page_hashes`` cover every full page, the token ids are only counted."""
+        num_tokens = len(token_ids)
+        if not self.enable_caching or not num_tokens:
             return LookupResult(0, tuple(() for _ in self.groups), ())
-        hashes = self._compute_hashes(tokens, extra_keys or NO_EXTRA_KEYS, page_hashes)
-        hits, length = self._find_common_hit(hashes, len(tokens))
+        if page_hashes is not None and len(page_hashes) == num_tokens // self.hash_page_size:
+            hashes = list(page_hashes)
+            if set(map(type, hashes)) - {bytes} or not all(hashes):
+                raise InvalidArgument("page hashes must be non-empty bytes")
+        else:
+            tokens = _as_token_list(token_ids, "token_ids")
+            hashes = self._compute_hashes(tokens, extra_keys or NO_EXTRA_KEYS, page_hashes)
+        hits, length = self._find_common_hit(hashes, num_tokens)
         return LookupResult(
             num_hit_tokens=length,
             page_ids=tuple(tuple(h) for h in hits),
