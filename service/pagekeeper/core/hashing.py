@@ -618,8 +618,9 @@ def join_hashes(
     ``"last"`` (default): the big page's last small hash, which already chains over the
     whole prefix; vLLM 0.33's ``BlockHashListWithBlockSize`` does this (it keys each group's
     index by group id, so equal bytes in two groups never collide). ``"concat"``: the
-    concatenation of its ``factor`` small hashes, as earlier vLLM releases merged them. Both identify the same prefixes, so they
-    give the same cache hits; they differ only in the bytes (and in the events).
+    concatenation of its ``factor`` small hashes, as earlier vLLM releases merged them.
+    Both identify the same prefixes, so they give the same cache hits; they differ only in
+    the bytes (and in the events).
     """
     factor = _check_positive_int("factor", factor, 1)
     if mode not in ("concat", "last"):

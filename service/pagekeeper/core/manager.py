@@ -396,13 +396,15 @@ class PageManager:
         if req is None:
             raise NotFound(f"request {request_id!r} holds no pages")
         # Decodes append one or two plain ints: check them inline, not via the general path.
-        if type(new_token_ids) is list and len(new_token_ids) <= 4:
+        if (type(new_token_ids) is list or type(new_token_ids) is tuple) and len(
+            new_token_ids
+        ) <= 4:
             for t in new_token_ids:
                 if type(t) is not int or t < 0:
                     new_tokens = _as_token_list(new_token_ids, "new_token_ids")
                     break
             else:
-                new_tokens = new_token_ids
+                new_tokens = list(new_token_ids)
         else:
             new_tokens = _as_token_list(new_token_ids, "new_token_ids")
         if num_new_tokens < 1:

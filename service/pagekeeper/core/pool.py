@@ -172,6 +172,22 @@ class PagePool:
 
         The caller checks capacity first (allocation is all-or-nothing at the request level).
         """
+        if num == 1 and self._num_free:
+            # A decode crossing into a new page: the shortest path.
+            buf, head = self._buf, self._head
+            page = buf[head]
+            while page < 0:
+                head += 1
+                page = buf[head]
+            buf[head] = -1
+            self._head = head + 1
+            self._pos[page] = -1
+            self._ref[page] = 1
+            self._num_free -= 1
+            self.num_allocated_total += 1
+            if self._cached[page]:
+                self._evict([page])
+            return [page]
         if num <= 0:
             return []
         if num > self._num_free:
@@ -245,6 +261,35 @@ class PagePool:
         cached ones to the tail, both in the given order."""
         head_run: list[int]
         tail_run: list[int]
+        if len(pages) == 1:
+            page = int(pages[0])
+            if page == NULL_PAGE:
+                return
+            count = self._ref[page] - 1
+            if count < 0:
+                raise InvariantViolation(f"page {page} freed with ref count 0")
+            self._ref[page] = count
+            if count == 0:
+                self.num_freed_total += 1
+                if self._cached[page]:
+                    tail = self._tail
+                    if tail >= len(self._buf):
+                        self._recenter()
+                        tail = self._tail
+                    self._buf[tail] = page
+                    self._pos[page] = tail
+                    self._tail = tail + 1
+                else:
+                    head = self._head
+                    if head == 0:
+                        self._recenter()
+                        head = self._head
+                    head -= 1
+                    self._buf[head] = page
+                    self._pos[page] = head
+                    self._head = head
+                self._num_free += 1
+            return
         if len(pages) <= _SMALL:
             if type(pages) is not list:
                 pages = [int(p) for p in pages]
