@@ -61,6 +61,7 @@ from pagekeeper_client.errors import (
     NotFoundError,
     NotRegisteredError,
     PagekeeperError,
+    PermissionDeniedError,
     error_from_rpc,
 )
 from pagekeeper_client.ring import RingDescriptor
@@ -134,12 +135,14 @@ class AsyncPagekeeperClient:
         keepalive_s: float = DEFAULT_KEEPALIVE_S,
         interceptors: Sequence[Any] = (),
         options: Sequence[tuple[str, Any]] = (),
+        defer_page_ids: bool = False,
     ) -> None:
         self.address = resolve_address(address)
         self._token = token if token is not None else os.environ.get(TOKEN_ENV) or None
         self._metadata = auth_metadata(self._token)
         self.timeout = timeout
         self.retry_s = retry_s
+        self.defer_page_ids = defer_page_ids
         self._channel = grpc.aio.insecure_channel(
             self.address,
             options=channel_options(
@@ -183,9 +186,8 @@ class AsyncPagekeeperClient:
     def _scheduler(self) -> SchedulerState:
         self._require()
         if self._state is None:
-            raise FailedPreconditionError(
-                f"this client registered as {self._role}; only schedulers step",
-                code=grpc.StatusCode.PERMISSION_DENIED,
+            raise PermissionDeniedError(
+                f"this client registered as a {self._role}; only schedulers step"
             )
         return self._state
 
@@ -318,6 +320,11 @@ class AsyncPagekeeperClient:
                 self.lease_error = None
             except NotRegisteredError:
                 return
+            except NotFoundError as exc:
+                if not self._is_closed:
+                    self.lease_error = exc
+                    log.error("lease renewal stopped: %s", exc)
+                return
             except FailedPreconditionError as exc:
                 log.warning("lease lost (%s); registering again", exc.reason)
                 try:
@@ -429,7 +436,12 @@ class AsyncPagekeeperClient:
         if not sync:
             return AllocationResult(request_id, AllocationStatus.PENDING)
         self.stats.num_sync_steps += 1
-        await self._send_step(None, None)
+        admission.is_sync = True
+        try:
+            await self._send_step(None, None)
+        except PagekeeperError:
+            state.withdraw_admission(admission)
+            raise
         assert admission.result is not None
         return admission.result
 
@@ -458,14 +470,25 @@ class AsyncPagekeeperClient:
             growth = state.plan_growth(
                 request_id, num_new_tokens, new_token_ids, num_computed_tokens, num_lookahead_tokens
             )
+        defer = sync and self.defer_page_ids and growth.needs_pages and state.can_defer(growth)
         state.queue_growth(growth)
         if growth.is_local:
             self.stats.num_local_answers += 1
             return SlotAllocation(request_id, AllocationStatus.OK, is_local=True)
+        if defer:
+            # The pool surely has the pages: answer now, hand the ids out with the step.
+            growth.is_deferred = True
+            self.stats.num_deferred_answers += 1
+            return SlotAllocation(request_id, AllocationStatus.OK, is_deferred=True)
         if not sync:
             return SlotAllocation(request_id, AllocationStatus.PENDING)
         self.stats.num_sync_steps += 1
-        await self._send_step(None, None)
+        growth.is_sync = True
+        try:
+            await self._send_step(None, None)
+        except PagekeeperError:
+            state.withdraw_growth(growth)
+            raise
         result = growth.result
         if result is None:
             return SlotAllocation(request_id, AllocationStatus.OK)
@@ -483,7 +506,7 @@ class AsyncPagekeeperClient:
 
     async def free(self, *request_ids: str) -> StepResult:
         await self.free_later(*request_ids)
-        return await self._send_step(None, None)
+        return await self._send_step(None, None, explicit=True)
 
     async def step(
         self,
@@ -516,15 +539,19 @@ class AsyncPagekeeperClient:
                 enable_cache_read=a.enable_cache_read,
                 sync=False,
             )
-        return await self._send_step(batch, num_scheduled_tokens)
+        return await self._send_step(batch, num_scheduled_tokens, explicit=True)
 
     async def flush(self) -> StepResult | None:
         if not self._scheduler().has_queued:
             return None
-        return await self._send_step(None, None)
+        return await self._send_step(None, None, explicit=True)
 
     async def _send_step(
-        self, batch: Sequence[str] | None, num_scheduled_tokens: TokenIds | None
+        self,
+        batch: Sequence[str] | None,
+        num_scheduled_tokens: TokenIds | None,
+        *,
+        explicit: bool = False,
     ) -> StepResult:
         async with self._step_lock:
             state = self._scheduler()
@@ -536,6 +563,7 @@ class AsyncPagekeeperClient:
                 step_id=step_id,
                 batch=batch,
                 num_scheduled_tokens=num_scheduled_tokens,
+                explicit=explicit,
             )
             self._next_step_id = step_id + 1
             response = await self._step_with_retry(prepared.request)
@@ -589,6 +617,10 @@ class AsyncPagekeeperClient:
     @property
     def num_queued(self) -> int:
         return self._scheduler().num_queued
+
+    @property
+    def num_free_pages(self) -> int | None:
+        return self._scheduler().num_free_pages
 
     # -- life cycle ---------------------------------------------------------------------
     async def close(self, *, unregister: bool = True) -> None:

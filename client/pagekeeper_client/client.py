@@ -28,7 +28,9 @@ required_pages(num_computed + num_new + num_lookahead)``. It still travels in th
 mapping), but it costs no call of its own. A growth that needs a page is queued for the next
 ``step()`` -- or, with ``sync=True`` (what vLLM's ``allocate_slots`` needs: new block ids or
 ``None`` at once), sent at once in a step of its own together with everything queued before
-it.
+it. A client that is its pool's only scheduler can skip even that call
+(``defer_page_ids``): it knows how many pages the pool surely still has, answers "fits" at
+once and hands the new page ids out with the step.
 
 Order. A ``Step`` applies frees, then growths, then admissions. The client sends queued
 operations in call order within each kind, and sends the queue early (``num_ordering_flushes``)
@@ -66,6 +68,7 @@ from pagekeeper_client.errors import (
     NotFoundError,
     NotRegisteredError,
     PagekeeperError,
+    PermissionDeniedError,
     error_from_rpc,
 )
 from pagekeeper_client.ring import RingDescriptor, RingGeometry, StepTables, TableArrays
@@ -470,13 +473,21 @@ class _PendingGrowth:
     num_lookahead_tokens: int
     needs_pages: bool
     """Some group needs a page the request does not hold."""
+    num_pages_needed: int
+    """How many (summed over groups) -- what it takes from the pool's free pages."""
     releases_pages: bool
     """A sliding window / chunk drops pages (they return to the pool when applied)."""
     prev_num_tokens: int
     prev_num_computed_tokens: int
     nulled: list[tuple[int, int, int]]
     """(group, index, page) set to the null page when the growth was planned."""
+    tracked: _Tracked | None = None
+    """The mirror entry it was planned on."""
     is_local: bool = False
+    is_deferred: bool = False
+    """Answered OK at once from the capacity bound; its page ids come with the step."""
+    is_sync: bool = False
+    """Answered to its own caller (not carried into the next explicit step's results)."""
     result: AllocationResult | None = None
 
     @property
@@ -490,6 +501,9 @@ class _PendingAdmission:
     message: pb.Admission
     num_tokens: int
     num_new_tokens: int
+    num_pages_bound: int = 0
+    """Most free pages it can take (every page of its tokens; a hit only takes fewer)."""
+    is_sync: bool = False
     result: AllocationResult | None = None
 
 
@@ -507,6 +521,9 @@ class PreparedStep:
     frees: list[_PendingFree]
     growths: list[_PendingGrowth]
     admissions: list[_PendingAdmission]
+    explicit: bool = True
+    """Sent by ``step()``/``flush()``/``free()``; otherwise sent early (a synchronous call
+    or an ordering flush), and the answers to queued operations are carried over."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -541,6 +558,15 @@ class SchedulerState:
         self._admissions: list[_PendingAdmission] = []
         self._admitting: dict[str, _PendingAdmission] = {}
         self._freeing: set[str] = set()
+        # Answers to queued operations that a synchronous call's step carried early; they
+        # are reported by the next step()/flush() (callers look for them there).
+        self._carried: list[AllocationResult] = []
+        self.num_free_pages: int | None = None
+        """The service's free-page count in the last step's answer."""
+        self.free_pages_bound: int | None = None
+        """Free pages the pool surely still has once the queue is applied: the service's
+        count after the last step, minus the most the queued operations can take (frees
+        are not counted back). Exact only while this client is the pool's one scheduler."""
 
     # -- queries -------------------------------------------------------------------------
     @property
@@ -621,13 +647,12 @@ class SchedulerState:
         nulled: list[tuple[int, int, int]] = []
         if self._is_simple:
             # The common case, kept cheap: one full-attention group.
-            needs = -(-num_slots // self._page_size0) > len(t.pages[0])
+            num_needed = -(-num_slots // self._page_size0) - len(t.pages[0])
         else:
-            needs = False
+            num_needed = 0
             for g, group in enumerate(self.groups):
                 pages = t.pages[g]
-                if group.num_required_pages(num_slots) > len(pages):
-                    needs = True
+                num_needed += max(group.num_required_pages(num_slots) - len(pages), 0)
                 skipped = group.num_skipped_tokens(computed) // group.page_size
                 # The service walks back from the last skipped page to the first null one.
                 for i in range(min(skipped, len(pages)) - 1, -1, -1):
@@ -635,6 +660,7 @@ class SchedulerState:
                         break
                     nulled.append((g, i, pages[i]))
                     pages[i] = 0
+        needs = num_needed > 0
         growth = _PendingGrowth(
             request_id=request_id,
             token_bytes=token_bytes,
@@ -642,10 +668,12 @@ class SchedulerState:
             num_new_tokens=num_new_tokens,
             num_lookahead_tokens=num_lookahead_tokens,
             needs_pages=needs,
+            num_pages_needed=max(num_needed, 0),
             releases_pages=bool(nulled),
             prev_num_tokens=t.num_tokens,
             prev_num_computed_tokens=t.num_computed_tokens,
             nulled=nulled,
+            tracked=t,
             is_local=not needs,
         )
         t.num_tokens = num_tokens
@@ -671,6 +699,13 @@ class SchedulerState:
 
     def queue_growth(self, growth: _PendingGrowth) -> None:
         self._growths.append(growth)
+        if growth.num_pages_needed and self.free_pages_bound is not None:
+            self.free_pages_bound -= growth.num_pages_needed
+
+    def can_defer(self, growth: _PendingGrowth) -> bool:
+        """Whether the pool surely has the growth's pages (before it is queued)."""
+        bound = self.free_pages_bound
+        return bound is not None and growth.num_pages_needed <= bound
 
     # -- admission ----------------------------------------------------------------------
     def plan_admission(
@@ -712,11 +747,15 @@ class SchedulerState:
             message.page_hashes.extend(page_hashes)
         if not enable_cache_read:
             message.enable_cache_read = False
-        return _PendingAdmission(request_id, message, num_tokens, num_new_tokens)
+        num_slots = min(num_tokens + num_lookahead_tokens, self.max_model_len)
+        bound = sum(g.num_required_pages(num_slots) for g in self.groups)
+        return _PendingAdmission(request_id, message, num_tokens, num_new_tokens, bound)
 
     def queue_admission(self, admission: _PendingAdmission) -> None:
         self._admissions.append(admission)
         self._admitting[admission.request_id] = admission
+        if self.free_pages_bound is not None:
+            self.free_pages_bound -= admission.num_pages_bound
 
     # -- free ---------------------------------------------------------------------------
     def must_flush_before_free(self, request_id: str) -> bool:
@@ -748,6 +787,7 @@ class SchedulerState:
         step_id: int,
         batch: Sequence[str] | None,
         num_scheduled_tokens: TokenIds | None,
+        explicit: bool = True,
     ) -> PreparedStep:
         """The ``StepRequest`` carrying the whole queue (and the batch, if any). The queue
         stays as it is until :meth:`apply_step` accepts the answer."""
@@ -779,7 +819,9 @@ class SchedulerState:
                         f"{len(batch)} batch requests"
                     )
                 b.num_scheduled_tokens = encode_i32(num_scheduled_tokens)
-        return PreparedStep(request, list(self._frees), list(growths), list(self._admissions))
+        return PreparedStep(
+            request, list(self._frees), list(growths), list(self._admissions), explicit
+        )
 
     def apply_step(self, prepared: PreparedStep, response: pb.StepResponse) -> StepResult:
         """Accept the service's answer: drop the sent entries from the queue and bring the
@@ -803,28 +845,81 @@ class SchedulerState:
             self._freeing.discard(f.request_id)
         requests = self.requests
         out: list[AllocationResult] = []
-        listed: dict[str, AllocationResult] = {}
-        for i in range(num_growth_results):
-            decoded = result_from_pb(results[i])
-            listed[decoded.request_id] = decoded
-            out.append(decoded)
         num_local = 0
-        for growth in prepared.growths:
-            t = requests.get(growth.request_id)
+        for growth in prepared.growths:  # the hot loop: one per decode
+            t = growth.tracked
             if t is not None and t.pending is growth:
                 t.pending = None
-            found = listed.get(growth.request_id) if listed else None
+            num_local += growth.is_local
+        if num_growth_results or num_local < len(prepared.growths):
+            num_local -= self._apply_growth_results(prepared, results[:num_growth_results], out)
+        for admission, msg in zip(prepared.admissions, results[num_growth_results:], strict=True):
+            self._admitting.pop(admission.request_id, None)
+            result = result_from_pb(msg)
+            if result.status is AllocationStatus.OK:
+                requests[admission.request_id] = self._admitted(admission, result)
+            admission.result = result
+            if not admission.is_sync:
+                out.append(result)
+        # What the service has free now, minus what is still queued (a concurrent caller of
+        # the asyncio client may have queued more meanwhile).
+        self.num_free_pages = response.num_free_pages
+        self.free_pages_bound = (
+            response.num_free_pages
+            - sum(g.num_pages_needed for g in self._growths)
+            - sum(a.num_pages_bound for a in self._admissions)
+        )
+        if not prepared.explicit:
+            self._carried.extend(out)
+            out = []
+        elif self._carried:
+            out = self._carried + out
+            self._carried = []
+        return StepResult(
+            step_id=response.step_id,
+            results=tuple(out),
+            is_published=response.is_published,
+            published_slot=response.published_slot,
+            unscheduled_request_ids=tuple(response.unscheduled_request_ids),
+            num_free_pages=response.num_free_pages,
+            last_event_seq=response.last_event_seq,
+            publish_error=response.publish_error,
+            is_retry=response.is_retry,
+            num_local_growths=num_local,
+        )
+
+    def _apply_growth_results(
+        self,
+        prepared: PreparedStep,
+        results: Sequence[pb.AllocationResult],
+        out: list[AllocationResult],
+    ) -> int:
+        """The listed growths (new pages, or refused); returns how many of them had been
+        answered locally (a refusal of one is counted against the local answers)."""
+        listed = {msg.request_id: result_from_pb(msg) for msg in results}
+        num_local_listed = 0
+        for growth in prepared.growths:
+            found = listed.get(growth.request_id)
             if found is None:
-                if growth.is_local:
-                    num_local += 1
-                else:
+                if not growth.is_local:
                     log.warning(
                         "request %r: the client expected new pages, the service needed none "
                         "(mirror out of step?)",
                         growth.request_id,
                     )
                 continue
+            num_local_listed += growth.is_local
             growth.result = found
+            if not growth.is_sync:
+                out.append(found)
+            if growth.is_deferred and found.status is not AllocationStatus.OK:
+                log.warning(
+                    "request %r: a growth answered OK from the capacity bound got %s (another "
+                    "scheduler shares the pool?); it must be preempted",
+                    growth.request_id,
+                    found.status.value,
+                )
+            t = growth.tracked
             if t is None:
                 continue
             if found.status is AllocationStatus.OK:
@@ -839,25 +934,7 @@ class SchedulerState:
                 if found.status is AllocationStatus.REJECTED:
                     for g, i, page in growth.nulled:
                         t.pages[g][i] = page
-        for admission, msg in zip(prepared.admissions, results[num_growth_results:], strict=True):
-            self._admitting.pop(admission.request_id, None)
-            result = result_from_pb(msg)
-            if result.status is AllocationStatus.OK:
-                requests[admission.request_id] = self._admitted(admission, result)
-            admission.result = result
-            out.append(result)
-        return StepResult(
-            step_id=response.step_id,
-            results=tuple(out),
-            is_published=response.is_published,
-            published_slot=response.published_slot,
-            unscheduled_request_ids=tuple(response.unscheduled_request_ids),
-            num_free_pages=response.num_free_pages,
-            last_event_seq=response.last_event_seq,
-            publish_error=response.publish_error,
-            is_retry=response.is_retry,
-            num_local_growths=num_local,
-        )
+        return num_local_listed
 
     def _admitted(self, admission: _PendingAdmission, result: AllocationResult) -> _Tracked:
         num_hit = result.num_cached_tokens
@@ -872,6 +949,22 @@ class SchedulerState:
         num_new = admission.num_new_tokens or admission.num_tokens - num_hit
         return _Tracked(admission.num_tokens, num_hit + num_new, pages)
 
+    def withdraw_growth(self, growth: _PendingGrowth) -> None:
+        """Take a queued growth back (its synchronous step failed as a whole)."""
+        if growth in self._growths:
+            self._growths.remove(growth)
+            self.unplan_growth(growth)
+            if self.free_pages_bound is not None:
+                self.free_pages_bound += growth.num_pages_needed
+
+    def withdraw_admission(self, admission: _PendingAdmission) -> None:
+        """Take a queued admission back (its synchronous step failed as a whole)."""
+        if admission in self._admissions:
+            self._admissions.remove(admission)
+            self._admitting.pop(admission.request_id, None)
+            if self.free_pages_bound is not None:
+                self.free_pages_bound += admission.num_pages_bound
+
     def discard_queued(self) -> int:
         """Drop every queued operation and undo what it did to the mirror; returns how many
         were dropped. For a step the service refused as a whole (INVALID_ARGUMENT...)."""
@@ -884,6 +977,8 @@ class SchedulerState:
         self._frees, self._growths, self._admissions = [], [], []
         self._admitting.clear()
         self._freeing.clear()
+        self._carried.clear()
+        self.free_pages_bound = None  # unknown until the next step's answer
         return count
 
 
@@ -992,6 +1087,15 @@ class PagekeeperClient:
     ``interceptors``: extra ``grpc`` client interceptors (e.g. to count calls).
     ``timeout``: per-call deadline in seconds. ``retry_s``: how long a step is retried while
     the service is UNAVAILABLE.
+
+    ``defer_page_ids``: for a client that is its pool's only scheduler. A synchronous
+    growth that needs pages is answered OK at once, without a call, when the pool surely has
+    them -- the service's free-page count after the last step minus the most that every
+    operation queued since can take -- and its page ids come with the next step. vLLM's
+    scheduler needs the yes/no at once but the ids only when it builds its output, so a step
+    costs one round trip plus one per admission. The answer is exact while no other client
+    takes pages from the pool (a violated bound shows as NO_CAPACITY in the step's results,
+    with a warning).
     """
 
     def __init__(
@@ -1005,12 +1109,14 @@ class PagekeeperClient:
         keepalive_s: float = DEFAULT_KEEPALIVE_S,
         interceptors: Sequence[Any] = (),
         options: Sequence[tuple[str, Any]] = (),
+        defer_page_ids: bool = False,
     ) -> None:
         self.address = resolve_address(address)
         self._token = token if token is not None else os.environ.get(TOKEN_ENV) or None
         self._metadata = auth_metadata(self._token)
         self.timeout = timeout
         self.retry_s = retry_s
+        self.defer_page_ids = defer_page_ids
         channel = grpc.insecure_channel(
             self.address,
             options=channel_options(
@@ -1058,9 +1164,8 @@ class PagekeeperClient:
     def _scheduler(self) -> SchedulerState:
         self._require()
         if self._state is None:
-            raise FailedPreconditionError(
-                f"this client registered as {self._role}; only schedulers step",
-                code=grpc.StatusCode.PERMISSION_DENIED,
+            raise PermissionDeniedError(
+                f"this client registered as a {self._role}; only schedulers step"
             )
         return self._state
 
@@ -1218,6 +1323,13 @@ class PagekeeperClient:
                 self.lease_error = None
             except NotRegisteredError:
                 return
+            except NotFoundError as exc:
+                # The service forgot this id (restarted, or the lease expired long ago and
+                # a scheduler's requests were freed): nothing left to renew.
+                if not self._stop.is_set():
+                    self.lease_error = exc
+                    log.error("lease renewal stopped: %s", exc)
+                return
             except FailedPreconditionError as exc:
                 if self._stop.is_set():
                     return
@@ -1235,7 +1347,7 @@ class PagekeeperClient:
                 log.warning("lease renewal failed: %s", exc)
                 self._stop.wait(min(period, 1.0))
 
-    def unregister(self) -> int:
+    def unregister(self, *, timeout: float | None = None) -> int:
         """End the registration (a scheduler's requests are freed); returns how many
         requests the service freed."""
         registration = self._require()
@@ -1245,6 +1357,7 @@ class PagekeeperClient:
             pb.UnregisterRequest(
                 client_id=registration.client_id, generation=registration.generation
             ),
+            timeout=timeout,
         )
         with self._lock:
             self._registration = None
@@ -1359,7 +1472,13 @@ class PagekeeperClient:
         if not sync:
             return AllocationResult(request_id, AllocationStatus.PENDING)
         self.stats.num_sync_steps += 1
-        self._send_step(None, None)
+        admission.is_sync = True
+        try:
+            self._send_step(None, None)
+        except PagekeeperError:
+            # Refused as a whole: this admission is not left queued (others stay).
+            state.withdraw_admission(admission)
+            raise
         assert admission.result is not None
         return admission.result
 
@@ -1384,7 +1503,9 @@ class PagekeeperClient:
         ``computed + new + lookahead`` tokens in every group. Otherwise the growth is
         queued (PENDING, answered by the next ``step()``), or with ``sync=True`` sent at
         once in a step of its own: OK with the new page ids, or NO_CAPACITY (nothing
-        changed: preempt something and try again).
+        changed: preempt something and try again). With ``defer_page_ids`` (see the class)
+        a synchronous growth the pool surely has room for is answered OK at once
+        (``is_deferred``) and sent with the next step.
         """
         state = self._scheduler()
         if state.must_flush_before_growth(request_id):
@@ -1400,14 +1521,25 @@ class PagekeeperClient:
             growth = state.plan_growth(
                 request_id, num_new_tokens, new_token_ids, num_computed_tokens, num_lookahead_tokens
             )
+        defer = sync and self.defer_page_ids and growth.needs_pages and state.can_defer(growth)
         state.queue_growth(growth)
         if growth.is_local:
             self.stats.num_local_answers += 1
             return SlotAllocation(request_id, AllocationStatus.OK, is_local=True)
+        if defer:
+            # The pool surely has the pages: answer now, hand the ids out with the step.
+            growth.is_deferred = True
+            self.stats.num_deferred_answers += 1
+            return SlotAllocation(request_id, AllocationStatus.OK, is_deferred=True)
         if not sync:
             return SlotAllocation(request_id, AllocationStatus.PENDING)
         self.stats.num_sync_steps += 1
-        self._send_step(None, None)
+        growth.is_sync = True
+        try:
+            self._send_step(None, None)
+        except PagekeeperError:
+            state.withdraw_growth(growth)
+            raise
         result = growth.result
         if result is None:  # not listed: it fitted after all
             return SlotAllocation(request_id, AllocationStatus.OK)
@@ -1427,7 +1559,7 @@ class PagekeeperClient:
     def free(self, *request_ids: str) -> StepResult:
         """Free requests now (one step, carrying whatever was queued before)."""
         self.free_later(*request_ids)
-        return self._send_step(None, None)
+        return self._send_step(None, None, explicit=True)
 
     def step(
         self,
@@ -1447,13 +1579,13 @@ class PagekeeperClient:
         ``free_later`` / ``allocate_slots`` / ``admit(sync=False)`` first.
         """
         self._queue_raw(frees, growths, admissions)
-        return self._send_step(batch, num_scheduled_tokens)
+        return self._send_step(batch, num_scheduled_tokens, explicit=True)
 
     def flush(self) -> StepResult | None:
         """Send the queue now (no batch); None when nothing is queued."""
         if not self._scheduler().has_queued:
             return None
-        return self._send_step(None, None)
+        return self._send_step(None, None, explicit=True)
 
     def _queue_raw(
         self, frees: Sequence[str], growths: Sequence[Growth], admissions: Sequence[Admission]
@@ -1481,7 +1613,11 @@ class PagekeeperClient:
             )
 
     def _send_step(
-        self, batch: Sequence[str] | None, num_scheduled_tokens: TokenIds | None
+        self,
+        batch: Sequence[str] | None,
+        num_scheduled_tokens: TokenIds | None,
+        *,
+        explicit: bool = False,
     ) -> StepResult:
         state = self._scheduler()
         registration = self._require()
@@ -1492,6 +1628,7 @@ class PagekeeperClient:
             step_id=step_id,
             batch=batch,
             num_scheduled_tokens=num_scheduled_tokens,
+            explicit=explicit,
         )
         # The id is spent whatever happens: a later step must not reuse it for other content.
         self._next_step_id = step_id + 1
@@ -1553,6 +1690,11 @@ class PagekeeperClient:
     def num_queued(self) -> int:
         return self._scheduler().num_queued
 
+    @property
+    def num_free_pages(self) -> int | None:
+        """The pool's free pages as of the last step's answer (None before any step)."""
+        return self._scheduler().num_free_pages
+
     # -- life cycle ---------------------------------------------------------------------
     def close(self, *, unregister: bool = True) -> None:
         """Stop lease renewal, unregister (a scheduler's requests are freed; best effort)
@@ -1562,7 +1704,7 @@ class PagekeeperClient:
         self._stop.set()
         if unregister and self._registration is not None:
             try:
-                self.unregister()
+                self.unregister(timeout=min(self.timeout, 5.0))
             except PagekeeperError as exc:
                 log.info("unregister on close failed: %s", exc)
         self._is_closed = True

@@ -306,8 +306,10 @@ class StepResult:
 
     step_id: int
     results: tuple[AllocationResult, ...]
-    """The growths that got pages or were refused (in the order sent), then every
-    admission. A growth not listed succeeded without needing a page."""
+    """Answers to the operations queued since the previous ``step()``/``flush()``,
+    including those a synchronous call sent early: the growths that got pages or were
+    refused (in call order), then the admissions. A growth not listed succeeded without
+    needing a page. A synchronous call's own answer is returned to it, not repeated here."""
     is_published: bool = False
     published_slot: int = -1
     unscheduled_request_ids: tuple[str, ...] = ()
@@ -343,7 +345,8 @@ class SlotAllocation:
     - ``OK`` with ``is_local``: the request's pages already cover the tokens in every group;
       answered by the client without a call (the growth still travels in the next step, for
       token ids and the slot mapping).
-    - ``OK`` not local: the service handed ``new_page_ids`` (``sync=True``).
+    - ``OK`` not local: the service handed ``new_page_ids`` (``sync=True``), or, with
+      ``is_deferred``, the pool surely has them and they come with the next step.
     - ``PENDING``: pages are needed; the growth is queued for the next ``step()``.
     - ``NO_CAPACITY``: out of pages; nothing changed; preempt something (vLLM: ``None``).
     - ``REJECTED``: refused at apply time; ``reason`` says why.
@@ -353,6 +356,10 @@ class SlotAllocation:
     status: AllocationStatus
     new_page_ids: tuple[Int32Array, ...] = ()
     is_local: bool = False
+    is_deferred: bool = False
+    """OK with ``sync=True`` and ``defer_page_ids``: the pool surely has the pages, so the
+    answer came without a call; the ids come with the next step (its results and the
+    client's view of the request)."""
     reason: str = ""
 
     @property
@@ -454,7 +461,10 @@ class ClientStats:
     num_ordering_flushes: int = 0
     """Steps sent early to keep the service's apply order equal to the call order."""
     num_local_answers: int = 0
-    """``allocate_slots`` calls answered without a call."""
+    """``allocate_slots`` calls answered without a call (no page needed)."""
+    num_deferred_answers: int = 0
+    """``allocate_slots(sync=True)`` calls that needed a page, answered without a call from
+    the capacity bound (``defer_page_ids``)."""
     num_retries: int = 0
     num_heartbeats: int = 0
     num_reregistrations: int = 0

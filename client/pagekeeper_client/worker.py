@@ -123,14 +123,20 @@ class WorkerTableView:
 
     def _open(self, descriptor: RingDescriptor) -> None:
         old_view, old_stream = self._view, self._stream
+        # A stream re-opened after a ring change resumes after the last step it delivered
+        # (the service keeps a few recent batches), so the step that revealed the change
+        # is not lost.
+        since = 0
+        if isinstance(old_view, StreamTableView):
+            since = max(old_view.latest_step(), 0)
         if descriptor.kind == "stream":
             view: TableView = StreamTableView(descriptor)
         else:
             view = open_table_view(descriptor, pin=self._pin)
         with self._lock:
             self._view, self._descriptor = view, descriptor
-        if descriptor.kind == "stream":
-            self._start_stream(view)  # type: ignore[arg-type]
+        if isinstance(view, StreamTableView):
+            self._start_stream(view, since)
         for t in self._tables_needed():
             descriptor.geometry.table_index(*t)  # KeyError: the ring lacks our table
         if old_stream is not None:
@@ -141,19 +147,27 @@ class WorkerTableView:
     def _tables_needed(self) -> list[tuple[int, int]]:
         return list(enumerate(self.kernel_block_sizes))
 
-    def _start_stream(self, view: StreamTableView) -> None:
-        stream = self._client.watch_tables()
+    def _start_stream(self, view: StreamTableView, since_step_seq: int) -> None:
+        stream = self._client.watch_tables(since_step_seq)
         self._stream = stream
+        generation = view.descriptor.generation
 
         def consume() -> None:
             try:
                 for item in stream:
                     step = item.tables
+                    if step.epoch < generation:
+                        continue  # published under the previous ring
+                    if step.epoch > generation:
+                        # The ring was re-created: end this view; the reader re-maps.
+                        log.info(
+                            "WatchTables: ring generation %d follows %d", step.epoch, generation
+                        )
+                        break
                     try:
                         view.feed(pack_slot(step.step_seq, step.epoch, step.tables))
                     except SlotFormatError as exc:
-                        # Another generation: the ring was re-created; the reader re-maps.
-                        log.info("WatchTables: %s", exc)
+                        log.error("WatchTables: %s", exc)
                         break
             except PagekeeperError as exc:
                 self._stream_error = exc

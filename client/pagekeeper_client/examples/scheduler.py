@@ -12,7 +12,8 @@ Two modes show the client's two shapes:
   back in the step's results; those requests are preempted (left out of the batch).
 - ``sync``: what vLLM's scheduler needs -- a decode that crosses into a new page asks at
   once (``sync=True``), an admission is answered at once; on NO_CAPACITY the newest running
-  request is preempted and the allocation retried.
+  request is preempted and the allocation retried. With ``--defer-page-ids`` a crossing the
+  pool surely has room for is answered at once without a call (its ids come with the step).
 
 Workers learn which request each row is over the step feed (``--feed-address``; see
 :mod:`pagekeeper_client.examples.feed`); with ``--wait-workers N`` the scheduler waits for N
@@ -89,6 +90,7 @@ class Summary:
     rpcs: int = 0
     local_answers: int = 0
     sync_steps: int = 0
+    deferred_answers: int = 0
     ordering_flushes: int = 0
     published: int = 0
     worker_failures: list[dict[str, Any]] = field(default_factory=list)
@@ -111,6 +113,7 @@ class Summary:
             "rpcs_per_step": self.rpcs / steps,
             "local_answers": self.local_answers,
             "sync_steps": self.sync_steps,
+            "deferred_answers": self.deferred_answers,
             "ordering_flushes": self.ordering_flushes,
             "published": self.published,
             "step_ms_p50": 1e3 * times[len(times) // 2],
@@ -121,7 +124,9 @@ class Summary:
 
 
 class ExampleScheduler:
-    def __init__(self, client: PagekeeperClient, args: argparse.Namespace) -> None:
+    def __init__(
+        self, client: PagekeeperClient, args: argparse.Namespace, stop: threading.Event
+    ) -> None:
         self.client = client
         self.args = args
         self.rng = random.Random(args.seed)
@@ -135,10 +140,13 @@ class ExampleScheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_created = 0
+        # Request ids are unique per pool, not per client: prefix them with ours.
+        self.id_prefix = f"{client.client_id}/"
         self.summary = Summary()
-        self.stop = threading.Event()
+        self.stop = stop
         self.feed: FeedServer | None = None
         self._finished_since_feed: list[str] = []
+        self.step_rpcs = 0
         self._freed_now: list[str] = []
 
     # -- workload ---------------------------------------------------------------------
@@ -150,7 +158,7 @@ class ExampleScheduler:
         user = [rng.randrange(1, VOCAB) for _ in range(rng.randint(8, self.args.user_len_max))]
         self.num_created += 1
         return Request(
-            f"req-{self.num_created}",
+            f"{self.id_prefix}req-{self.num_created}",
             system + user,
             max_output=rng.randint(self.args.output_len_min, self.args.output_len_max),
         )
@@ -204,10 +212,10 @@ class ExampleScheduler:
         admitted: list[tuple[Request, bool]] = []
         budget = self.args.admit_per_step
         while budget and len(self.running) + len(admitted) < self.args.max_running:
-            resumed = bool(self.waiting)
             request = self.waiting.popleft() if self.waiting else self.new_request()
             if request is None:
                 break
+            resumed = request.num_preemptions > 0
             if request.request_id in self._freed_now:
                 # Freed this very step for lack of pages: not before the next one.
                 self.waiting.appendleft(request)
@@ -234,7 +242,7 @@ class ExampleScheduler:
             self._freed_now.extend(r.request_id for r in finished)
             self.summary.finished += len(finished)
         decodes = self.schedule_decodes()
-        self.running = decodes
+        self.running = list(decodes)  # admissions count against --max-running
         admissions = self.schedule_admissions()
         batch = [r.request_id for r in decodes] + [r.request_id for r, _ in admissions]
         result = self.client.step(batch=batch)
@@ -245,6 +253,7 @@ class ExampleScheduler:
         rows: list[list[Any]] = []
         new: dict[str, list[int]] = {}
         append: dict[str, list[int]] = {}
+        self.running = []
         for request in decodes:
             if request.request_id in left_out:
                 self.preempt(request)
@@ -300,6 +309,7 @@ class ExampleScheduler:
 
     def run(self) -> Summary:
         args = self.args
+        rpcs_before = self.client.stats.by_method.get("Step", 0)
         deadline = time.monotonic() + args.duration if args.duration else None
         while not self.stop.is_set():
             if args.steps and self.summary.steps >= args.steps:
@@ -314,6 +324,7 @@ class ExampleScheduler:
             ):
                 break
             self.run_step()
+        self.step_rpcs = self.client.stats.by_method.get("Step", 0) - rpcs_before
         self.drain()
         return self.summary
 
@@ -331,6 +342,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--address", default=os.environ.get("PAGEKEEPER_GRPC_ADDRESS"))
     p.add_argument("--token", default=os.environ.get("PAGEKEEPER_TOKEN"))
     p.add_argument("--mode", choices=("batched", "sync"), default="batched")
+    p.add_argument(
+        "--defer-page-ids",
+        action="store_true",
+        help="sync mode: answer crossings from the pool's free-page bound (sole scheduler)",
+    )
     p.add_argument("--steps", type=int, default=200, help="stop after N steps (0: no limit)")
     p.add_argument("--duration", type=float, default=0.0, help="stop after S seconds")
     p.add_argument("--num-requests", type=int, default=0, help="stop after N requests")
@@ -362,13 +378,14 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
-    client = PagekeeperClient(args.address, token=args.token)
-    scheduler = ExampleScheduler(client, args)
-    signal.signal(signal.SIGTERM, lambda *_: scheduler.stop.set())
-    signal.signal(signal.SIGINT, lambda *_: scheduler.stop.set())
+    client = PagekeeperClient(args.address, token=args.token, defer_page_ids=args.defer_page_ids)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
     feed = None
     try:
         registration = client.register("scheduler", name=f"example-scheduler:{os.getpid()}")
+        scheduler = ExampleScheduler(client, args, stop)
         log.info(
             "registered %s; pool of %d pages, page sizes %s",
             registration.client_id,
@@ -390,9 +407,11 @@ def main(argv: list[str] | None = None) -> int:
                 log.error("only %d of %d workers connected", feed.num_workers, args.wait_workers)
                 return 2
         summary = scheduler.run()
-        summary.rpcs = client.stats.num_rpcs - 1  # the registration is not a step's call
+        # Calls made by the steps (the lease's heartbeats and the final drain excluded).
+        summary.rpcs = scheduler.step_rpcs
         summary.local_answers = client.stats.num_local_answers
         summary.sync_steps = client.stats.num_sync_steps
+        summary.deferred_answers = client.stats.num_deferred_answers
         summary.ordering_flushes = client.stats.num_ordering_flushes
         counters = client.pool_info().counters
         summary.prefix_hit_rate = counters.prefix_hit_rate

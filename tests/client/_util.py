@@ -1,0 +1,121 @@
+"""Helpers for the client tests: call-counting and fault-injecting gRPC interceptors."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+import grpc.aio
+import numpy as np
+
+
+class CountingInterceptor(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    """Counts every unary call that leaves the client, by method name."""
+
+    def __init__(self) -> None:
+        self.calls: Counter[str] = Counter()
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        self.calls[details.method.rsplit("/", 1)[-1]] += 1
+        return continuation(details, request)
+
+    @property
+    def total(self) -> int:
+        return sum(self.calls.values())
+
+
+class AsyncCountingInterceptor(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    """The ``grpc.aio`` twin of :class:`CountingInterceptor`."""
+
+    def __init__(self) -> None:
+        self.calls: Counter[str] = Counter()
+
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        name = details.method
+        name = name.decode() if isinstance(name, bytes) else name
+        self.calls[name.rsplit("/", 1)[-1]] += 1
+        return await continuation(details, request)
+
+    @property
+    def total(self) -> int:
+        return sum(self.calls.values())
+
+
+class _FailedCall(grpc.RpcError, grpc.Call, grpc.Future):  # type: ignore[misc]
+    """What a call that failed with ``code`` looks like to the channel."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        self._code = code
+        self._details = details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def result(self, timeout: float | None = None) -> Any:
+        raise self
+
+    def exception(self, timeout: float | None = None) -> Any:
+        return self
+
+    def traceback(self, timeout: float | None = None) -> Any:
+        return None
+
+    def initial_metadata(self) -> Any:
+        return ()
+
+    def trailing_metadata(self) -> Any:
+        return ()
+
+    def is_active(self) -> bool:
+        return False
+
+    def time_remaining(self) -> Any:
+        return None
+
+    def cancel(self) -> bool:
+        return False
+
+    def cancelled(self) -> bool:
+        return False
+
+    def running(self) -> bool:
+        return False
+
+    def done(self) -> bool:
+        return True
+
+    def add_done_callback(self, fn: Callable[[Any], None]) -> None:
+        fn(self)
+
+    def add_callback(self, callback: Any) -> bool:
+        return False
+
+
+class DropStepReplies(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    """Make the next ``drops`` Step calls fail with UNAVAILABLE; with ``deliver=True`` the
+    request still reaches the service (the reply is what gets lost)."""
+
+    def __init__(self) -> None:
+        self.drops = 0
+        self.deliver = True
+        self.step_ids: list[int] = []
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        if not details.method.endswith("/Step"):
+            return continuation(details, request)
+        self.step_ids.append(request.step_id)
+        if self.drops <= 0:
+            return continuation(details, request)
+        self.drops -= 1
+        if self.deliver:
+            continuation(details, request).result()
+        return _FailedCall(grpc.StatusCode.UNAVAILABLE, "injected: connection reset")
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    return [int(x) for x in np.random.default_rng(seed).integers(1, 50_000, n)]

@@ -1,0 +1,448 @@
+"""The scheduler-side client against the real service (subprocess, loopback)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from pagekeeper_client import (
+    AllocationStatus,
+    AlreadyExistsError,
+    AsyncPagekeeperClient,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+    PagekeeperClient,
+    PagekeeperError,
+    PageStored,
+    PermissionDeniedError,
+    ResourceExhaustedError,
+    UnauthenticatedError,
+)
+from pagekeeper_client._proto.pagekeeper.v1 import pagekeeper_pb2 as pb
+from pagekeeper_client.errors import error_from_rpc
+from tests.client._util import (
+    AsyncCountingInterceptor,
+    CountingInterceptor,
+    DropStepReplies,
+    tokens,
+)
+
+
+@pytest.fixture
+def connect(pagekeeper_server):
+    """``connect(**client_kwargs)`` -> a registered scheduler on the shared server."""
+    clients: list[PagekeeperClient] = []
+
+    def make(register: bool = True, **kwargs) -> PagekeeperClient:
+        kwargs.setdefault("token", pagekeeper_server.token)
+        client = PagekeeperClient(pagekeeper_server.grpc_address, **kwargs)
+        clients.append(client)
+        if register:
+            client.register("scheduler", name="test-client")
+        return client
+
+    yield make
+    for client in clients:
+        client.close()
+
+
+def test_round_trip_admit_lookup_decode_block_table_free(connect):
+    client = connect()
+    prompt = tokens(1, 100)  # 6 full pages of 16 + 4 tokens
+    a = client.admit("rt-a", prompt)
+    assert a.ok and a.num_cached_tokens == 0
+    pages_a = a.new_page_ids[0].tolist()
+    assert len(pages_a) == 7 and 0 not in pages_a
+    assert client.page_ids("rt-a").tolist() == pages_a
+    b = client.admit("rt-b", prompt)
+    assert b.num_cached_tokens == 96
+    assert b.hit_page_ids[0].tolist() == pages_a[:6]
+    assert client.page_ids("rt-b").tolist() == pages_a[:6] + b.new_page_ids[0].tolist()
+
+    hit = client.lookup(prompt)
+    assert hit.num_hit_tokens == 96 and hit.page_ids[0].tolist() == pages_a[:6]
+
+    for i in range(30):  # crosses into pages 8 and 9 of rt-a
+        client.allocate_slots("rt-a", 1, new_token_ids=[7 + i])
+        client.step(batch=["rt-a"])
+    view = client.request("rt-a")
+    table = client.block_table("rt-a", kernel_block_size=4)
+    assert table.page_ids.tolist() == view.page_ids[0].tolist() == client.page_ids("rt-a").tolist()
+    assert len(table.page_ids) == 9
+    assert table.kernel_block_ids.tolist() == [p * 4 + j for p in table.page_ids for j in range(4)]
+    assert (table.num_tokens, table.num_computed_tokens) == (130, 130)
+    assert (view.num_tokens, view.num_computed_tokens) == (130, 130)
+    assert table.owner == client.client_id
+
+    client.free("rt-a", "rt-b")
+    assert not client.has_request("rt-a")
+    with pytest.raises(NotFoundError, match="holds no pages"):
+        client.block_table("rt-a")
+    info = client.pool_info()
+    assert info.config.num_pages == 512 and info.counters.num_steps > 0
+
+
+def test_decodes_that_fit_make_no_call(connect):
+    counter = CountingInterceptor()
+    client = connect(interceptors=[counter])
+    ids = [f"nc-{i}" for i in range(3)]
+    for i, rid in enumerate(ids):
+        client.admit(rid, tokens(10 + i, 20))  # 2 pages: room up to token 32
+    assert counter.calls["Step"] == 3  # one call per synchronous admission
+
+    for step in range(12):  # tokens 21..32: every decode fits in the second page
+        before = counter.total
+        for rid in ids:
+            got = client.allocate_slots(rid, 1, new_token_ids=[100 + step])
+            assert got.ok and got.is_local and got.new_page_ids == ()
+        assert counter.total == before  # answered locally: no call at all
+        result = client.step(batch=ids)
+        assert counter.total == before + 1  # the whole step: one round trip
+        assert result.num_local_growths == 3 and result.results == ()
+
+    # Token 33 crosses into a third page: sync=True asks at once (one call each) ...
+    before = counter.total
+    got = client.allocate_slots(ids[0], 1, new_token_ids=[7], sync=True)
+    assert counter.total == before + 1
+    assert got.ok and not got.is_local and len(got.new_page_ids[0]) == 1
+    assert client.block_table(ids[0]).page_ids[-1] == got.new_page_ids[0][0]
+    # ... sync=False queues it for the step: no call now, the answer comes with the step.
+    before = counter.total
+    queued = [client.allocate_slots(rid, 1, new_token_ids=[7]) for rid in ids[1:]]
+    assert all(q.is_pending for q in queued) and counter.total == before
+    result = client.step(batch=ids)
+    assert counter.total == before + 1
+    assert [r.request_id for r in result.results] == ids[1:]
+    for r in result.results:
+        assert r.ok and client.page_ids(r.request_id)[-1] == r.new_page_ids[0][0]
+    assert client.stats.num_rpcs == counter.total
+    assert client.stats.num_local_answers == 36
+    client.free(*ids)
+
+
+def test_errors_are_typed_with_the_services_reason(connect, pagekeeper_server):
+    anonymous = connect(register=False, token="")
+    with pytest.raises(UnauthenticatedError) as exc:
+        anonymous.pool_info()
+    assert exc.value.code is grpc.StatusCode.UNAUTHENTICATED
+    assert "authorization" in exc.value.reason and isinstance(exc.value, PagekeeperError)
+
+    owner, other = connect(), connect()
+    owner.admit("err-a", tokens(3, 40))
+    with pytest.raises(AlreadyExistsError, match="already holds pages"):
+        other.admit("err-a", tokens(4, 40))
+    # The refused step changed nothing, and the refused admission is not left queued.
+    assert not other.has_request("err-a") and other.num_queued == 0
+    with pytest.raises(NotFoundError, match="holds no pages") as exc:
+        owner.block_table("err-missing")
+    assert exc.value.method == "GetBlockTable" and "[NOT_FOUND]" in str(exc.value)
+    with pytest.raises(InvalidArgumentError, match="divisor"):
+        owner.block_table("err-a", kernel_block_size=5)
+    with pytest.raises(FailedPreconditionError, match="hold pages"):
+        owner.reset_prefix_cache()
+    # Checked before any call: the service would refuse it the same way.
+    with pytest.raises(InvalidArgumentError, match="num_new_tokens"):
+        owner.allocate_slots("err-a", 0)
+    with pytest.raises(NotFoundError):
+        owner.allocate_slots("err-unknown", 1)
+
+    # PERMISSION_DENIED: another client's request (the mirror would not even send it, so
+    # send the raw message and map the status like the client does).
+    stub = pagekeeper_server.stub()
+    with pytest.raises(grpc.RpcError) as raw:
+        stub.Step(
+            pb.StepRequest(
+                client_id=other.client_id,
+                generation=other.generation,
+                step_id=10**6,
+                free_request_ids=["err-a"],
+            ),
+            metadata=pagekeeper_server.metadata,
+        )
+    mapped = error_from_rpc(raw.value, "Step")
+    assert isinstance(mapped, PermissionDeniedError) and "another client" in mapped.reason
+
+    worker = connect(register=False)
+    with pytest.raises(FailedPreconditionError, match="group 0"):
+        worker.register("worker", device="cpu", kernel_support={0: [24]})
+    owner.free("err-a")
+
+
+def test_limits_are_resource_exhausted(server_factory):
+    server = server_factory("--max-requests-per-step", "2", "--num-pages", "64")
+    with PagekeeperClient(server.grpc_address) as client:
+        client.register("scheduler")
+        for i in range(3):
+            client.admit(f"lim-{i}", tokens(20 + i, 10))
+        with pytest.raises(ResourceExhaustedError, match="max_requests_per_step"):
+            client.step(batch=[f"lim-{i}" for i in range(3)])
+        client.step(batch=["lim-0", "lim-1"])
+
+
+def test_lease_is_renewed_in_the_background(server_factory):
+    server = server_factory("--lease-ttl-s", "0.6", "--lease-grace-s", "60", "--num-pages", "64")
+    with (
+        PagekeeperClient(server.grpc_address) as renewed,
+        PagekeeperClient(server.grpc_address) as idle,
+    ):
+        renewed.register("scheduler", lease_ttl=0.6)
+        idle.register("scheduler", lease_ttl=0.6, renew=False)
+        renewed.admit("lease-a", tokens(30, 20))
+        idle.admit("lease-b", tokens(31, 20))
+        time.sleep(1.5)
+        assert renewed.stats.num_heartbeats >= 2 and renewed.lease_error is None
+        renewed.allocate_slots("lease-a", 1, new_token_ids=[5])
+        assert renewed.step(batch=["lease-a"]).num_local_growths == 1
+        # Without renewal the lease ran out: refused until the client takes its id over.
+        idle.allocate_slots("lease-b", 1, new_token_ids=[5])
+        with pytest.raises(FailedPreconditionError, match="lease expired"):
+            idle.step()
+        fresh = idle.reregister()
+        assert fresh.generation == 2 and fresh.client_id == idle.client_id
+        idle.step(batch=["lease-b"])  # the queued growth went through; still its request
+        assert idle.block_table("lease-b").num_tokens == 21
+
+
+@pytest.mark.parametrize("deliver", [True, False], ids=["reply-lost", "request-lost"])
+def test_unavailable_step_is_retried_with_the_same_id(connect, deliver):
+    dropper = DropStepReplies()
+    client = connect(interceptors=[dropper])
+    dropper.drops, dropper.deliver = 1, deliver
+    rid = f"retry-{deliver}"
+    got = client.admit(rid, tokens(40 + deliver, 50))
+    assert got.ok and client.stats.num_retries == 1
+    assert dropper.step_ids[-1] == dropper.step_ids[-2]  # resent with the same id
+    table = client.block_table(rid)
+    assert table.page_ids.tolist() == client.page_ids(rid).tolist() == got.new_page_ids[0].tolist()
+    assert table.num_tokens == 50  # applied once
+
+    dropper.drops = 1
+    client.allocate_slots(rid, 1, new_token_ids=[9])
+    result = client.step(batch=[rid])
+    assert result.is_retry is deliver  # the service answered the retry from memory
+    assert client.block_table(rid).num_tokens == 51
+    client.free(rid)
+
+
+def test_watch_events_streams_stored_pages(connect):
+    client = connect()
+    since = client.pool_info().counters.last_event_seq
+    got = client.admit("ev-a", tokens(50, 64))  # 4 full pages, all new
+    stored: list[PageStored] = []
+    with client.watch_events(since=since) as stream:
+        for batch in stream:
+            stored += [e for e in batch.events if isinstance(e, PageStored)]
+            if any(e.page_ids.tolist() == got.new_page_ids[0].tolist() for e in stored):
+                break
+    event = next(e for e in stored if e.page_ids.tolist() == got.new_page_ids[0].tolist())
+    assert event.seq > since and len(event.page_hashes) == 4 and event.page_size == 16
+    assert event.token_ids.tolist() == tokens(50, 64)
+    client.free("ev-a")
+
+
+def test_async_client_has_the_same_api(pagekeeper_server):
+    async def main() -> None:
+        counter = AsyncCountingInterceptor()
+        async with AsyncPagekeeperClient(
+            pagekeeper_server.grpc_address,
+            token=pagekeeper_server.token,
+            interceptors=[counter],
+        ) as client:
+            registration = await client.register("scheduler", name="async-test")
+            assert registration.pool.page_sizes == (16,)
+            prompt = tokens(60, 31)
+            admitted = await client.admit("aio-a", prompt)
+            assert admitted.ok and len(admitted.new_page_ids[0]) == 2
+            local = await client.allocate_slots("aio-a", 1, new_token_ids=[1])
+            assert local.is_local  # token 32 still fits in the second page
+            await client.step(batch=["aio-a"])
+            assert counter.calls == {"RegisterClient": 1, "Step": 2}  # admission + this step
+            crossed = await client.allocate_slots("aio-a", 1, new_token_ids=[2], sync=True)
+            assert crossed.ok and len(crossed.new_page_ids[0]) == 1
+            table = await client.block_table("aio-a")
+            assert table.page_ids.tolist() == client.page_ids("aio-a").tolist()
+            assert table.num_tokens == 33
+            hit = await client.lookup(prompt)
+            assert hit.num_hit_tokens == 16
+            stream = client.watch_events()
+            async for batch in stream:
+                assert batch.last_event_seq >= 1
+                break
+            stream.cancel()
+            info = await client.pool_info()
+            assert info.counters.num_requests >= 1
+            await client.free("aio-a")
+            assert not client.has_request("aio-a")
+
+    asyncio.run(main())
+
+
+HYBRID_CONFIG = """
+[pool]
+num_pages = 40
+max_model_len = 512
+[[pool.groups]]
+kind = "full"
+page_size = 16
+[[pool.groups]]
+kind = "sliding_window"
+page_size = 16
+window = 40
+"""
+
+
+@pytest.mark.parametrize("defer", [False, True], ids=["sync", "deferred-ids"])
+def test_mirror_and_allocations_match_an_in_process_manager(server_factory, tmp_path, defer):
+    """Random admissions, decodes (answered locally, queued or sync), frees and preemptions
+    on a full + sliding-window pool: every answer and every table equals the core's when it
+    is called in the same order, one call at a time -- the client's batching and ordering
+    flushes never change an allocation."""
+    import tomllib
+
+    from pagekeeper.core.config import PoolConfig
+    from pagekeeper.core.manager import PageManager
+    from pagekeeper.settings import from_tree
+
+    config = tmp_path / "hybrid.toml"
+    config.write_text(HYBRID_CONFIG)
+    pool: PoolConfig = from_tree(tomllib.loads(HYBRID_CONFIG)).pool
+    server = server_factory("--config", str(config))
+    reference = PageManager(pool)
+    rng = np.random.default_rng(7)
+    prefix = tokens(70, 40)
+    running: list[str] = []
+    counter = 0
+    saw_window_nulls = False
+    num_preempted = 0
+
+    def check_same(rid: str) -> None:
+        for g in range(2):
+            assert client.page_ids(rid, g).tolist() == reference.page_table(rid, g).tolist(), (
+                rid,
+                g,
+            )
+
+    with PagekeeperClient(server.grpc_address, defer_page_ids=defer) as client:
+        client.register("scheduler")
+        for step in range(120):
+            pending: dict[str, object] = {}
+            for rid in list(running):
+                if rng.random() < 0.08:
+                    running.remove(rid)
+                    client.free_later(rid)
+                    reference.free(rid)
+            aborted: set[str] = set()
+            for rid in list(running):
+                if rid in aborted:
+                    continue
+                if rng.random() < 0.1:
+                    # Abort a request mid-step, after queued growths (some taking pages):
+                    # the client must send them first to keep the service's order.
+                    victim = running[int(rng.integers(len(running)))]
+                    aborted.add(victim)
+                    running.remove(victim)
+                    client.free_later(victim)
+                    reference.free(victim)
+                    if victim == rid:
+                        continue
+                token = int(rng.integers(1, 50_000))
+                sync = bool(rng.random() < 0.3)
+                got = client.allocate_slots(rid, 1, new_token_ids=[token], sync=sync)
+                expected = reference.allocate(rid, 1, new_token_ids=[token])
+                if got.is_local:
+                    assert expected is not None and not any(expected.new_page_ids)
+                elif got.is_deferred:
+                    assert expected is not None  # "surely fits" must be true
+                    pending[rid] = expected
+                elif got.is_pending:
+                    pending[rid] = expected
+                elif expected is None:
+                    assert got.status is AllocationStatus.NO_CAPACITY
+                    num_preempted += 1
+                    running.remove(rid)
+                    client.free_later(rid)
+                    reference.free(rid)
+                else:
+                    assert got.ok
+                    assert [p.tolist() for p in got.new_page_ids] == [
+                        list(p) for p in expected.new_page_ids
+                    ]
+            for _ in range(int(rng.integers(0, 3))):
+                counter += 1
+                rid = f"mirror-{counter}"
+                prompt = prefix + tokens(1000 + counter, int(rng.integers(5, 60)))
+                sync = bool(rng.random() < 0.5)
+                got = client.admit(rid, prompt, sync=sync)
+                expected = reference.admit(rid, prompt)
+                if sync:
+                    assert (got.status is AllocationStatus.NO_CAPACITY) == (expected is None)
+                    if expected is not None:
+                        assert got.num_cached_tokens == expected.num_cached_tokens
+                        running.append(rid)
+                else:
+                    pending[rid] = expected
+            result = client.step()
+            listed = result.by_request()
+            for rid, expected in pending.items():
+                got_result = listed.get(rid)
+                if expected is None:
+                    assert got_result is not None
+                    assert got_result.status is AllocationStatus.NO_CAPACITY
+                    if rid in running and rid not in aborted:  # a growth: preempt it
+                        num_preempted += 1
+                        running.remove(rid)
+                        client.free_later(rid)
+                        reference.free(rid)
+                    continue
+                assert got_result is not None and got_result.ok, (rid, got_result)
+                assert [p.tolist() for p in got_result.new_page_ids] == [
+                    list(p) for p in expected.new_page_ids
+                ]
+                if rid not in running and rid not in aborted:
+                    running.append(rid)
+            for rid in running:
+                check_same(rid)
+                saw_window_nulls |= 0 in client.page_ids(rid, 1).tolist()
+            if step % 30 == 29:
+                client.flush()
+                for rid in running:
+                    for g in range(2):
+                        table = client.block_table(rid, g)
+                        assert table.page_ids.tolist() == client.page_ids(rid, g).tolist()
+        stats = client.stats
+        assert stats.num_local_answers > 100 and stats.num_sync_steps > 10
+        assert stats.num_ordering_flushes > 0
+        assert (stats.num_deferred_answers > 0) is defer
+        assert saw_window_nulls and num_preempted > 0
+        client.flush()
+        assert client.pool_info().counters.num_free_pages == reference.pool.num_free_pages
+
+
+def test_deferred_page_ids_answer_sync_growths_without_a_call(server_factory):
+    server = server_factory("--num-pages", "8")  # 7 usable pages
+    counter = CountingInterceptor()
+    with PagekeeperClient(
+        server.grpc_address, interceptors=[counter], defer_page_ids=True
+    ) as client:
+        client.register("scheduler")
+        client.admit("d-a", tokens(80, 48))  # 3 full pages each: 1 page left
+        client.admit("d-b", tokens(81, 48))
+        before = counter.total
+        got = client.allocate_slots("d-a", 1, new_token_ids=[1], sync=True)
+        assert got.ok and got.is_deferred and got.new_page_ids == ()
+        assert counter.total == before  # answered from the capacity bound
+        # The last free page is promised to d-a: d-b must ask, and gets NO_CAPACITY.
+        refused = client.allocate_slots("d-b", 1, new_token_ids=[2], sync=True)
+        assert refused.status is AllocationStatus.NO_CAPACITY and not refused.is_deferred
+        assert counter.total == before + 1
+        result = client.step(batch=["d-a"])
+        assert [r.request_id for r in result.results] == ["d-a"]  # carried from the sync step
+        new_page = result.results[0].new_page_ids[0].tolist()
+        assert len(new_page) == 1 and client.page_ids("d-a").tolist()[-1] == new_page[0]
+        assert client.block_table("d-a").page_ids.tolist() == client.page_ids("d-a").tolist()
+        assert client.stats.num_deferred_answers == 1

@@ -1,0 +1,130 @@
+"""Worker registration and table views against the real service, on every transport."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pagekeeper_client import (
+    AllocationStatus,
+    FailedPreconditionError,
+    KernelBackend,
+    PagekeeperClient,
+    register_worker,
+)
+from pagekeeper_client.ring import RingError
+from pagekeeper_client.transports._torch import cuda_available
+from tests.client._util import tokens
+
+PAGE = 16
+
+
+def expected_slots(pages: list[int], start: int, stop: int) -> list[int]:
+    return [pages[pos // PAGE] * PAGE + pos % PAGE for pos in range(start, stop)]
+
+
+def expected_kernel_ids(pages: list[int], kbs: int) -> list[int]:
+    r = PAGE // kbs
+    return [p * r + j for p in pages for j in range(r)]
+
+
+def check_step(tables, scheduler: PagekeeperClient, rows, kbs: int) -> None:
+    """``rows``: (request_id, first scheduled position, seq_len) in batch order."""
+    table = tables.table(0)
+    assert table.kernel_block_size == kbs
+    assert table.block_table.dtype == torch.int32 and table.row_lengths.dtype == torch.int32
+    assert table.slot_mapping.dtype == torch.int64
+    assert tables.num_reqs == len(rows) == table.block_table.shape[0]
+    slots: list[int] = []
+    for i, (rid, start, stop) in enumerate(rows):
+        pages = scheduler.page_ids(rid).tolist()
+        want = expected_kernel_ids(pages, kbs)
+        assert int(table.row_lengths[i]) == len(want)
+        assert table.block_table[i, : len(want)].tolist() == want
+        slots += expected_slots(pages, start, stop)
+    assert table.slot_mapping.tolist() == slots
+
+
+@pytest.mark.parametrize("transport", ["shm", "cpu_ipc", "none"], ids=["shm", "cpu_ipc", "stream"])
+def test_worker_reads_each_step_on_every_transport(server_factory, transport):
+    server = server_factory("--num-pages", "128", publish_transport=transport)
+    with (
+        register_worker(server.grpc_address, "cpu", {0: [KernelBackend("REF", (8, 32))]}) as w,
+        PagekeeperClient(server.grpc_address) as scheduler,
+    ):
+        assert w.kernel_block_sizes == (8,)
+        assert w.view.kind == ("stream" if transport == "none" else transport)
+        scheduler.register("scheduler")
+        prefix = tokens(1, 48)
+        a, b = prefix + tokens(2, 10), prefix + tokens(3, 20)
+        scheduler.admit("w-a", a)
+        assert scheduler.admit("w-b", b, sync=False).status is AllocationStatus.PENDING
+        first = scheduler.step(batch=["w-a", "w-b"])
+        assert first.is_published and first.results[0].num_cached_tokens == 48
+        tables = w.view.wait(first.step_id, timeout=10)
+        # w-a was admitted by its own (synchronous) step: the published batch schedules
+        # what each row was last allocated for -- all of w-a, w-b after its cached prefix.
+        check_step(tables, scheduler, [("w-a", 0, 58), ("w-b", 48, 68)], 8)
+        for n in range(12):  # w-a crosses into its 5th page
+            for rid in ("w-a", "w-b"):
+                scheduler.allocate_slots(rid, 1, new_token_ids=[n + 1])
+            step = scheduler.step(batch=["w-b", "w-a"])
+            tables = w.view.wait(step.step_id, timeout=10)
+            check_step(tables, scheduler, [("w-b", 68 + n, 69 + n), ("w-a", 58 + n, 59 + n)], 8)
+        assert len(scheduler.page_ids("w-a")) == 5
+        arrays = w.view.wait_arrays(step.step_id, timeout=10)
+        assert arrays.table(0, 8).slot_mapping.tolist() == tables.table(0).slot_mapping.tolist()
+
+
+@pytest.mark.parametrize("transport", ["shm", "none"], ids=["shm", "stream"])
+def test_worker_follows_a_recreated_ring(server_factory, transport):
+    server = server_factory("--num-pages", "64", publish_transport=transport)
+    with (
+        register_worker(server.grpc_address, "cpu", {0: [16]}) as first,
+        PagekeeperClient(server.grpc_address) as scheduler,
+    ):
+        scheduler.register("scheduler")
+        scheduler.admit("rc-a", tokens(5, 40))
+        step = scheduler.step(batch=["rc-a"])
+        check_step(first.view.wait(step.step_id, timeout=10), scheduler, [("rc-a", 0, 40)], 16)
+        # A worker with another kernel block size joins: the ring is re-created with a
+        # second table; the first worker's next read finds its ring closed and re-maps.
+        with register_worker(server.grpc_address, "cpu", [[KernelBackend(multiple_of=(4,))]]):
+            pass  # chooses the page size (16): same tables, the ring is kept
+        with register_worker(server.grpc_address, "cpu", {0: [4]}) as second:
+            assert second.kernel_block_sizes == (4,)
+            scheduler.allocate_slots("rc-a", 1, new_token_ids=[1])
+            step = scheduler.step(batch=["rc-a"])
+            check_step(second.view.wait(step.step_id, timeout=10), scheduler, [("rc-a", 40, 41)], 4)
+            check_step(first.view.wait(step.step_id, timeout=10), scheduler, [("rc-a", 40, 41)], 16)
+            assert first.view.num_reopens == 1
+
+
+def test_worker_registration_errors(server_factory):
+    server = server_factory("--num-pages", "32", publish_transport="shm")
+    with pytest.raises(FailedPreconditionError, match="group 0") as exc:
+        register_worker(server.grpc_address, "cpu", {0: [KernelBackend("FLASH_MLA", (64,))]})
+    assert exc.value.reason  # the service's words
+    if not cuda_available():
+        with pytest.raises(RingError, match="CUDA"):
+            register_worker(server.grpc_address, "cuda:0", {0: [16]})
+
+
+@pytest.mark.skipif(not cuda_available(), reason="needs a CUDA device")
+def test_gpu_worker_gets_device_tensors(server_factory):  # pragma: no cover - GPU only
+    server = server_factory("--num-pages", "64", publish_transport="shm")
+    with (
+        register_worker(server.grpc_address, "cuda:0", {0: [16]}) as worker,
+        PagekeeperClient(server.grpc_address) as scheduler,
+    ):
+        scheduler.register("scheduler")
+        scheduler.admit("gpu-a", tokens(6, 33))
+        step = scheduler.step(batch=["gpu-a"])
+        tables = worker.view.wait(step.step_id, timeout=10)
+        assert tables.table(0).block_table.device.type == "cuda"
+        torch.cuda.synchronize()
+        pages = scheduler.page_ids("gpu-a").tolist()
+        assert tables.table(0).block_table[0, :3].cpu().tolist() == pages
+        assert tables.table(0).slot_mapping.cpu().tolist() == expected_slots(pages, 0, 33)
+        assert np.array_equal(tables.table(0).row_lengths.cpu().numpy(), [3])
