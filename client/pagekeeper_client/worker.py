@@ -109,7 +109,13 @@ class WorkerTableView:
         descriptor = client.ring
         if descriptor is None:
             raise RingError("the service publishes no tables for this worker (no ring)")
-        self._open(descriptor)
+        try:
+            self._open(descriptor)
+        except DescriptorError:
+            # Another worker with other kernel block sizes registered between our registration
+            # and this mapping, so the service re-created the ring: open the current one.
+            if not self._refresh():
+                raise
 
     # -- opening and following the ring ---------------------------------------------------
     @property

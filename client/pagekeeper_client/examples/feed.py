@@ -134,14 +134,18 @@ class FeedServer:
         with self._cond:
             return sum(p.is_alive for p in self._peers)
 
-    def wait_for_workers(self, count: int, timeout: float) -> bool:
+    def wait_for_workers(
+        self, count: int, timeout: float, stop: threading.Event | None = None
+    ) -> bool:
+        """Wait until ``count`` workers are connected; False on timeout or when ``stop`` is
+        set (a SIGTERM during start-up must not wait out the whole timeout)."""
         deadline = time.monotonic() + timeout
         with self._cond:
             while sum(p.is_alive for p in self._peers) < count:
                 remaining = deadline - time.monotonic()
-                if remaining <= 0:
+                if remaining <= 0 or (stop is not None and stop.is_set()):
                     return False
-                self._cond.wait(remaining)
+                self._cond.wait(min(remaining, 0.2))
         return True
 
     def broadcast(self, message: Mapping[str, Any]) -> None:

@@ -402,8 +402,10 @@ def main(argv: list[str] | None = None) -> int:
                     f.write(feed.address)
                 os.replace(tmp, args.feed_file)
             if args.wait_workers and not feed.wait_for_workers(
-                args.wait_workers, args.worker_timeout
+                args.wait_workers, args.worker_timeout, stop
             ):
+                if stop.is_set():
+                    return 0
                 log.error("only %d of %d workers connected", feed.num_workers, args.wait_workers)
                 return 2
         summary = scheduler.run()
