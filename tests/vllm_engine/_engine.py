@@ -47,6 +47,8 @@ class RunResult:
     num_rpcs: int = 0
     manager_s: float = 0.0
     manager_stats: dict[str, Any] = field(default_factory=dict)
+    replays: list[dict[str, float]] = field(default_factory=list)
+    """Timed-only passes (``run_engine(replays=...)``)."""
 
 
 class RecordingManager:
@@ -162,18 +164,42 @@ def _make_llm(model_dir: str, config: EngineConfig, scheduler_cls: type) -> Any:
     )
 
 
+def _generate(
+    llm: Any, waves: Sequence[Any], params: Any, result: RunResult | None
+) -> dict[str, list[int]]:
+    """One pass over the waves (prefix cache reset before the third)."""
+    outputs: dict[str, list[int]] = {}
+    prompts_by_name: dict[str, list[int]] = {}
+    for index, wave in enumerate(waves):
+        if index == 2 and not llm.reset_prefix_cache():
+            raise AssertionError("reset_prefix_cache refused with no request running")
+        named = wave(prompts_by_name, outputs) if callable(wave) else wave
+        names = [name for name, _ in named]
+        prompts = [{"prompt_token_ids": list(ids)} for _, ids in named]
+        for name, ids in named:
+            prompts_by_name[name] = list(ids)
+        for name, out in zip(names, llm.generate(prompts, params, use_tqdm=False), strict=True):
+            outputs[name] = list(out.outputs[0].token_ids)
+            if result is not None:
+                result.tokens[name] = outputs[name]
+                result.num_cached_tokens[name] = int(out.num_cached_tokens or 0)
+    return outputs
+
+
 def run_engine(
     model_dir: str,
     config: EngineConfig,
-    waves: Sequence[Sequence[Any]],
+    waves: Sequence[Any],
     *,
     manager: str,
     page_ratio: int = 1,
     address: str | None = None,
+    replays: int = 0,
 ) -> RunResult:
-    """Generate ``waves`` (each a list of prompts, or a callable of the outputs so far
-    returning one) one after the other, with ``manager`` "vllm" or "pagekeeper"; between
-    waves 2 and 3 the prefix cache is reset."""
+    """Generate ``waves`` (each a list of ``(name, token_ids)``, or a callable of the prompts
+    and outputs so far returning one) one after the other, with ``manager`` "vllm" or
+    "pagekeeper"; the prefix cache is reset before the third wave. ``replays`` more passes
+    (each after a reset, so each starts from the same empty cache) are timed only."""
     from vllm import SamplingParams
     from vllm.v1.core.sched.scheduler import Scheduler
 
@@ -187,37 +213,24 @@ def run_engine(
     else:
         raise ValueError(manager)
     scheduler_cls = make_recording_scheduler(base, page_ratio, log)
-    result = RunResult(calls=log)
+    result = RunResult()
     t0 = time.perf_counter()
     llm = _make_llm(model_dir, config, scheduler_cls)
     result.start_s = time.perf_counter() - t0
     core = llm.llm_engine.engine_core.engine_core
     scheduler = core.scheduler
+    pk = getattr(scheduler, "pagekeeper_manager", None)
     try:
         params = SamplingParams(
             temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False
         )
-        outputs: dict[str, list[int]] = {}
-        prompts_by_name: dict[str, list[int]] = {}
         t0 = time.perf_counter()
-        for index, wave in enumerate(waves):
-            if index == 2 and not llm.reset_prefix_cache():
-                raise AssertionError("reset_prefix_cache refused with no request running")
-            named = wave(prompts_by_name, outputs) if callable(wave) else wave
-            names = [name for name, _ in named]
-            prompts = [{"prompt_token_ids": list(ids)} for _, ids in named]
-            for name, ids in named:
-                prompts_by_name[name] = list(ids)
-            for name, out in zip(names, llm.generate(prompts, params, use_tqdm=False), strict=True):
-                outputs[name] = list(out.outputs[0].token_ids)
-                result.tokens[name] = outputs[name]
-                result.num_cached_tokens[name] = int(out.num_cached_tokens or 0)
-        # A last step flushes frees queued by the final outputs.
+        _generate(llm, waves, params, result)
         result.wall_s = time.perf_counter() - t0
+        result.calls = _normalize_ids(log)
         result.num_steps = scheduler.num_steps
         result.num_preemptions = scheduler.num_preemptions
         result.prefix_stats = dict(scheduler.kv_cache_manager.prefix_totals)
-        pk = getattr(scheduler, "pagekeeper_manager", None)
         if pk is not None:
             result.num_rpcs = pk.num_rpcs
             result.manager_s = pk.stats.manager_seconds
@@ -225,11 +238,26 @@ def run_engine(
                 k: getattr(pk.stats, k) for k in pk.stats.__slots__ if k != "rpcs_at_start"
             }
             result.manager_stats["by_method"] = dict(pk.client.stats.by_method)
+        for _ in range(replays):
+            if not llm.reset_prefix_cache():
+                raise AssertionError("reset_prefix_cache refused between passes")
+            steps0 = scheduler.num_steps
+            rpcs0 = pk.num_rpcs if pk is not None else 0
+            manager0 = pk.stats.manager_seconds if pk is not None else 0.0
+            t0 = time.perf_counter()
+            _generate(llm, waves, params, None)
+            result.replays.append(
+                {
+                    "wall_s": time.perf_counter() - t0,
+                    "num_steps": scheduler.num_steps - steps0,
+                    "num_rpcs": (pk.num_rpcs - rpcs0) if pk is not None else 0,
+                    "manager_s": (pk.stats.manager_seconds - manager0) if pk is not None else 0.0,
+                }
+            )
     finally:
         llm.llm_engine.engine_core.shutdown()
-        del llm, core, scheduler
+        del llm, core, scheduler, pk
         gc.collect()
-    result.calls = _normalize_ids(log)
     return result
 
 

@@ -29,6 +29,7 @@ import json
 import os
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -92,9 +93,9 @@ def _waves() -> list[Any]:
     aligned = rand(64)
     first = [
         ("r0", system + rand(30)),
-        ("r1", system + rand(50)),
+        ("r1", system + rand(20)),  # 120 tokens: its decode crosses 128
         ("r2", list(aligned)),
-        ("r3", aligned + rand(100)),
+        ("r3", aligned + rand(180)),  # 244 tokens: its decode crosses 256
         ("r4", rand(20)),
         ("r5", rand(250)),
         ("r6", system + rand(200)),
@@ -232,6 +233,49 @@ def run_case(case: Case, model_dir: str, workdir: Path) -> dict[str, Any]:
     }
 
 
+OWNERSHIP = "page32-pool-ownership"
+
+
+def run_pool_ownership(model_dir: str, workdir: Path, reference: RunResult) -> dict[str, Any]:
+    """A vLLM engine's pages hold KV only in its own memory, so its pool must be its own.
+
+    - Restart: a second engine on the same service (the first one's cached pages are still
+      in the prefix cache, their KV gone with it) must drop them at start-up and generate
+      exactly what a fresh vLLM does: tokens, cached-token counts, prefix-cache statistics.
+    - Another client holding a request in the pool: the engine refuses to start.
+    """
+    from pagekeeper_client.client import PagekeeperClient
+
+    case = next(c for c in CASES if c.name == "page32")
+    config = EngineConfig(case.page_size, case.num_pages, case.enable_prefix_caching)
+    problems = []
+    with pagekeeper_service(case, workdir / OWNERSHIP) as address:
+        run_engine(model_dir, config, _waves(), manager="pagekeeper", address=address)
+        again = run_engine(model_dir, config, _waves(), manager="pagekeeper", address=address)
+        for what in ("tokens", "num_cached_tokens", "prefix_stats"):
+            if getattr(again, what) != getattr(reference, what):
+                problems.append(f"restarted engine: {what} differ from vLLM's")
+        other = PagekeeperClient(address)
+        try:
+            other.register("scheduler", name="another-scheduler", renew=False)
+            other.admit("other", list(range(1, 100)))
+            try:
+                run_engine(model_dir, config, _waves(), manager="pagekeeper", address=address)
+                problems.append("the engine started on a pool another client uses")
+            except RuntimeError as exc:
+                if "a pool of its own" not in str(exc):
+                    problems.append(f"unexpected start-up error: {exc}")
+        finally:
+            other.close()
+    return {
+        "case": {"name": OWNERSHIP},
+        "problems": problems,
+        "vllm": _summary(reference),
+        "pagekeeper": _summary(again),
+        "tokens": again.tokens,
+    }
+
+
 def _summary(r: RunResult) -> dict[str, Any]:
     return {
         "wall_s": round(r.wall_s, 3),
@@ -246,6 +290,80 @@ def _summary(r: RunResult) -> dict[str, Any]:
         "manager_s": round(r.manager_s, 4),
         "manager_stats": r.manager_stats,
     }
+
+
+def time_case(
+    case: Case, model_dir: str, workdir: Path, rounds: int, replays: int
+) -> dict[str, Any]:
+    """Wall time of a whole pass over the waves, vLLM's manager vs pagekeeper's: ``rounds``
+    engine instances per side in ABBA order, ``replays`` timed passes each (after a prefix
+    cache reset); medians. A fresh service for every pagekeeper engine."""
+    waves = _waves()
+    samples: dict[str, list[dict[str, float]]] = {"vllm": [], "pagekeeper": []}
+    for index in range(rounds):
+        order = ("vllm", "pagekeeper") if index % 2 == 0 else ("pagekeeper", "vllm")
+        for side in order:
+            if side == "vllm":
+                config = EngineConfig(case.page_size, case.num_pages, case.enable_prefix_caching)
+                run = run_engine(model_dir, config, waves, manager="vllm", replays=replays)
+            else:
+                config = EngineConfig(
+                    case.kernel_block_size,
+                    case.num_pages * case.ratio,
+                    case.enable_prefix_caching,
+                )
+                with pagekeeper_service(case, workdir / f"{case.name}-timing-{index}") as address:
+                    run = run_engine(
+                        model_dir,
+                        config,
+                        waves,
+                        manager="pagekeeper",
+                        page_ratio=case.ratio,
+                        address=address,
+                        replays=replays,
+                    )
+            samples[side].extend(run.replays)
+
+    def median(side: str, key: str, per_step: bool = False, best: bool = False) -> float:
+        values = [
+            r[key] / r["num_steps"] if per_step else r[key] for r in samples[side] if r["num_steps"]
+        ]
+        if not values:
+            return 0.0
+        return min(values) if best else statistics.median(values)
+
+    return {
+        "case": case.name,
+        "num_samples": len(samples["vllm"]),
+        "vllm_pass_s": median("vllm", "wall_s"),
+        "pagekeeper_pass_s": median("pagekeeper", "wall_s"),
+        "vllm_best_pass_s": median("vllm", "wall_s", best=True),
+        "pagekeeper_best_pass_s": median("pagekeeper", "wall_s", best=True),
+        "vllm_step_ms": 1000 * median("vllm", "wall_s", per_step=True),
+        "pagekeeper_step_ms": 1000 * median("pagekeeper", "wall_s", per_step=True),
+        "manager_step_ms": 1000 * median("pagekeeper", "manager_s", per_step=True),
+        "rpcs_per_step": median("pagekeeper", "num_rpcs", per_step=True),
+        "samples": samples,
+    }
+
+
+def timing_markdown(timings: list[dict[str, Any]]) -> str:
+    lines = [
+        "| configuration | passes per side | vLLM s/pass, median (best) "
+        "| pagekeeper s/pass, median (best) | ratio of medians (pk / vLLM) | vLLM ms/step "
+        "| pagekeeper ms/step | in pagekeeper's manager, ms/step | RPCs/step |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for t in timings:
+        ratio = t["pagekeeper_pass_s"] / t["vllm_pass_s"] if t["vllm_pass_s"] else 0.0
+        lines.append(
+            f"| {t['case']} | {t['num_samples']} "
+            f"| {t['vllm_pass_s']:.2f} ({t.get('vllm_best_pass_s', 0.0):.2f}) "
+            f"| {t['pagekeeper_pass_s']:.2f} ({t.get('pagekeeper_best_pass_s', 0.0):.2f}) "
+            f"| {ratio:.2f} | {t['vllm_step_ms']:.1f} | {t['pagekeeper_step_ms']:.1f} "
+            f"| {t['manager_step_ms']:.2f} | {t['rpcs_per_step']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def markdown(results: list[dict[str, Any]]) -> str:
@@ -275,14 +393,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write every result here")
     parser.add_argument("--markdown", type=Path, help="write the summary table here")
     parser.add_argument("--model-dir", type=Path, help="tiny model folder (default: a temp one)")
+    parser.add_argument(
+        "--timing",
+        default="",
+        help="comma-separated cases to time (ABBA engine instances, timed replays)",
+    )
+    parser.add_argument("--rounds", type=int, default=2, help="engine instances per side")
+    parser.add_argument("--replays", type=int, default=3, help="timed passes per instance")
+    parser.add_argument(
+        "--no-compare", action="store_true", help="skip the comparison (with --timing)"
+    )
     args = parser.parse_args(argv)
     wanted = {c for c in args.configs.split(",") if c}
-    unknown = wanted - {c.name for c in CASES}
+    timed = {c for c in args.timing.split(",") if c}
+    known = [c.name for c in CASES] + [OWNERSHIP]
+    unknown = (wanted | timed) - set(known)
     if unknown:
-        parser.error(f"unknown configurations {sorted(unknown)}; known: {[c.name for c in CASES]}")
+        parser.error(f"unknown configurations {sorted(unknown)}; known: {known}")
     cases = [c for c in CASES if not wanted or c.name in wanted]
+    if args.no_compare:
+        cases = []
+    timings: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="pk-vllm-") as tmp:
         model_dir = str(build_tiny_llama(args.model_dir or Path(tmp) / "model"))
+        for case in CASES:
+            if case.name in timed:
+                timings.append(time_case(case, model_dir, Path(tmp), args.rounds, args.replays))
+                print(f"== timed {case.name}", flush=True)
         results = []
         for case in cases:
             t0 = time.perf_counter()
@@ -292,16 +429,35 @@ def main(argv: list[str] | None = None) -> int:
             print(f"== {case.name}: {verdict} ({time.perf_counter() - t0:.1f} s)", flush=True)
             for problem in result["problems"]:
                 print(f"   {problem}", flush=True)
-    # Every configuration generates the same tokens (pages of 128 with kernel blocks of 32
-    # included): greedy decoding over correct KV is independent of the page layout.
-    reference = next((r["tokens"] for r in results if not r["problems"]), None)
-    for r in results:
-        if not r["problems"] and r["tokens"] != reference:
-            r["problems"].append(f"tokens differ from {results[0]['case']['name']}'s")
-    table = markdown(results)
+        # Every configuration generates the same tokens (pages of 128 with kernel blocks of
+        # 32 included): greedy decoding over correct KV does not depend on the page layout.
+        first_ok = next((r for r in results if not r["problems"]), None)
+        for r in results:
+            if first_ok is not None and not r["problems"] and r["tokens"] != first_ok["tokens"]:
+                r["problems"].append(f"tokens differ from {first_ok['case']['name']}'s")
+        if not args.no_compare and (not wanted or OWNERSHIP in wanted):
+            page32 = next(c for c in CASES if c.name == "page32")
+            t0 = time.perf_counter()
+            reference = run_engine(
+                model_dir,
+                EngineConfig(page32.page_size, page32.num_pages, True),
+                _waves(),
+                manager="vllm",
+            )
+            result = run_pool_ownership(model_dir, Path(tmp), reference)
+            results.append(result)
+            verdict = "OK" if not result["problems"] else "MISMATCH"
+            print(f"== {OWNERSHIP}: {verdict} ({time.perf_counter() - t0:.1f} s)", flush=True)
+            for problem in result["problems"]:
+                print(f"   {problem}", flush=True)
+    table = markdown(results) if results else ""
+    if timings:
+        table += "\n" + timing_markdown(timings)
     print(table)
     if args.json:
-        args.json.write_text(json.dumps(results, indent=1, default=str))
+        args.json.write_text(
+            json.dumps({"results": results, "timings": timings}, indent=1, default=str)
+        )
     if args.markdown:
         args.markdown.write_text(table)
     failed = [r["case"]["name"] for r in results if r["problems"]]

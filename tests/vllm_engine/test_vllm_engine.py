@@ -124,6 +124,7 @@ def _vllm_python() -> Path:
     return Path(os.environ.get("PAGEKEEPER_VLLM_VENV", "/opt/vllm-engine")) / "bin" / "python"
 
 
+@pytest.mark.timeout(ENGINE_TIMEOUT_S + 60)
 @pytest.mark.skipif(
     os.environ.get("PAGEKEEPER_VLLM_ENGINE") != "1",
     reason="the real-vLLM proof runs under `make test-vllm` (PAGEKEEPER_VLLM_ENGINE=1)",
