@@ -3,6 +3,11 @@
 Configuration precedence, weakest first: embedded defaults < ``--config FILE.toml`` (or
 ``$PAGEKEEPER_CONFIG``) < ``PAGEKEEPER_*`` environment variables < flags. A bad value exits
 with status 2 and one line naming the field.
+
+Exit statuses of ``serve``: 0 after a graceful stop, 1 when a server cannot bind, 2 for a bad
+configuration, 3 when the data directory cannot be used (locked by another instance,
+another pool's state, an unreadable snapshot: one line says which), 4 when a durable write
+failed while serving (the state kept is the last durable one).
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from pagekeeper.settings import OPTIONS, Settings, load_settings, to_json, to_to
 
 EXIT_CONFIG = 2
 EXIT_START = 1
+EXIT_DATA = 3
+EXIT_DURABILITY = 4
 
 _BOOL_PATHS = {"server.debug_invariants", "pool.enable_prefix_caching"}
 
@@ -78,19 +85,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    from pagekeeper.durability import Durability, DurabilityError
     from pagekeeper.runtime import build_runtime
     from pagekeeper.server import serve
 
+    durability = None
     try:
-        runtime = build_runtime(settings)
+        if settings.durability != "none":
+            durability = Durability.open(
+                settings.data_dir, settings.durability, snapshot_every=settings.snapshot_every
+            )
+        runtime = build_runtime(settings, durability=durability)
     except ConfigError as exc:
+        if durability is not None:
+            durability.close()
         print(f"pagekeeper: bad configuration: {exc.field}: {exc.reason}", file=sys.stderr)
         return EXIT_CONFIG
+    except DurabilityError as exc:
+        if durability is not None:
+            durability.close()
+        print(f"pagekeeper: cannot recover the durable state: {exc}", file=sys.stderr)
+        return EXIT_DATA
     try:
         asyncio.run(serve(settings, ready_file=ns.ready_file, runtime=runtime))
     except OSError as exc:
+        runtime.close()
         print(f"pagekeeper: cannot start: {exc}", file=sys.stderr)
         return EXIT_START
+    if runtime.fatal:
+        return EXIT_DURABILITY
     return 0
 
 

@@ -1,18 +1,24 @@
 """What both adapters share inside one process: the state, the publication hub, metrics,
-wake-ups for streams, and the process's life cycle flags. Built once by :func:`build_runtime`
-(from settings) and handed to the gRPC servicer and the FastAPI app factory."""
+wake-ups for streams, durability, and the process's life cycle flags. Built once by
+:func:`build_runtime` (from settings) and handed to the gRPC servicer and the FastAPI app
+factory."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from pagekeeper.durability import Durability, RecoveryReport
 from pagekeeper.metrics import Metrics
 from pagekeeper.notify import ChangeNotifier
 from pagekeeper.publication import PublicationHub, PublisherFactory, resolve_publisher_factory
+from pagekeeper.publish.api import RingGeometry, TablePublisher
 from pagekeeper.settings import Settings
-from pagekeeper.state import Limits, ServiceState
+from pagekeeper.state import ConfigureLimitsCommand, Limits, ResumeLeasesCommand, ServiceState
+
+log = logging.getLogger("pagekeeper")
 
 
 @dataclass(eq=False)
@@ -24,9 +30,16 @@ class Runtime:
     clock: Callable[[], float]
     events: ChangeNotifier = field(default_factory=ChangeNotifier)
     """Woken after every mutation (KV events may have arrived)."""
+    durability: Durability | None = None
+    """The durable command log (None: ``durability = "none"``, or built in-process)."""
+    recovery: RecoveryReport | None = None
+    """What start-up recovered from the data directory."""
     is_ready: bool = False
     """True once both servers listen; False again when shutdown starts."""
     is_stopping: bool = False
+    fatal: str = ""
+    """Set when the process must stop because its state can no longer be made durable."""
+    on_fatal: list[Callable[[str], None]] = field(default_factory=list)
 
     def now(self) -> float:
         return self.clock()
@@ -37,6 +50,22 @@ class Runtime:
         self.is_stopping = True
         self.events.notify()
         self.hub.notifier.notify()
+
+    def fail(self, reason: str) -> None:
+        """The durable log failed: stop serving (the supervisor restarts us, and recovery
+        gives back the last durable state)."""
+        if self.fatal:
+            return
+        self.fatal = reason
+        self.is_ready = False
+        for callback in self.on_fatal:
+            callback(reason)
+
+    def close(self) -> None:
+        """Release the ring and, with durability, snapshot and close the data directory."""
+        self.hub.close()
+        if self.durability is not None:
+            self.durability.close(self.state if not self.fatal else None)
 
 
 def limits_from_settings(settings: Settings) -> Limits:
@@ -51,18 +80,38 @@ def limits_from_settings(settings: Settings) -> Limits:
     )
 
 
+def _tracking_rings(factory: PublisherFactory, durability: Durability) -> PublisherFactory:
+    """Record every ring file the service creates in the data dir, so that a successor can
+    remove the ones a killed process leaves in /dev/shm."""
+
+    def create(kind: str, geometry: RingGeometry) -> TablePublisher:
+        publisher = factory(kind, geometry)
+        durability.track_ring(publisher.descriptor().path)
+        return publisher
+
+    return create
+
+
 def build_runtime(
     settings: Settings,
     *,
     clock: Callable[[], float] = time.time,
     publisher_factory: PublisherFactory | str | None = "auto",
+    durability: Durability | None = None,
 ) -> Runtime:
     """Create the pool and everything around it. ``publisher_factory="auto"`` resolves the
-    configured transport (raises ConfigError when it is unavailable)."""
+    configured transport (raises ConfigError when it is unavailable).
+
+    With ``durability`` (an opened data directory) the state is first recovered from it
+    (raises :class:`pagekeeper.durability.DurabilityError` when it cannot be), then every
+    later mutation is journaled there; changed limits and the restart's lease extension
+    are logged as commands of their own."""
     if publisher_factory == "auto":
         factory = resolve_publisher_factory(settings.publish_transport, settings.publish_device)
     else:
         factory = publisher_factory  # type: ignore[assignment]
+    if durability is not None and factory is not None:
+        factory = _tracking_rings(factory, durability)
     hub = PublicationHub(
         settings.pool,
         transport=settings.publish_transport,
@@ -71,13 +120,39 @@ def build_runtime(
         max_num_tokens=settings.max_tokens_per_step,
         factory=factory,
     )
+    limits = limits_from_settings(settings)
     state = ServiceState(
         settings.pool,
-        limits_from_settings(settings),
-        sink=hub,
+        limits,
+        # Recovery replays without publishing; the hub is attached once it is done.
+        sink=hub if durability is None else None,
         debug_invariants=settings.debug_invariants,
         clock=clock,
     )
-    runtime = Runtime(settings=settings, state=state, hub=hub, metrics=Metrics(state), clock=clock)
+    report = None
+    if durability is not None:
+        report = durability.recover(state)
+        durability.attach(state)
+        if state.limits != limits:
+            log.info("limits changed since the state was written: logging the new ones")
+            state.configure_limits(ConfigureLimitsCommand(clock(), limits))
+        resumed = state.resume_leases(ResumeLeasesCommand(clock()))
+        if resumed:
+            log.info("%d recovered client(s) get a fresh lease", resumed)
+        state.attach_sink(hub)
+    runtime = Runtime(
+        settings=settings,
+        state=state,
+        hub=hub,
+        metrics=Metrics(state),
+        clock=clock,
+        durability=durability,
+        recovery=report,
+    )
+    if durability is not None:
+        from pagekeeper.durability.metrics import DurabilityCollector
+
+        runtime.metrics.registry.register(DurabilityCollector(durability))
+        durability.on_failure = runtime.fail
     state.add_listener(runtime.events.notify)
     return runtime

@@ -35,6 +35,7 @@ from pagekeeper.core.errors import ConfigError
 
 ENV_PREFIX = "PAGEKEEPER_"
 PUBLISH_TRANSPORTS = ("shm", "cpu_ipc", "cuda_ipc", "none")
+DURABILITY_LEVELS = ("none", "process", "fsync")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 _REDACTED = "<redacted>"
 
@@ -68,6 +69,15 @@ class Settings:
     debug_invariants: bool = False
     """Run the core's ``check_invariants()`` after every mutation (slow; for debugging)."""
     data_dir: str = "data"
+    """Where the durable state lives (the command log and its snapshots, one SQLite file;
+    see docs/reliability.md). Relative paths are relative to the working directory:
+    ``make serve`` keeps it in the repository's git-ignored ``data/``."""
+    durability: str = "process"
+    """``none`` (nothing written; a restart starts empty), ``process`` (every acknowledged
+    change survives the process being killed, ``kill -9`` included) or ``fsync`` (it also
+    survives power loss: one fsync per change)."""
+    snapshot_every: int = 10_000
+    """Log records between two snapshots (bounds the replay at start-up)."""
     log_level: str = "info"
     shutdown_grace_s: float = 5.0
     """How long SIGTERM waits for in-flight calls before cancelling them."""
@@ -97,6 +107,7 @@ class Settings:
             ("max_requests_per_step", 1),
             ("max_tokens_per_step", 1),
             ("event_buffer_size", 1),
+            ("snapshot_every", 1),
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
@@ -117,8 +128,12 @@ class Settings:
             raise ConfigError(
                 "server.log_level", f"one of {list(LOG_LEVELS)}, got {self.log_level!r}"
             )
-        if not isinstance(self.data_dir, str):
-            raise ConfigError("server.data_dir", "must be a path string")
+        if not isinstance(self.data_dir, str) or not self.data_dir:
+            raise ConfigError("server.data_dir", "must be a non-empty path string")
+        if self.durability not in DURABILITY_LEVELS:
+            raise ConfigError(
+                "server.durability", f"one of {list(DURABILITY_LEVELS)}, got {self.durability!r}"
+            )
         if not isinstance(self.pool, PoolConfig):
             raise ConfigError("pool", "must be a PoolConfig")
         if self.publish_transport not in PUBLISH_TRANSPORTS:
@@ -158,6 +173,8 @@ class Settings:
             "event_buffer_size": self.event_buffer_size,
             "debug_invariants": self.debug_invariants,
             "data_dir": self.data_dir,
+            "durability": self.durability,
+            "snapshot_every": self.snapshot_every,
             "log_level": self.log_level,
             "shutdown_grace_s": self.shutdown_grace_s,
         }
@@ -246,6 +263,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("server.event_buffer_size", _parse_int, "KV events kept for resumption"),
     Option("server.debug_invariants", _parse_bool, "check core invariants after every mutation"),
     Option("server.data_dir", str, "directory for durable state"),
+    Option(
+        "server.durability",
+        str,
+        "none, process (survives kill -9) or fsync (survives power loss)",
+    ),
+    Option("server.snapshot_every", _parse_int, "log records between two snapshots"),
     Option("server.log_level", str, "debug, info, warning or error"),
     Option("server.shutdown_grace_s", float, "drain time on SIGTERM, seconds"),
     Option("pool.num_pages", _parse_int, "pages in the pool, null page included"),

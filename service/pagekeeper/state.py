@@ -11,6 +11,14 @@ carries everything the mutation depends on, time included (``now``), so the same
 applied to a fresh state give the same state, page for page: a durable command log can
 record them before they are acknowledged and replay them after a crash.
 
+Durability hooks (the state does no I/O itself): a :class:`Journal` attached as
+``state.journal`` is handed every command that changed something, with its result, after
+it applied and before the caller sees the answer (so before it is acknowledged);
+:meth:`ServiceState.snapshot_state` / :meth:`ServiceState.restore_state` turn the whole
+state into a tree of plain values and back; :meth:`ServiceState.replay` applies a command
+read back from the log. A journal that fails *fences* the state: it is then ahead of its
+log, so every later mutation is refused until the process restarts and recovers.
+
 Validation happens before any change: a command that raises a
 :class:`~pagekeeper.core.errors.PagekeeperError` changed nothing. Nothing here awaits, so
 one call is atomic with respect to every other coroutine of the process.
@@ -197,6 +205,23 @@ class ForceFreeCommand:
     request_id: str
 
 
+@dataclass(frozen=True, slots=True)
+class ResumeLeasesCommand:
+    """After a restart: every registered client gets at least one full lease from ``now``
+    (the service being down is not the client's fault)."""
+
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigureLimitsCommand:
+    """Limits changed between two runs over the same durable state (they decide how later
+    commands apply, so the change is itself a logged command)."""
+
+    now: float
+    limits: Limits
+
+
 Command = (
     RegisterCommand
     | HeartbeatCommand
@@ -205,7 +230,12 @@ Command = (
     | ExpireLeasesCommand
     | ResetPrefixCacheCommand
     | ForceFreeCommand
+    | ResumeLeasesCommand
+    | ConfigureLimitsCommand
 )
+
+STATE_SNAPSHOT_VERSION = 1
+"""Version of :meth:`ServiceState.snapshot_state`'s tree (the core's has its own)."""
 
 # -- results -------------------------------------------------------------------------------
 
@@ -339,6 +369,14 @@ class Limits:
     event_buffer_size: int = 65536
 
 
+class Journal(Protocol):
+    """Where mutations go before they are acknowledged (the durable command log)."""
+
+    def record(self, command: Command, result: Any) -> None:
+        """Make ``command`` (applied, with ``result``) durable, or raise."""
+        ...
+
+
 class TableSink(Protocol):
     """Where published batches go (the publication hub: a ring plus stream subscribers).
     Absent while replaying a log: replay rebuilds state, it does not republish."""
@@ -389,6 +427,9 @@ class ServiceState:
         self.debug_invariants = debug_invariants
         self.clock = clock
         """Adapters stamp commands with ``clock()``; the state itself never reads it."""
+        self.journal: Journal | None = None
+        """Receives every applied mutation before its answer returns (None: not durable)."""
+        self._fenced_reason = ""
         self.counters = ServiceCounters()
         self._clients: dict[str, ClientRecord] = {}
         self._requests: dict[str, _RequestRecord] = {}
@@ -410,15 +451,48 @@ class ServiceState:
     def remove_listener(self, callback: Callable[[], None]) -> None:
         self._listeners.remove(callback)
 
-    def _after_mutation(self) -> None:
+    def _take_events(self) -> None:
         events = self.manager.take_events()
         if events:
             self._events.extend(events)
             self._last_event_seq = events[-1].seq
+
+    def _after_mutation(self, command: Command, result: Any = None) -> None:
+        """Collect events, check (debug), journal, then wake listeners: a watcher never
+        sees an event whose command is not yet durable."""
+        self._take_events()
         if self.debug_invariants:
             self.check_invariants()
+        self._record(command, result)
         for callback in self._listeners:
             callback()
+
+    def _record(self, command: Command, result: Any) -> None:
+        journal = self.journal
+        if journal is None:
+            return
+        try:
+            journal.record(command, result)
+        except Exception as exc:
+            # The change is applied in memory but not durable: refuse everything from now
+            # on (the process must restart and recover the log's state).
+            self._fenced_reason = f"{type(exc).__name__}: {exc}"
+            raise PagekeeperError(
+                f"the change could not be made durable ({self._fenced_reason}); the "
+                "service refuses further changes until it restarts"
+            ) from exc
+
+    def _check_writable(self) -> None:
+        if self._fenced_reason:
+            raise FailedPrecondition(
+                "the service lost its durable log and refuses changes until it restarts "
+                f"({self._fenced_reason})"
+            )
+
+    @property
+    def fenced_reason(self) -> str:
+        """Why mutations are refused ("" while they are not)."""
+        return self._fenced_reason
 
     # -- dispatch ----------------------------------------------------------------------
     def apply(self, command: Command) -> Any:
@@ -437,7 +511,30 @@ class ServiceState:
             return self.reset_prefix_cache(command)
         if isinstance(command, ForceFreeCommand):
             return self.force_free(command)
+        if isinstance(command, ResumeLeasesCommand):
+            return self.resume_leases(command)
+        if isinstance(command, ConfigureLimitsCommand):
+            return self.configure_limits(command)
         raise InvalidArgument(f"unknown command {type(command).__name__}")
+
+    def replay(self, command: Command, publication: tuple[bool, int, str] | None = None) -> Any:
+        """Apply a command read back from the durable log (no journal, no sink attached).
+
+        A replayed step does not republish; ``publication`` (``is_published``,
+        ``published_slot``, ``publish_error`` as first answered) goes into the stored
+        answer, so a retry after a restart gets exactly the answer the first call got."""
+        if self.journal is not None:
+            raise FailedPrecondition("replay needs the journal detached")
+        result = self.apply(command)
+        if isinstance(command, StepCommand) and publication is not None:
+            client = self._clients[command.client_id]
+            published, slot, error = publication
+            stored = replace(
+                result, is_published=published, published_slot=slot, publish_error=error
+            )
+            client.last_step_result = stored
+            result = stored
+        return result
 
     # -- clients -----------------------------------------------------------------------
     def _client(self, client_id: str, generation: int, now: float) -> ClientRecord:
@@ -498,6 +595,7 @@ class ServiceState:
         return self.sink.configure(wanted)
 
     def register(self, cmd: RegisterCommand) -> RegisterResult:
+        self._check_writable()
         if not isinstance(cmd.role, ClientRole):
             raise InvalidArgument("role must be SCHEDULER or WORKER")
         lease = cmd.lease_ttl_s
@@ -559,7 +657,7 @@ class ServiceState:
         client.kernel_support = cmd.kernel_support
         client.kernel_block_sizes = sizes
         self.counters.num_registrations += 1
-        self._after_mutation()
+        self._after_mutation(cmd)
         return RegisterResult(
             client_id=client.client_id,
             generation=client.generation,
@@ -571,8 +669,11 @@ class ServiceState:
         )
 
     def heartbeat(self, cmd: HeartbeatCommand) -> HeartbeatResult:
+        self._check_writable()
         client = self._client(cmd.client_id, cmd.generation, cmd.now)
         client.expires_at = cmd.now + client.lease_ttl_s
+        # A lease renewal is a mutation (it decides when the client expires).
+        self._record(cmd, None)
         ring = None
         if client.role is ClientRole.WORKER and self.sink is not None:
             ring = self.sink.descriptor()
@@ -596,13 +697,15 @@ class ServiceState:
         return freed
 
     def unregister(self, cmd: UnregisterCommand) -> int:
+        self._check_writable()
         client = self._client(cmd.client_id, cmd.generation, cmd.now)
         freed = self._remove_client(client)
-        self._after_mutation()
+        self._after_mutation(cmd)
         return freed
 
     def expire_leases(self, cmd: ExpireLeasesCommand) -> ExpireResult:
         """Drop every client whose lease ran out (schedulers after ``lease_grace_s``)."""
+        self._check_writable()
         expired = []
         for client in list(self._clients.values()):
             grace = self.limits.lease_grace_s if client.role is ClientRole.SCHEDULER else 0.0
@@ -612,12 +715,13 @@ class ServiceState:
             return ExpireResult((), 0)
         freed = sum(self._remove_client(c) for c in expired)
         self.counters.num_expired_clients += len(expired)
-        self._after_mutation()
+        self._after_mutation(cmd)
         return ExpireResult(tuple(c.client_id for c in expired), freed)
 
     # -- steps -------------------------------------------------------------------------
     def step(self, cmd: StepCommand) -> StepResult:
         started = time.perf_counter()
+        self._check_writable()
         client = self._client(cmd.client_id, cmd.generation, cmd.now)
         if client.role is not ClientRole.SCHEDULER:
             raise PermissionDenied(f"client {client.client_id!r} is a worker; only schedulers step")
@@ -628,6 +732,8 @@ class ServiceState:
             if cmd.step_id == client.last_step_id and stored is not None:
                 self.counters.num_step_retries += 1
                 client.expires_at = cmd.now + client.lease_ttl_s
+                # The retry's one effect is the lease renewal: logged as the heartbeat it is.
+                self._record(HeartbeatCommand(cmd.now, cmd.client_id, cmd.generation), None)
                 return _as_retry(stored)
             raise FailedPrecondition(
                 f"step_id {cmd.step_id} is older than client {client.client_id!r}'s last "
@@ -676,7 +782,7 @@ class ServiceState:
         client.expires_at = cmd.now + client.lease_ttl_s
         client.num_steps += 1
         self.counters.num_steps += 1
-        self._after_mutation()
+        self._take_events()
         result = StepResult(
             step_id=cmd.step_id,
             results=tuple(outcomes),
@@ -688,6 +794,7 @@ class ServiceState:
             publish_error=publish_error,
         )
         client.last_step_result = result
+        self._after_mutation(cmd, result)
         self.counters.step_seconds.append(time.perf_counter() - started)
         return result
 
@@ -851,7 +958,8 @@ class ServiceState:
             allocation = self.manager.allocate(
                 rid,
                 growth.num_new_tokens,
-                new_token_ids=growth.new_token_ids,
+                # Already checked for the whole step: plain ints take the core's fast path.
+                new_token_ids=growth.new_token_ids.tolist(),
                 num_computed_tokens=growth.num_computed_tokens,
                 num_lookahead_tokens=growth.num_lookahead_tokens,
             )
@@ -889,7 +997,9 @@ class ServiceState:
             return AllocationOutcome(rid, AllocationStatus.NO_CAPACITY)
         num_tokens = len(admission.token_ids)
         cached = allocation.num_cached_tokens
-        computed = cached + (num_new if num_new is not None else num_tokens - cached)
+        # As the core does: a chunk larger than what the cache hit left is clamped to it.
+        rest = num_tokens - cached
+        computed = cached + (rest if num_new is None or num_new > rest else num_new)
         self._requests[rid] = _RequestRecord(client.client_id, num_tokens, computed)
         client.request_ids.add(rid)
         return _outcome(allocation)
@@ -930,7 +1040,7 @@ class ServiceState:
     # -- admin -------------------------------------------------------------------------
     def reset_prefix_cache(self, cmd: ResetPrefixCacheCommand) -> int:
         """Drop the prefix cache; returns how many cached pages were dropped."""
-        del cmd  # time does not matter; kept for the log
+        self._check_writable()
         before = self.manager.pool.num_cached_pages
         if not self.manager.reset_prefix_cache():
             num = len(self._requests)
@@ -938,10 +1048,11 @@ class ServiceState:
                 f"{num} running request(s) hold pages; the prefix cache can only be reset "
                 "when none do"
             )
-        self._after_mutation()
+        self._after_mutation(cmd)
         return before
 
     def force_free(self, cmd: ForceFreeCommand) -> None:
+        self._check_writable()
         record = self._requests.get(cmd.request_id)
         if record is None:
             raise NotFound(f"request {cmd.request_id!r} holds no pages")
@@ -950,7 +1061,120 @@ class ServiceState:
         owner = self._clients.get(record.owner)
         if owner is not None:
             owner.request_ids.discard(cmd.request_id)
-        self._after_mutation()
+        self._after_mutation(cmd)
+
+    # -- recovery ----------------------------------------------------------------------
+    def resume_leases(self, cmd: ResumeLeasesCommand) -> int:
+        """Give every client at least one full lease from ``cmd.now``; returns how many
+        clients there are (nothing is logged when there are none)."""
+        self._check_writable()
+        if not self._clients:
+            return 0
+        for client in self._clients.values():
+            client.expires_at = max(client.expires_at, cmd.now + client.lease_ttl_s)
+        self._after_mutation(cmd)
+        return len(self._clients)
+
+    def configure_limits(self, cmd: ConfigureLimitsCommand) -> None:
+        """Switch to new limits (later commands apply under them)."""
+        self._check_writable()
+        if not isinstance(cmd.limits, Limits):
+            raise InvalidArgument("limits must be a Limits")
+        self.limits = cmd.limits
+        if self._events.maxlen != cmd.limits.event_buffer_size:
+            self._events = deque(self._events, maxlen=cmd.limits.event_buffer_size)
+        self._after_mutation(cmd)
+
+    def attach_sink(self, sink: TableSink | None) -> RingDescriptor | None:
+        """Publish into ``sink`` from now on, configured for the workers registered now
+        (after a recovery, which replays without a sink)."""
+        self.sink = sink
+        if sink is None:
+            return None
+        wanted = self._published_tables(self._kernel_sets)
+        return sink.configure(wanted) if wanted else None
+
+    def snapshot_state(self) -> dict[str, Any]:
+        """The whole state as a tree of plain values and numpy arrays: the core's tree plus
+        clients, leases, generations, ownership, each client's stored step answer, the
+        event buffer and the counters. :meth:`restore_state` gives it back exactly."""
+        from pagekeeper.core.snapshot import events_to_tree
+
+        records = self._requests
+        return {
+            "version": STATE_SNAPSHOT_VERSION,
+            "pool_config": self.pool_config.to_dict(),
+            "limits": limits_to_tree(self.limits),
+            "manager": self.manager.snapshot_state(),
+            "clients": [_client_to_tree(c) for c in self._clients.values()],
+            "requests": {
+                "request_ids": list(records),
+                "owners": [r.owner for r in records.values()],
+                "num_tokens": [r.num_tokens for r in records.values()],
+                "num_computed_tokens": [r.num_computed_tokens for r in records.values()],
+            },
+            "next_client_number": self._next_client_number,
+            "last_published_step_seq": self._last_published_step_seq,
+            "kernel_sets": [[list(k), n] for k, n in self._kernel_sets.items()],
+            "events": events_to_tree(list(self._events)),
+            "last_event_seq": self._last_event_seq,
+            "counters": {name: getattr(self.counters, name) for name in _COUNTER_FIELDS},
+        }
+
+    def restore_state(self, tree: dict[str, Any]) -> None:
+        """Become exactly the state ``tree`` records (on a state fresh from the constructor,
+        with no journal). Raises :class:`InvalidArgument` when the tree does not fit this
+        pool's configuration or is malformed."""
+        from pagekeeper.core.snapshot import events_from_tree
+
+        if self.journal is not None or self._clients or self._requests:
+            raise FailedPrecondition("restore_state needs a fresh state without a journal")
+        version = tree.get("version") if isinstance(tree, dict) else None
+        if version != STATE_SNAPSHOT_VERSION:
+            raise InvalidArgument(
+                f"state snapshot version {version!r} is not the supported {STATE_SNAPSHOT_VERSION}"
+            )
+        if tree["pool_config"] != self.pool_config.to_dict():
+            raise InvalidArgument(
+                "the durable state belongs to a pool with another configuration: "
+                f"{tree['pool_config']} (configured: {self.pool_config.to_dict()})"
+            )
+        try:
+            manager = PageManager.restore_state(self.pool_config, tree["manager"])
+            limits = limits_from_tree(tree["limits"])
+            clients = [_client_from_tree(t) for t in tree["clients"]]
+            rt = tree["requests"]
+            requests = {
+                str(rid): _RequestRecord(str(owner), int(n), int(c))
+                for rid, owner, n, c in zip(
+                    rt["request_ids"],
+                    rt["owners"],
+                    rt["num_tokens"],
+                    rt["num_computed_tokens"],
+                    strict=True,
+                )
+            }
+            kernel_sets = {tuple(int(k) for k in sizes): int(n) for sizes, n in tree["kernel_sets"]}
+            events = events_from_tree(tree["events"])
+            counters = {name: int(tree["counters"][name]) for name in _COUNTER_FIELDS}
+            next_number = int(tree["next_client_number"])
+            last_published = int(tree["last_published_step_seq"])
+            last_event_seq = int(tree["last_event_seq"])
+        except (KeyError, ValueError, TypeError, IndexError) as exc:
+            raise InvalidArgument(
+                f"state snapshot is malformed: {type(exc).__name__}: {exc}"
+            ) from None
+        self.manager = manager
+        self.limits = limits
+        self._clients = {c.client_id: c for c in clients}
+        self._requests = requests
+        self._kernel_sets = kernel_sets
+        self._events = deque(events, maxlen=limits.event_buffer_size)
+        self._last_event_seq = last_event_seq
+        self._next_client_number = next_number
+        self._last_published_step_seq = last_published
+        for name, value in counters.items():
+            setattr(self.counters, name, value)
 
     # -- reads -------------------------------------------------------------------------
     @property
@@ -1151,3 +1375,176 @@ def _outcome(allocation: Allocation) -> AllocationOutcome:
 
 def _as_retry(result: StepResult) -> StepResult:
     return replace(result, is_retry=True)
+
+
+# -- snapshot trees ------------------------------------------------------------------------
+
+_COUNTER_FIELDS = (
+    "num_steps",
+    "num_step_retries",
+    "num_steps_rejected",
+    "num_published",
+    "num_publish_errors",
+    "num_registrations",
+    "num_expired_clients",
+)
+
+
+def limits_to_tree(limits: Limits) -> dict[str, Any]:
+    return {
+        "max_requests_per_step": limits.max_requests_per_step,
+        "max_tokens_per_step": limits.max_tokens_per_step,
+        "max_clients": limits.max_clients,
+        "lease_ttl_s": float(limits.lease_ttl_s),
+        "max_lease_ttl_s": float(limits.max_lease_ttl_s),
+        "lease_grace_s": float(limits.lease_grace_s),
+        "event_buffer_size": limits.event_buffer_size,
+    }
+
+
+def limits_from_tree(tree: dict[str, Any]) -> Limits:
+    return Limits(
+        max_requests_per_step=int(tree["max_requests_per_step"]),
+        max_tokens_per_step=int(tree["max_tokens_per_step"]),
+        max_clients=int(tree["max_clients"]),
+        lease_ttl_s=float(tree["lease_ttl_s"]),
+        max_lease_ttl_s=float(tree["max_lease_ttl_s"]),
+        lease_grace_s=float(tree["lease_grace_s"]),
+        event_buffer_size=int(tree["event_buffer_size"]),
+    )
+
+
+def kernel_support_to_tree(support: Sequence[GroupKernelSupport]) -> list[Any]:
+    return [
+        [
+            entry.group_id,
+            [[b.name, list(b.block_sizes), list(b.multiple_of)] for b in entry.backends],
+        ]
+        for entry in support
+    ]
+
+
+def kernel_support_from_tree(tree: list[Any]) -> tuple[GroupKernelSupport, ...]:
+    return tuple(
+        GroupKernelSupport(
+            int(group_id),
+            tuple(
+                KernelBackend(str(name), tuple(map(int, sizes)), tuple(map(int, multiples)))
+                for name, sizes, multiples in backends
+            ),
+        )
+        for group_id, backends in tree
+    )
+
+
+def step_result_to_tree(result: StepResult) -> list[Any]:
+    return [
+        result.step_id,
+        [
+            [
+                o.request_id,
+                o.status.value,
+                o.num_cached_tokens,
+                [list(pages) for pages in o.new_page_ids],
+                [list(pages) for pages in o.hit_page_ids],
+                o.reason,
+            ]
+            for o in result.results
+        ],
+        result.is_published,
+        result.published_slot,
+        list(result.unscheduled_request_ids),
+        result.num_free_pages,
+        result.last_event_seq,
+        result.publish_error,
+        result.is_retry,
+    ]
+
+
+def step_result_from_tree(tree: list[Any]) -> StepResult:
+    (
+        step_id,
+        outcomes,
+        is_published,
+        slot,
+        unscheduled,
+        num_free,
+        last_event_seq,
+        publish_error,
+        is_retry,
+    ) = tree
+    return StepResult(
+        step_id=int(step_id),
+        results=tuple(
+            AllocationOutcome(
+                request_id=str(rid),
+                status=AllocationStatus(status),
+                num_cached_tokens=int(cached),
+                new_page_ids=tuple(tuple(int(p) for p in pages) for pages in new),
+                hit_page_ids=tuple(tuple(int(p) for p in pages) for pages in hit),
+                reason=str(reason),
+            )
+            for rid, status, cached, new, hit, reason in outcomes
+        ),
+        is_published=bool(is_published),
+        published_slot=int(slot),
+        unscheduled_request_ids=tuple(str(r) for r in unscheduled),
+        num_free_pages=int(num_free),
+        last_event_seq=int(last_event_seq),
+        publish_error=str(publish_error),
+        is_retry=bool(is_retry),
+    )
+
+
+def _client_to_tree(c: ClientRecord) -> list[Any]:
+    return [
+        c.client_id,
+        c.role.value,
+        c.name,
+        c.device,
+        c.generation,
+        float(c.lease_ttl_s),
+        float(c.registered_at),
+        float(c.expires_at),
+        kernel_support_to_tree(c.kernel_support),
+        list(c.kernel_block_sizes),
+        sorted(c.request_ids),
+        c.last_step_id,
+        None if c.last_step_result is None else step_result_to_tree(c.last_step_result),
+        c.num_steps,
+    ]
+
+
+def _client_from_tree(tree: list[Any]) -> ClientRecord:
+    (
+        client_id,
+        role,
+        name,
+        device,
+        generation,
+        lease_ttl_s,
+        registered_at,
+        expires_at,
+        support,
+        sizes,
+        request_ids,
+        last_step_id,
+        last_result,
+        num_steps,
+    ) = tree
+    return ClientRecord(
+        client_id=str(client_id),
+        role=ClientRole(role),
+        name=str(name),
+        device=str(device),
+        generation=int(generation),
+        lease_ttl_s=float(lease_ttl_s),
+        registered_at=float(registered_at),
+        expires_at=float(expires_at),
+        kernel_support=kernel_support_from_tree(support),
+        kernel_block_sizes=tuple(int(k) for k in sizes),
+        request_ids={str(r) for r in request_ids},
+        last_step_id=int(last_step_id),
+        last_step_result=None if last_result is None else step_result_from_tree(last_result),
+        num_steps=int(num_steps),
+    )

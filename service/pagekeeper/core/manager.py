@@ -22,6 +22,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from math import lcm
+from typing import Any
 
 import numpy as np
 
@@ -578,6 +579,24 @@ class PageManager:
                 )
             )
         return out
+
+    # -- snapshots -----------------------------------------------------------------------
+    def snapshot_state(self) -> dict[str, Any]:
+        """The whole state as a tree of plain values and numpy arrays (no I/O; see
+        :mod:`pagekeeper.core.snapshot`). :meth:`restore_state` gives it back exactly."""
+        from pagekeeper.core.snapshot import snapshot_manager
+
+        tree: dict[str, Any] = snapshot_manager(self)
+        return tree
+
+    @classmethod
+    def restore_state(cls, config: PoolConfig, tree: dict[str, Any]) -> PageManager:
+        """A manager in exactly the state :meth:`snapshot_state` recorded (InvalidArgument
+        when the tree does not fit ``config``)."""
+        from pagekeeper.core.snapshot import restore_manager
+
+        manager: PageManager = restore_manager(config, tree)
+        return manager
 
     # -- integrity -----------------------------------------------------------------------
     def check_invariants(self) -> None:

@@ -7,6 +7,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -14,7 +15,6 @@ from pagekeeper.rpc.servicer import PagekeeperServicer
 from pagekeeper.runtime import Runtime
 from pagekeeper.settings import Settings
 from pagekeeper_client._proto.pagekeeper.v1 import pagekeeper_pb2 as pb
-from pagekeeper_client._proto.pagekeeper.v1 import pagekeeper_pb2_grpc as pb_grpc
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PagekeeperService"].full_name
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
@@ -73,6 +73,76 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         return self._missing
 
 
+class MalformedRequest:
+    """What a request that does not parse deserializes to: the handler answers
+    INVALID_ARGUMENT with the reason (grpc itself would answer UNKNOWN)."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+def _parser(message_class: type[Message]) -> Callable[[bytes], Any]:
+    name = message_class.DESCRIPTOR.full_name
+
+    def parse(data: bytes) -> Any:
+        try:
+            return message_class.FromString(data)
+        except DecodeError as exc:
+            return MalformedRequest(f"malformed {name} ({len(data)} bytes): {exc}")
+
+    return parse
+
+
+def _guard_unary(behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if type(request) is MalformedRequest:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+        return await behavior(request, context)
+
+    return guarded
+
+
+def _guard_stream(behavior: Callable[..., Any]) -> Callable[..., Any]:
+    async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if type(request) is MalformedRequest:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+        async for item in behavior(request, context):
+            yield item
+
+    return guarded
+
+
+def add_servicer(servicer: PagekeeperServicer, server: grpc.aio.Server) -> None:
+    """Register the servicer like the generated ``add_PagekeeperServiceServicer_to_server``,
+    built from the service descriptor, except that a request whose bytes do not parse gets
+    INVALID_ARGUMENT naming the message (not UNKNOWN)."""
+    service = pb.DESCRIPTOR.services_by_name["PagekeeperService"]
+    handlers = {}
+    for method in service.methods:
+        request_class = getattr(pb, method.input_type.name)
+        response_class = getattr(pb, method.output_type.name)
+        behavior = getattr(servicer, method.name)
+        if method.server_streaming:
+            handler = grpc.unary_stream_rpc_method_handler(
+                _guard_stream(behavior),
+                request_deserializer=_parser(request_class),
+                response_serializer=response_class.SerializeToString,
+            )
+        else:
+            handler = grpc.unary_unary_rpc_method_handler(
+                _guard_unary(behavior),
+                request_deserializer=_parser(request_class),
+                response_serializer=response_class.SerializeToString,
+            )
+        handlers[method.name] = handler
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(service.full_name, handlers),)
+    )
+    server.add_registered_method_handlers(service.full_name, handlers)
+
+
 class GrpcServer:
     """The started server, its bound address and its health servicer."""
 
@@ -80,7 +150,7 @@ class GrpcServer:
         settings = runtime.settings
         interceptors = [BearerTokenInterceptor(settings.token)] if settings.token else []
         self.server = grpc.aio.server(interceptors=interceptors, options=grpc_options(settings))
-        pb_grpc.add_PagekeeperServiceServicer_to_server(PagekeeperServicer(runtime), self.server)
+        add_servicer(PagekeeperServicer(runtime), self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(

@@ -1,0 +1,423 @@
+"""Snapshots of a :class:`~pagekeeper.core.manager.PageManager`: its whole state as a tree of
+plain values, and back. Pure: no I/O, no encoding (the service's durability layer turns the
+tree into bytes).
+
+A snapshot is *exact*, not merely equivalent: restoring it gives a manager whose every
+future answer is the one the original would have given, page for page. So it keeps what
+decides future allocations, hits and evictions:
+
+=====================  ==================================================================
+free queue             its run ``buffer[head:tail]`` *with its holes* and both ends (the
+                       order is the eviction policy; the positions decide re-centring)
+ref counts, cached     per page (int32 / uint8 arrays)
+prefix-cache index     per group, hash -> first page in insertion order, and the waiting
+                       duplicates in their order (the next one takes over on eviction)
+rows                   per group, every table row with its length and liveness, the
+                       released-row heap as stored (rows are reused lowest first)
+requests               in admission order: tokens, extra keys, owner, page hashes and the
+                       computed / cached / scheduled counters
+counters               event sequence number, evictions, allocated / freed totals, the
+                       prefix-hit counters
+=====================  ==================================================================
+
+The tree holds only ``None``, ``bool``, ``int``, ``float``, ``str``, ``bytes``, lists,
+``str``-keyed dicts and numpy arrays; bulky per-request data is packed column-wise (one
+array of all token ids plus lengths) so encoding it costs a handful of C calls, not one per
+token.
+"""
+
+from __future__ import annotations
+
+import heapq
+from itertools import chain
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from pagekeeper.core.config import PoolConfig
+from pagekeeper.core.errors import InvalidArgument
+from pagekeeper.core.events import AllCleared, KVEvent, PageRemoved, PageStored
+from pagekeeper.core.types import ExtraKeys, MultiModalKey
+
+SNAPSHOT_VERSION = 1
+"""Bumped whenever the tree's shape changes; :func:`restore_manager` refuses other versions."""
+
+Tree = dict[str, Any]
+
+_INT32_MAX = 2**31 - 1
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+
+def _ints(values: list[int] | npt.NDArray[Any]) -> npt.NDArray[np.int32] | npt.NDArray[np.int64]:
+    """int32 when every value fits (always, in the service: ids are int32 on the wire),
+    else int64."""
+    array = np.asarray(values, dtype=np.int64)
+    if array.size == 0 or (int(array.min()) >= -_INT32_MAX and int(array.max()) <= _INT32_MAX):
+        return array.astype(np.int32)
+    return array
+
+
+def _narrow(array: npt.NDArray[np.int64]) -> npt.NDArray[np.int32] | npt.NDArray[np.int64]:
+    """An int64 array as int32 when every value fits (halves token and page columns)."""
+    if array.size == 0 or (int(array.min()) >= -_INT32_MAX and int(array.max()) <= _INT32_MAX):
+        return array.astype(np.int32)
+    return array
+
+
+def _split(flat: npt.NDArray[Any], lengths: npt.NDArray[Any]) -> list[npt.NDArray[Any]]:
+    """The inverse of concatenation: ``flat`` cut into pieces of ``lengths``."""
+    if len(lengths) == 0:
+        return []
+    return np.split(flat, np.cumsum(lengths)[:-1])
+
+
+def _bytes_list(values: Any) -> list[bytes]:
+    out = list(values)
+    if any(type(v) is not bytes for v in out):
+        raise InvalidArgument("snapshot: expected a list of bytes")
+    return out
+
+
+def extra_keys_to_tree(extra: ExtraKeys) -> list[Any] | None:
+    """``None`` for no extra keys, else ``[lora_name, lora_path, cache_salt, mm_inputs]``."""
+    if extra == ExtraKeys():
+        return None
+    return [
+        extra.lora_name,
+        extra.lora_path,
+        extra.cache_salt,
+        [[m.identifier, m.offset, m.length] for m in extra.mm_inputs],
+    ]
+
+
+def extra_keys_from_tree(tree: list[Any] | None) -> ExtraKeys:
+    if tree is None:
+        return ExtraKeys()
+    lora_name, lora_path, cache_salt, mm = tree
+    return ExtraKeys(
+        lora_name=lora_name,
+        lora_path=lora_path,
+        mm_inputs=tuple(MultiModalKey(str(i), int(o), int(n)) for i, o, n in mm),
+        cache_salt=cache_salt,
+    )
+
+
+def events_to_tree(events: list[KVEvent]) -> Tree:
+    """KV events column-wise (a full 65,536-event buffer is a dozen arrays and byte lists,
+    built with C-level flattening, not one tagged value per field)."""
+    kinds = "".join(
+        "s" if kind is PageStored else "r" if kind is PageRemoved else "c"
+        for kind in map(type, events)
+    )
+    paged: list[Any] = [e for e in events if type(e) is not AllCleared]
+    stored: list[PageStored] = [e for e in events if type(e) is PageStored]
+    loras = [e.lora_name for e in stored]
+    return {
+        "kinds": kinds,
+        "seqs": np.fromiter((e.seq for e in events), np.int64, len(events)),
+        "groups": np.fromiter((e.group_id for e in paged), np.int32, len(paged)),
+        "num_hashes": np.fromiter((len(e.page_hashes) for e in paged), np.int32, len(paged)),
+        "hashes": list(chain.from_iterable(e.page_hashes for e in paged)),
+        "num_pages": np.fromiter((len(e.page_ids) for e in paged), np.int32, len(paged)),
+        "pages": _narrow(np.fromiter(chain.from_iterable(e.page_ids for e in paged), np.int64)),
+        "parents": [e.parent_page_hash or b"" for e in stored],
+        "num_tokens": np.fromiter((len(e.token_ids) for e in stored), np.int32, len(stored)),
+        "tokens": _narrow(np.fromiter(chain.from_iterable(e.token_ids for e in stored), np.int64)),
+        "page_sizes": np.fromiter((e.page_size for e in stored), np.int32, len(stored)),
+        "loras": None if loras.count(None) == len(loras) else loras,
+    }
+
+
+def events_from_tree(tree: Tree) -> list[KVEvent]:
+    kinds = str(tree["kinds"])
+    seqs = np.asarray(tree["seqs"]).tolist()
+    groups = np.asarray(tree["groups"]).tolist()
+    hash_ends = np.cumsum(np.asarray(tree["num_hashes"], dtype=np.int64)).tolist()
+    page_ends = np.cumsum(np.asarray(tree["num_pages"], dtype=np.int64)).tolist()
+    token_ends = np.cumsum(np.asarray(tree["num_tokens"], dtype=np.int64)).tolist()
+    hashes = _bytes_list(tree["hashes"])
+    pages = np.asarray(tree["pages"]).tolist()
+    tokens = np.asarray(tree["tokens"]).tolist()
+    parents = _bytes_list(tree["parents"])
+    page_sizes = np.asarray(tree["page_sizes"]).tolist()
+    loras = tree["loras"] or [None] * len(parents)
+    if len(seqs) != len(kinds) or len(groups) != len(kinds) - kinds.count("c"):
+        raise InvalidArgument("snapshot events: columns do not match their kinds")
+    out: list[KVEvent] = []
+    p = s = 0  # index among paged events, among stored events
+    h0 = g0 = t0 = 0
+    for seq, kind in zip(seqs, kinds, strict=True):
+        if kind == "c":
+            out.append(AllCleared(seq=seq))
+            continue
+        h1, g1 = hash_ends[p], page_ends[p]
+        if kind == "s":
+            t1 = token_ends[s]
+            out.append(
+                PageStored(
+                    seq=seq,
+                    group_id=groups[p],
+                    page_hashes=tuple(hashes[h0:h1]),
+                    parent_page_hash=parents[s] or None,
+                    token_ids=tuple(tokens[t0:t1]),
+                    page_size=page_sizes[s],
+                    page_ids=tuple(pages[g0:g1]),
+                    lora_name=loras[s],
+                )
+            )
+            s += 1
+            t0 = t1
+        elif kind == "r":
+            out.append(
+                PageRemoved(
+                    seq=seq,
+                    group_id=groups[p],
+                    page_hashes=tuple(hashes[h0:h1]),
+                    page_ids=tuple(pages[g0:g1]),
+                )
+            )
+        else:
+            raise InvalidArgument(f"snapshot: unknown event kind {kind!r}")
+        p += 1
+        h0, g0 = h1, g1
+    return out
+
+
+# -- the manager -----------------------------------------------------------------------------
+
+
+def snapshot_manager(manager: Any) -> Tree:
+    """The manager's whole state as a tree (see the module docstring). The manager is not
+    changed; the tree shares nothing mutable with it."""
+    from pagekeeper.core.manager import PageManager
+
+    if not isinstance(manager, PageManager):
+        raise InvalidArgument("snapshot_manager needs a PageManager")
+    pool = manager.pool
+    run = pool._buf_np[pool._head : pool._tail].copy()
+    index_tree = []
+    for index, dups in zip(pool._index, pool._dups, strict=True):
+        dup_hashes = list(dups)
+        index_tree.append(
+            {
+                "hashes": list(index),
+                "pages": _ints(list(index.values())),
+                "dup_hashes": dup_hashes,
+                "dup_counts": _ints([len(dups[h]) for h in dup_hashes]),
+                "dup_pages": _ints([p for h in dup_hashes for p in dups[h]]),
+            }
+        )
+    pool_tree: Tree = {
+        "num_pages": pool.num_pages,
+        "enable_caching": pool.enable_caching,
+        "ref": pool._ref_np.copy(),
+        "cached": pool._cached_np.copy(),
+        "capacity": len(pool._buf),
+        "head": pool._head,
+        "tail": pool._tail,
+        "run": run,
+        "num_free": pool._num_free,
+        "index": index_tree,
+        "hash_pages": _ints(list(pool._page_hash)),
+        "hash_values": list(pool._page_hash.values()),
+        "events": events_to_tree(pool._events),
+        "event_seq": pool._event_seq,
+        "num_evictions": pool.num_evictions,
+        "num_allocated_total": pool.num_allocated_total,
+        "num_freed_total": pool.num_freed_total,
+    }
+
+    groups_tree = []
+    for g in manager.groups:
+        rows = g.rows
+        fresh = rows._num_fresh
+        counts = rows._num_pages[:fresh].copy()
+        width = rows._table.shape[1]
+        mask = np.arange(width)[None, :] < counts[:, None]
+        rids = list(g.request_rows)
+        groups_tree.append(
+            {
+                "capacity": rows.capacity,
+                "num_fresh": fresh,
+                "row_counts": counts,
+                "row_pages": rows._table[:fresh][mask].copy(),
+                "is_live": rows._is_live[:fresh].copy(),
+                "free_rows": list(rows._free_rows),
+                "num_live": rows._num_live,
+                "request_ids": rids,
+                "request_rows": _ints([g.request_rows[r] for r in rids]),
+                "page_counts": _ints([g.page_counts[r] for r in rids]),
+                "num_cached_pages": _ints([g.num_cached_pages[r] for r in rids]),
+            }
+        )
+
+    reqs = list(manager._requests.values())
+    requests_tree: Tree = {
+        "request_ids": [r.request_id for r in reqs],
+        "owners": [r.owner for r in reqs],
+        "extra_keys": [extra_keys_to_tree(r.extra_keys) for r in reqs],
+        "num_tokens": _ints([len(r.token_ids) for r in reqs]),
+        "tokens": _narrow(np.fromiter(chain.from_iterable(r.token_ids for r in reqs), np.int64)),
+        "num_hashes": _ints([len(r.hashes) for r in reqs]),
+        "hashes": [h for r in reqs for h in r.hashes],
+        "num_computed_tokens": _ints([r.num_computed_tokens for r in reqs]),
+        "num_cached_tokens": _ints([r.num_cached_tokens for r in reqs]),
+        "scheduled_start": _ints([r.scheduled_start for r in reqs]),
+        "num_scheduled": _ints([r.num_scheduled for r in reqs]),
+    }
+    stats = manager._stats
+    return {
+        "version": SNAPSHOT_VERSION,
+        "config": manager.config.to_dict(),
+        "pool": pool_tree,
+        "groups": groups_tree,
+        "requests": requests_tree,
+        "stats": {
+            "prefix_queries_tokens": stats.prefix_queries_tokens,
+            "prefix_hits_tokens": stats.prefix_hits_tokens,
+            "prefix_queries_requests": stats.prefix_queries_requests,
+            "prefix_hits_requests": stats.prefix_hits_requests,
+            "num_no_capacity": stats.num_no_capacity,
+        },
+    }
+
+
+def restore_manager(config: PoolConfig, tree: Tree) -> Any:
+    """A new :class:`PageManager` for ``config`` in exactly the state ``tree`` records.
+
+    Raises :class:`InvalidArgument` when the tree was taken from a pool with another
+    configuration, has another version, or is inconsistent (the caller should also run
+    ``check_invariants()`` on the result)."""
+    from pagekeeper.core.manager import PageManager, _Request
+
+    if not isinstance(tree, dict) or tree.get("version") != SNAPSHOT_VERSION:
+        version = tree.get("version") if isinstance(tree, dict) else None
+        raise InvalidArgument(
+            f"snapshot version {version!r} is not the supported {SNAPSHOT_VERSION}"
+        )
+    if tree["config"] != config.to_dict():
+        raise InvalidArgument(
+            "snapshot was taken from a pool with another configuration "
+            f"({tree['config']} != {config.to_dict()})"
+        )
+    manager = PageManager(config)
+    try:
+        _restore_pool(manager, tree["pool"])
+        for g, gt in zip(manager.groups, tree["groups"], strict=True):
+            _restore_group(g, gt)
+        rt = tree["requests"]
+        tokens = _split(np.asarray(rt["tokens"]), np.asarray(rt["num_tokens"]))
+        hashes = _bytes_list(rt["hashes"])
+        hash_ends = np.cumsum(np.asarray(rt["num_hashes"], dtype=np.int64)).tolist()
+        start = 0
+        for i, rid in enumerate(rt["request_ids"]):
+            end = int(hash_ends[i])
+            req = _Request(
+                str(rid),
+                tokens[i].tolist(),
+                extra_keys_from_tree(rt["extra_keys"][i]),
+                str(rt["owners"][i]),
+                hashes[start:end],
+            )
+            start = end
+            req.num_computed_tokens = int(rt["num_computed_tokens"][i])
+            req.num_cached_tokens = int(rt["num_cached_tokens"][i])
+            req.scheduled_start = int(rt["scheduled_start"][i])
+            req.num_scheduled = int(rt["num_scheduled"][i])
+            manager._requests[req.request_id] = req
+        stats = manager._stats
+        for key, value in tree["stats"].items():
+            setattr(stats, key, int(value))
+    except (KeyError, ValueError, TypeError, IndexError) as exc:
+        raise InvalidArgument(f"snapshot is inconsistent: {type(exc).__name__}: {exc}") from None
+    return manager
+
+
+def _restore_pool(manager: Any, pt: Tree) -> None:
+    pool = manager.pool
+    n = pool.num_pages
+    if int(pt["num_pages"]) != n or bool(pt["enable_caching"]) != pool.enable_caching:
+        raise InvalidArgument("snapshot pool size or caching differs from the configuration")
+    ref = np.asarray(pt["ref"], dtype=np.int32)
+    cached = np.asarray(pt["cached"], dtype=np.uint8)
+    if ref.shape != (n,) or cached.shape != (n,):
+        raise InvalidArgument("snapshot per-page arrays have the wrong length")
+    pool._ref_np[:] = ref
+    pool._cached_np[:] = cached
+    # The queue buffer may have grown to another capacity; rebuild it at the recorded one.
+    from array import array
+
+    capacity = int(pt["capacity"])
+    pool._buf = array("i", [-1]) * capacity
+    pool._buf_np = np.frombuffer(pool._buf, dtype=np.int32)
+    head, tail = int(pt["head"]), int(pt["tail"])
+    run = np.asarray(pt["run"], dtype=np.int32)
+    if not 0 <= head <= tail <= capacity or run.shape != (tail - head,):
+        raise InvalidArgument("snapshot free queue does not fit its buffer")
+    pool._buf_np[head:tail] = run
+    pool._head, pool._tail = head, tail
+    pool._pos_np[:] = -1
+    live = np.flatnonzero(run >= 0)
+    pool._pos_np[run[live]] = (live + head).astype(np.int32)
+    pool._num_free = int(pt["num_free"])
+    pool._index = []
+    pool._dups = []
+    for it in pt["index"]:
+        pages = np.asarray(it["pages"]).tolist()
+        pool._index.append(dict(zip(_bytes_list(it["hashes"]), pages, strict=True)))
+        dup_pages = _split(np.asarray(it["dup_pages"]), np.asarray(it["dup_counts"]))
+        pool._dups.append(
+            {
+                h: chunk.tolist()
+                for h, chunk in zip(_bytes_list(it["dup_hashes"]), dup_pages, strict=True)
+            }
+        )
+    pool._page_hash = dict(
+        zip(np.asarray(pt["hash_pages"]).tolist(), _bytes_list(pt["hash_values"]), strict=True)
+    )
+    pool._events = events_from_tree(pt["events"])
+    pool._event_seq = int(pt["event_seq"])
+    pool.num_evictions = int(pt["num_evictions"])
+    pool.num_allocated_total = int(pt["num_allocated_total"])
+    pool.num_freed_total = int(pt["num_freed_total"])
+
+
+def _restore_group(g: Any, gt: Tree) -> None:
+    rows = g.rows
+    capacity = int(gt["capacity"])
+    width = rows.max_pages_per_row
+    fresh = int(gt["num_fresh"])
+    counts = np.asarray(gt["row_counts"], dtype=np.int32)
+    if counts.shape != (fresh,) or fresh > capacity or (counts > width).any():
+        raise InvalidArgument("snapshot rows do not fit the table")
+    table = np.zeros((capacity, width), dtype=np.int32)
+    mask = np.arange(width)[None, :] < counts[:, None]
+    table[:fresh][mask] = np.asarray(gt["row_pages"], dtype=np.int32)
+    num_pages = np.zeros(capacity, dtype=np.int32)
+    num_pages[:fresh] = counts
+    is_live = np.zeros(capacity, dtype=np.bool_)
+    is_live[:fresh] = np.asarray(gt["is_live"], dtype=np.bool_)
+    rows._table, rows._num_pages, rows._is_live = table, num_pages, is_live
+    rows._num_fresh = fresh
+    free_rows = [int(r) for r in gt["free_rows"]]
+    heapq.heapify(free_rows)  # already a heap when taken; heapify is a no-op then
+    rows._free_rows = free_rows
+    rows._num_live = int(gt["num_live"])
+    rids = [str(r) for r in gt["request_ids"]]
+    g.request_rows = dict(zip(rids, np.asarray(gt["request_rows"]).tolist(), strict=True))
+    g.page_counts = dict(zip(rids, np.asarray(gt["page_counts"]).tolist(), strict=True))
+    g.num_cached_pages = dict(zip(rids, np.asarray(gt["num_cached_pages"]).tolist(), strict=True))
+
+
+__all__ = [
+    "SNAPSHOT_VERSION",
+    "events_from_tree",
+    "events_to_tree",
+    "extra_keys_from_tree",
+    "extra_keys_to_tree",
+    "restore_manager",
+    "snapshot_manager",
+]

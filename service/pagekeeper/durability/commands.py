@@ -1,0 +1,336 @@
+"""Commands <-> log record bodies.
+
+A body is ``kind (u8) | version (u8) | value`` where the value is a positional list encoded
+with :mod:`pagekeeper.durability.values`. Steps are stored column-wise (all growths' request
+ids in one string list, their token ids in one array, their counters in arrays), so a
+256-decode step encodes in a few dozen C calls. A step's record also keeps how its batch
+was published (``is_published``, ``published_slot``, ``publish_error``): a replay does not
+republish, yet a retry after a restart must get the answer the first call got.
+
+Record kinds are stable numbers; a new command gets a new number, a changed layout a new
+version of its kind, and old versions keep decoding.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from pagekeeper.core.snapshot import extra_keys_from_tree, extra_keys_to_tree
+from pagekeeper.core.types import ExtraKeys
+from pagekeeper.durability.values import ValueDecodeError, decode, encode
+from pagekeeper.state import (
+    Admission,
+    Batch,
+    ClientRole,
+    Command,
+    ConfigureLimitsCommand,
+    ExpireLeasesCommand,
+    ForceFreeCommand,
+    Growth,
+    HeartbeatCommand,
+    RegisterCommand,
+    ResetPrefixCacheCommand,
+    ResumeLeasesCommand,
+    StepCommand,
+    StepResult,
+    UnregisterCommand,
+    kernel_support_from_tree,
+    kernel_support_to_tree,
+    limits_from_tree,
+    limits_to_tree,
+)
+
+KIND_REGISTER = 1
+KIND_HEARTBEAT = 2
+KIND_UNREGISTER = 3
+KIND_STEP = 4
+KIND_EXPIRE_LEASES = 5
+KIND_RESET_PREFIX_CACHE = 6
+KIND_FORCE_FREE = 7
+KIND_RESUME_LEASES = 8
+KIND_CONFIGURE_LIMITS = 9
+VERSION = 1
+
+KIND_NAMES = {
+    KIND_REGISTER: "register",
+    KIND_HEARTBEAT: "heartbeat",
+    KIND_UNREGISTER: "unregister",
+    KIND_STEP: "step",
+    KIND_EXPIRE_LEASES: "expire_leases",
+    KIND_RESET_PREFIX_CACHE: "reset_prefix_cache",
+    KIND_FORCE_FREE: "force_free",
+    KIND_RESUME_LEASES: "resume_leases",
+    KIND_CONFIGURE_LIMITS: "configure_limits",
+}
+
+Publication = tuple[bool, int, str]
+"""How a step's batch was published: (is_published, published_slot, publish_error)."""
+
+_EMPTY_I32 = np.empty(0, dtype=np.int32)
+_EMPTY_I32.flags.writeable = False
+
+
+class RecordDecodeError(ValueError):
+    """A record body that is not a command this version can read."""
+
+
+def encode_command(command: Command, result: Any = None) -> bytes:
+    """The log record body of an applied command (``result``: the step's answer)."""
+    kind: int
+    tree: Any
+    if isinstance(command, StepCommand):
+        kind, tree = KIND_STEP, _step_to_tree(command, result)
+    elif isinstance(command, HeartbeatCommand):
+        kind, tree = KIND_HEARTBEAT, [command.now, command.client_id, command.generation]
+    elif isinstance(command, RegisterCommand):
+        kind = KIND_REGISTER
+        tree = [
+            command.now,
+            command.role.value,
+            command.name,
+            command.client_id,
+            float(command.lease_ttl_s),
+            command.device,
+            kernel_support_to_tree(command.kernel_support),
+        ]
+    elif isinstance(command, UnregisterCommand):
+        kind, tree = KIND_UNREGISTER, [command.now, command.client_id, command.generation]
+    elif isinstance(command, ExpireLeasesCommand):
+        kind, tree = KIND_EXPIRE_LEASES, [command.now]
+    elif isinstance(command, ResetPrefixCacheCommand):
+        kind, tree = KIND_RESET_PREFIX_CACHE, [command.now]
+    elif isinstance(command, ForceFreeCommand):
+        kind, tree = KIND_FORCE_FREE, [command.now, command.request_id]
+    elif isinstance(command, ResumeLeasesCommand):
+        kind, tree = KIND_RESUME_LEASES, [command.now]
+    elif isinstance(command, ConfigureLimitsCommand):
+        kind, tree = KIND_CONFIGURE_LIMITS, [command.now, limits_to_tree(command.limits)]
+    else:
+        raise TypeError(f"cannot log {type(command).__name__}")
+    return bytes((kind, VERSION)) + encode(tree)
+
+
+def decode_command(body: bytes | memoryview) -> tuple[Command, Publication | None]:
+    """The command a record body holds, and (steps) how its batch was published."""
+    if len(body) < 2:
+        raise RecordDecodeError("record body shorter than its header")
+    kind, version = body[0], body[1]
+    if kind not in KIND_NAMES:
+        raise RecordDecodeError(f"unknown record kind {kind}")
+    if version != VERSION:
+        raise RecordDecodeError(f"{KIND_NAMES[kind]} record version {version} is not {VERSION}")
+    try:
+        tree = decode(memoryview(body)[2:])
+        return _from_tree(kind, tree)
+    except ValueDecodeError as exc:
+        raise RecordDecodeError(f"{KIND_NAMES[kind]} record: {exc}") from None
+    except (TypeError, ValueError, IndexError, KeyError) as exc:
+        raise RecordDecodeError(
+            f"{KIND_NAMES[kind]} record has the wrong shape: {type(exc).__name__}: {exc}"
+        ) from None
+
+
+def record_kind(body: bytes | memoryview) -> str:
+    """The kind's name (for reports), "?" when unreadable."""
+    return KIND_NAMES.get(body[0], "?") if len(body) else "?"
+
+
+def _from_tree(kind: int, tree: Any) -> tuple[Command, Publication | None]:
+    if kind == KIND_STEP:
+        return _step_from_tree(tree)
+    if kind == KIND_HEARTBEAT:
+        now, client_id, generation = tree
+        return HeartbeatCommand(float(now), str(client_id), int(generation)), None
+    if kind == KIND_REGISTER:
+        now, role, name, client_id, lease, device, support = tree
+        return (
+            RegisterCommand(
+                now=float(now),
+                role=ClientRole(role),
+                name=str(name),
+                client_id=str(client_id),
+                lease_ttl_s=float(lease),
+                device=str(device),
+                kernel_support=kernel_support_from_tree(support),
+            ),
+            None,
+        )
+    if kind == KIND_UNREGISTER:
+        now, client_id, generation = tree
+        return UnregisterCommand(float(now), str(client_id), int(generation)), None
+    if kind == KIND_EXPIRE_LEASES:
+        return ExpireLeasesCommand(float(tree[0])), None
+    if kind == KIND_RESET_PREFIX_CACHE:
+        return ResetPrefixCacheCommand(float(tree[0])), None
+    if kind == KIND_FORCE_FREE:
+        return ForceFreeCommand(float(tree[0]), str(tree[1])), None
+    if kind == KIND_RESUME_LEASES:
+        return ResumeLeasesCommand(float(tree[0])), None
+    if kind == KIND_CONFIGURE_LIMITS:
+        return ConfigureLimitsCommand(float(tree[0]), limits_from_tree(tree[1])), None
+    raise RecordDecodeError(f"unknown record kind {kind}")  # pragma: no cover - checked above
+
+
+# -- steps -----------------------------------------------------------------------------------
+
+
+def _ids(ids: list[str]) -> Any:
+    """Request ids as one NUL-joined string (two C calls) unless an id holds a NUL."""
+    joined = "\x00".join(ids)
+    return joined if joined.count("\x00") == len(ids) - 1 else ids
+
+
+def _ids_from(tree: Any, n: int) -> list[str]:
+    if n == 0:
+        return []
+    ids = tree.split("\x00") if isinstance(tree, str) else [str(r) for r in tree]
+    if len(ids) != n:
+        raise ValueError("the growths' request ids do not match their count")
+    return ids
+
+
+def _column(values: list[int]) -> Any:
+    """An int column: one int when every value is the same (a decode step's counters
+    almost always are), else an int64 array."""
+    first = values[0]
+    if values.count(first) == len(values):
+        return first
+    return np.array(values, dtype=np.int64)
+
+
+def _column_from(tree: Any, n: int) -> list[int]:
+    if isinstance(tree, int):
+        return [tree] * n
+    values: list[int] = np.asarray(tree).tolist()
+    if len(values) != n:
+        raise ValueError("a growth column has the wrong length")
+    return values
+
+
+def _step_to_tree(cmd: StepCommand, result: StepResult | None) -> list[Any]:
+    growths_tree: list[Any] | None = None
+    growths = cmd.growths
+    if growths:
+        # Column-wise, uniform columns as one int: a 256-decode step's record is its request
+        # ids and its 256 token ids (~3 KB, one SQLite page).
+        token_arrays = [g.new_token_ids for g in growths]
+        growths_tree = [
+            len(growths),
+            _ids([g.request_id for g in growths]),
+            _column([g.num_new_tokens for g in growths]),
+            np.concatenate(token_arrays).astype(np.int32, copy=False),
+            _column(list(map(len, token_arrays))),
+            _column(
+                [-1 if g.num_computed_tokens is None else g.num_computed_tokens for g in growths]
+            ),
+            _column([g.num_lookahead_tokens for g in growths]),
+        ]
+    admissions = [
+        [
+            a.request_id,
+            np.asarray(a.token_ids).astype(np.int32, copy=False),
+            a.num_new_tokens,
+            None if a.extra_keys is None else extra_keys_to_tree(a.extra_keys),
+            None if a.page_hashes is None else list(a.page_hashes),
+            a.num_lookahead_tokens,
+            a.enable_cache_read,
+        ]
+        for a in cmd.admissions
+    ]
+    batch: list[Any] | None = None
+    if cmd.batch is not None:
+        counts = cmd.batch.num_scheduled_tokens
+        batch = [
+            len(cmd.batch.request_ids),
+            _ids(list(cmd.batch.request_ids)),
+            None if counts is None else np.asarray(counts).astype(np.int32, copy=False),
+        ]
+    publication = (
+        None
+        if result is None
+        else [result.is_published, result.published_slot, result.publish_error]
+    )
+    return [
+        cmd.now,
+        cmd.client_id,
+        cmd.generation,
+        cmd.step_id,
+        [len(cmd.frees), _ids(list(cmd.frees))],
+        growths_tree,
+        admissions,
+        batch,
+        publication,
+    ]
+
+
+def _step_from_tree(tree: list[Any]) -> tuple[StepCommand, Publication | None]:
+    now, client_id, generation, step_id, frees, growths_tree, admissions, batch, pub = tree
+    growths: tuple[Growth, ...] = ()
+    if growths_tree is not None:
+        n, ids, num_new, tokens, token_lens, computed, lookahead = growths_tree
+        n = int(n)
+        lengths = _column_from(token_lens, n)
+        if sum(lengths) != len(tokens):
+            raise ValueError("growth token lengths do not add up")
+        if isinstance(token_lens, int) and token_lens == 1:
+            pieces = list(tokens.reshape(n, 1))  # a decode step: one token each
+        else:
+            pieces = np.split(tokens, np.cumsum(lengths)[:-1])
+        growths = tuple(
+            Growth(rid, k, piece, None if c < 0 else c, la)
+            for rid, k, piece, c, la in zip(
+                _ids_from(ids, n),
+                _column_from(num_new, n),
+                pieces,
+                _column_from(computed, n),
+                _column_from(lookahead, n),
+                strict=True,
+            )
+        )
+    decoded_admissions = tuple(
+        Admission(
+            request_id=str(rid),
+            token_ids=np.asarray(tokens, dtype=np.int32),
+            num_new_tokens=int(num_new),
+            extra_keys=None if extra is None else _extra(extra),
+            page_hashes=None if hashes is None else tuple(bytes(h) for h in hashes),
+            num_lookahead_tokens=int(lookahead),
+            enable_cache_read=bool(read),
+        )
+        for rid, tokens, num_new, extra, hashes, lookahead, read in admissions
+    )
+    decoded_batch = None
+    if batch is not None:
+        num_ids, request_ids, counts = batch
+        decoded_batch = Batch(
+            tuple(_ids_from(request_ids, int(num_ids))),
+            None if counts is None else np.asarray(counts, dtype=np.int32),
+        )
+    command = StepCommand(
+        now=float(now),
+        client_id=str(client_id),
+        generation=int(generation),
+        step_id=int(step_id),
+        frees=tuple(_ids_from(frees[1], int(frees[0]))),
+        growths=growths,
+        admissions=decoded_admissions,
+        batch=decoded_batch,
+    )
+    publication = None if pub is None else (bool(pub[0]), int(pub[1]), str(pub[2]))
+    return command, publication
+
+
+def _extra(tree: list[Any]) -> ExtraKeys:
+    return extra_keys_from_tree(tree)
+
+
+__all__ = [
+    "KIND_NAMES",
+    "Publication",
+    "RecordDecodeError",
+    "decode_command",
+    "encode_command",
+    "record_kind",
+]

@@ -1,0 +1,143 @@
+"""Random and mutated protobuf bytes to every RPC (shared by the test suite and ``make
+fuzz``).
+
+Each RPC gets, through grpc's generic raw-bytes calls, random byte strings and mutations of
+one valid request with real ids (bit flips, truncations, insertions, duplicated runs,
+runaway varints, changed field tags). Every answer must be a documented status code (never
+UNKNOWN or INTERNAL), and a refused call must leave the state digest exactly as it was; an
+accepted one (a mutation can still be a valid request) moves the baseline.
+"""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+
+from pagekeeper_client._proto.pagekeeper.v1 import pagekeeper_pb2 as pb
+from tests.helpers.grpc_util import Scheduler, i32, state_digest
+from tests.helpers.server import RunningServer
+
+SERVICE = pb.DESCRIPTOR.services_by_name["PagekeeperService"]
+PRECISE = {
+    grpc.StatusCode.OK,
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.ALREADY_EXISTS,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.PERMISSION_DENIED,
+}
+
+
+def _examples(fuzz: Scheduler, worker: pb.RegisterClientResponse) -> dict[str, bytes]:
+    """One valid request per RPC (serialized), with real ids: mutations start here."""
+    step = pb.StepRequest(
+        client_id=fuzz.client_id,
+        generation=fuzz.generation,
+        step_id=10**9,
+        growths=[pb.Growth(request_id="f-a", num_new_tokens=1, new_token_ids=i32([7]))],
+        admissions=[pb.Admission(request_id="f-new", token_ids=i32(range(20)))],
+        batch=pb.Batch(request_ids=["f-a", "f-new"]),
+    )
+    messages = {
+        "GetPoolInfo": pb.GetPoolInfoRequest(),
+        "RegisterClient": pb.RegisterClientRequest(
+            role=pb.CLIENT_ROLE_WORKER,
+            device="cpu",
+            kernel_support=[
+                pb.GroupKernelSupport(
+                    group_id=0, backends=[pb.KernelBackend(name="x", block_sizes=[8])]
+                )
+            ],
+        ),
+        "Heartbeat": pb.HeartbeatRequest(client_id=worker.client_id, generation=1),
+        "Unregister": pb.UnregisterRequest(client_id=worker.client_id, generation=99),
+        "Step": step,
+        "Lookup": pb.LookupRequest(token_ids=i32(range(40))),
+        "GetBlockTable": pb.GetBlockTableRequest(request_id="f-a", kernel_block_size=8),
+        "WatchEvents": pb.WatchEventsRequest(since_seq=0),
+        "WatchTables": pb.WatchTablesRequest(client_id=worker.client_id, generation=1),
+        "ResetPrefixCache": pb.ResetPrefixCacheRequest(),
+    }
+    assert set(messages) == {m.name for m in SERVICE.methods}
+    return {name: m.SerializeToString() for name, m in messages.items()}
+
+
+def _mutate(data: bytes, rng: np.random.Generator) -> bytes:
+    raw = bytearray(data)
+    kind = int(rng.integers(7))
+    if kind == 0 or not raw:
+        return rng.bytes(int(rng.integers(0, 200)))
+    at = int(rng.integers(len(raw)))
+    if kind == 1:
+        raw[at] ^= 1 << int(rng.integers(8))
+    elif kind == 2:
+        del raw[at:]
+    elif kind == 3:
+        raw[at:at] = rng.bytes(int(rng.integers(1, 16)))
+    elif kind == 4:
+        end = min(len(raw), at + int(rng.integers(1, 32)))
+        raw[at:at] = raw[at:end]
+    elif kind == 5:
+        raw[at] = 0xFF  # a varint that never ends, or a huge length
+    else:
+        raw[at] = int(rng.integers(256))  # another field number / wire type
+    return bytes(raw)
+
+
+def _call(server: RunningServer, channel: grpc.Channel, name: str, data: bytes):
+    path = f"/{SERVICE.full_name}/{name}"
+    method = SERVICE.methods_by_name[name]
+    try:
+        if method.server_streaming:
+            stream = channel.unary_stream(path)(data, timeout=0.3, metadata=server.metadata)
+            try:
+                next(iter(stream))
+            finally:
+                stream.cancel()
+            return grpc.StatusCode.OK
+        channel.unary_unary(path)(data, timeout=10, metadata=server.metadata)
+        return grpc.StatusCode.OK
+    except grpc.RpcError as exc:
+        code = exc.code()
+        if method.server_streaming and code in (
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            grpc.StatusCode.CANCELLED,
+        ):
+            return grpc.StatusCode.OK  # a valid watch that simply had nothing to say yet
+        return code
+
+
+def run_rpc_fuzz(
+    server: RunningServer,
+    worker: pb.RegisterClientResponse,
+    *,
+    inputs_per_rpc: int,
+    seed: int,
+    check_every: int = 1,
+) -> dict:
+    """Fuzz every RPC; returns the figures (inputs tried, refused, codes seen). The state
+    digest is compared around every ``check_every``-th input (1: all of them)."""
+    fuzz = Scheduler(server, "fuzz")
+    assert fuzz.admit("f-a", list(range(200, 240))).status == pb.ALLOCATION_STATUS_OK
+    examples = _examples(fuzz, worker)
+    rng = np.random.default_rng(seed)
+    channel = server.channel()
+    tried = refused = 0
+    codes: dict[str, int] = {}
+    digest = state_digest(server)
+    for name, valid in examples.items():
+        for i in range(inputs_per_rpc):
+            data = _mutate(valid, rng) if i else rng.bytes(int(rng.integers(1, 64)))
+            code = _call(server, channel, name, data)
+            tried += 1
+            codes[code.name] = codes.get(code.name, 0) + 1
+            assert code in PRECISE, f"{name}: {code} for {data!r}"
+            if code is not grpc.StatusCode.OK:
+                refused += 1
+            if i % check_every == 0 or code is grpc.StatusCode.OK:
+                after = state_digest(server)
+                if code is not grpc.StatusCode.OK:
+                    assert after == digest, f"{name}: a refused call ({code}) changed the state"
+                digest = after
+    return {"inputs_tried": tried, "refused": refused, "codes": codes}

@@ -1,0 +1,337 @@
+"""Restart = snapshot + replay = the same state, page for page (in-process).
+
+Every test compares a recovered state with a twin that never crashed, fed the same
+commands: the state digest (pages, free-queue order and layout, index with duplicates,
+tables, tokens, hashes, counters, clients, leases, stored step answers, events) must be
+equal, and so must every answer to the next commands (the next allocations).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sqlite3
+
+import numpy as np
+import pytest
+
+from pagekeeper.core.errors import FailedPrecondition, PagekeeperError
+from pagekeeper.durability import Durability, DurabilityError, state_digest
+from pagekeeper.durability.log import DB_NAME
+from pagekeeper.state import (
+    Admission,
+    Batch,
+    ClientRole,
+    ConfigureLimitsCommand,
+    RegisterCommand,
+    ServiceState,
+    StepCommand,
+)
+from tests.reliability.twins import (
+    CountingJournal,
+    assert_same_future,
+    crash,
+    recover,
+    twin_at,
+)
+from tests.reliability.workload import FULL_POOL, HYBRID_POOL, LIMITS, Workload, new_state, tokens
+
+POOLS = {"full": FULL_POOL, "hybrid": HYBRID_POOL}
+
+
+def _drive(state: ServiceState, workload: Workload, n: int, durability: Durability | None = None):
+    for _ in range(n):
+        workload.run_one(state)
+        if durability is not None:
+            durability.maybe_snapshot(state)
+
+
+@pytest.mark.parametrize("pool_name", sorted(POOLS))
+def test_snapshot_restore_is_exact(pool_name):
+    pool = POOLS[pool_name]
+    live, workload = new_state(pool), Workload(11, pool)
+    _drive(live, workload, 700)
+    restored = new_state(pool)
+    restored.restore_state(live.snapshot_state())
+    restored.check_invariants()
+    assert state_digest(restored) == state_digest(live)
+    assert restored.manager.pool.free_queue() == live.manager.pool.free_queue()
+    for rid in live.request_ids():
+        for g in range(len(pool.groups)):
+            assert (
+                restored.manager.page_table(rid, g).tolist()
+                == live.manager.page_table(rid, g).tolist()
+            )
+    assert_same_future(live, restored, workload, 200)
+    assert state_digest(restored) == state_digest(live)
+
+
+def test_workload_exercises_what_recovery_must_keep():
+    """The comparisons above mean something only if the workload reaches the hard cases."""
+    live, workload = new_state(FULL_POOL), Workload(11, FULL_POOL)
+    seen: set[str] = set()
+    for _ in range(1500):
+        command, result = workload.run_one(live)
+        name = type(command).__name__
+        if isinstance(result, Exception):
+            seen.add(f"{name}:{type(result).__name__}")
+            continue
+        seen.add(name)
+        if name == "StepCommand":
+            if result.is_retry:
+                seen.add("retry")
+            for outcome in result.results:
+                seen.add(outcome.status.value)
+                if outcome.num_cached_tokens:
+                    seen.add("cache_hit")
+    stats = live.stats()
+    assert stats.num_evictions > 0 and stats.num_no_capacity > 0
+    assert any(live.manager.pool._dups[0].values()) or stats.num_evictions > 0
+    for needed in (
+        "RegisterCommand",
+        "HeartbeatCommand",
+        "UnregisterCommand",
+        "ForceFreeCommand",
+        "ExpireLeasesCommand",
+        "ConfigureLimitsCommand",
+        "ResetPrefixCacheCommand",
+        "retry",
+        "no_capacity",
+        "cache_hit",
+    ):
+        assert needed in seen, (needed, sorted(seen))
+
+
+@pytest.mark.parametrize("pool_name", sorted(POOLS))
+def test_crash_at_random_points_recovers_the_twin(tmp_path, pool_name):
+    """Crash (no snapshot, no close) at random points, several times on one data dir, with
+    snapshots in between: the recovered state is the never-crashed one's, and both make
+    the same next allocations."""
+    pool = POOLS[pool_name]
+    rng = np.random.default_rng(5)
+    live, workload = new_state(pool), Workload(21, pool)
+    durability = Durability.open(tmp_path, "process", snapshot_every=150)
+    durability.recover(live)
+    durability.attach(live)
+    for _ in range(4):
+        _drive(live, workload, int(rng.integers(50, 400)), durability)
+        live.journal = None
+        crash(durability)
+        recovered, durability = recover(tmp_path, pool, snapshot_every=150)
+        assert durability.report is not None and durability.report.damage == ""
+        assert state_digest(recovered) == state_digest(live)
+        durability.attach(recovered)
+        # The recovered state journals from here on; the twin keeps going beside it.
+        assert_same_future(live, recovered, workload, 40)
+        assert state_digest(recovered) == state_digest(live)
+        live = recovered
+    durability.close(live)
+    # A graceful close snapshots: the next start-up replays nothing.
+    again, durability = recover(tmp_path, pool)
+    assert durability.report.num_replayed == 0
+    assert state_digest(again) == state_digest(live)
+    durability.close()
+
+
+def _write_log(tmp_path, seed, n, snapshot_every=10_000):
+    state, workload = new_state(), Workload(seed)
+    durability = Durability.open(tmp_path, "process", snapshot_every=snapshot_every)
+    durability.recover(state)
+    durability.attach(state)
+    _drive(state, workload, n, durability)
+    last = durability.last_seq
+    state.journal = None
+    crash(durability)
+    return last
+
+
+@pytest.mark.parametrize("damage", ["body", "crc", "gap", "undecodable"])
+def test_damaged_record_ends_the_valid_prefix(tmp_path, damage, caplog):
+    """A damaged record (flipped bytes, bad CRC, a missing record, an unknown kind) is
+    detected, reported (log line + metric), dropped with everything after it, and the state
+    is the twin's just before it; the log then continues from there."""
+    last = _write_log(tmp_path, 31, 300)
+    bad = last - 25
+    db = sqlite3.connect(tmp_path / DB_NAME)
+    if damage == "body":
+        body = bytearray(db.execute("SELECT body FROM log WHERE seq = ?", (bad,)).fetchone()[0])
+        body[len(body) // 2] ^= 0x5A
+        db.execute("UPDATE log SET body = ? WHERE seq = ?", (bytes(body), bad))
+    elif damage == "crc":
+        db.execute("UPDATE log SET crc = crc + 1 WHERE seq = ?", (bad,))
+    elif damage == "gap":
+        db.execute("DELETE FROM log WHERE seq = ?", (bad,))
+    else:
+        from pagekeeper.durability.log import record_crc
+
+        body = b"\xee\x01garbage"
+        db.execute(
+            "UPDATE log SET body = ?, crc = ? WHERE seq = ?", (body, record_crc(bad, body), bad)
+        )
+    db.commit()
+    db.close()
+    with caplog.at_level("ERROR", logger="pagekeeper.durability"):
+        recovered, durability = recover(tmp_path)
+    report = durability.report
+    assert report.last_seq == bad - 1 and report.damage
+    assert report.num_dropped == (25 if damage == "gap" else 26)
+    assert any("damaged" in r.message for r in caplog.records)
+    twin, workload = twin_at(31, bad - 1)
+    assert state_digest(recovered) == state_digest(twin)
+    durability.attach(recovered)
+    assert_same_future(twin, recovered, workload, 30)
+    recovered.journal = None
+    crash(durability)
+    again, durability = recover(tmp_path)
+    assert durability.report.damage == "" and state_digest(again) == state_digest(recovered)
+    durability.close()
+
+
+@pytest.mark.parametrize("damage", ["crc", "bytes"])
+def test_unreadable_snapshot_fails_loudly(tmp_path, damage):
+    _write_log(tmp_path, 41, 120, snapshot_every=50)
+    db = sqlite3.connect(tmp_path / DB_NAME)
+    if damage == "crc":
+        db.execute("UPDATE snapshots SET crc = crc + 1")
+    else:
+        from pagekeeper.durability.log import record_crc
+
+        (seq,) = db.execute("SELECT seq FROM snapshots").fetchone()
+        body = b"PKSNAP\x01\x00" + b"\x99" * 40
+        db.execute("UPDATE snapshots SET body = ?, crc = ?", (body, record_crc(seq, body)))
+    db.commit()
+    db.close()
+    with pytest.raises(DurabilityError, match="unreadable snapshot") as info:
+        recover(tmp_path)
+    assert "\n" not in str(info.value)
+
+
+def test_another_pool_or_a_second_instance_is_refused(tmp_path):
+    _write_log(tmp_path, 1, 20)
+    other = dataclasses.replace(FULL_POOL, num_pages=FULL_POOL.num_pages + 1)
+    with pytest.raises(DurabilityError, match="another pool configuration"):
+        recover(tmp_path, other)
+    first, durability = recover(tmp_path)
+    with pytest.raises(DurabilityError, match="in use by another pagekeeper"):
+        Durability.open(tmp_path, "process")
+    durability.close(first)
+
+
+def test_retry_after_restart_returns_the_stored_answer(tmp_path):
+    """The step-response cache is durable: a step retried after a restart (even by a
+    re-registered client, new generation) gets the first answer, publication included, and
+    changes nothing."""
+
+    class Sink:
+        def configure(self, tables):
+            return None
+
+        def descriptor(self):
+            return None
+
+        def publish(self, step_seq, tables):
+            return step_seq % 3
+
+    state = ServiceState(FULL_POOL, LIMITS, sink=Sink())
+    durability = Durability.open(tmp_path, "fsync")
+    durability.recover(state)
+    durability.attach(state)
+    sched = state.register(RegisterCommand(now=1.0, role=ClientRole.SCHEDULER))
+    state.register(RegisterCommand(now=1.0, role=ClientRole.WORKER))
+    step = StepCommand(
+        2.0,
+        sched.client_id,
+        sched.generation,
+        7,
+        admissions=(Admission("a", tokens(0, 50)), Admission("b", tokens(0, 40))),
+        batch=Batch(("a", "b")),
+    )
+    first = state.step(step)
+    assert first.is_published and first.published_slot == 7 % 3
+    state.journal = None
+    crash(durability)
+
+    recovered, durability = recover(tmp_path)
+    before = state_digest(recovered)
+    takeover = recovered.register(
+        RegisterCommand(now=3.0, role=ClientRole.SCHEDULER, client_id=sched.client_id)
+    )
+    after_register = state_digest(recovered)
+    assert before != after_register  # the generation moved on
+    retry = recovered.step(dataclasses.replace(step, now=3.5, generation=takeover.generation))
+    assert retry.is_retry and dataclasses.replace(retry, is_retry=False) == first
+    assert recovered.manager.request_info("a").page_ids == state.manager.request_info("a").page_ids
+    durability.close(recovered)
+
+
+def test_changed_limits_replay_under_the_old_ones(tmp_path):
+    """Limits decide how commands apply (a default lease, a grace); records are replayed
+    under the limits they were applied under, and a change is a logged command."""
+    short = dataclasses.replace(LIMITS, lease_ttl_s=2.0)
+    state = ServiceState(FULL_POOL, short)
+    durability = Durability.open(tmp_path, "process")
+    durability.recover(state)
+    durability.attach(state)
+    a = state.register(RegisterCommand(now=10.0, role=ClientRole.SCHEDULER))
+    assert a.lease_ttl_s == 2.0
+    state.journal = None
+    crash(durability)
+
+    # Restarted with longer leases: the first registration keeps its 2 s lease.
+    longer = dataclasses.replace(LIMITS, lease_ttl_s=30.0)
+    recovered = ServiceState(FULL_POOL, longer)
+    durability = Durability.open(tmp_path, "process")
+    durability.recover(recovered)
+    assert recovered.client(a.client_id).expires_at == 12.0
+    durability.attach(recovered)
+    recovered.configure_limits(ConfigureLimitsCommand(20.0, longer))
+    b = recovered.register(RegisterCommand(now=20.0, role=ClientRole.SCHEDULER))
+    assert b.lease_ttl_s == 30.0
+    recovered.journal = None
+    crash(durability)
+    again, durability = recover(tmp_path)
+    assert state_digest(again) == state_digest(recovered)
+    assert again.limits == longer
+    durability.close()
+
+
+def test_a_failed_write_fences_the_state(tmp_path):
+    """A change that could not be made durable is not acknowledged, and nothing else is
+    accepted: the process must restart and recover the last durable state."""
+    failures: list[str] = []
+    state = new_state()
+    durability = Durability.open(tmp_path, "process", on_failure=failures.append)
+    durability.recover(state)
+    durability.attach(state)
+    sched = state.register(RegisterCommand(now=1.0, role=ClientRole.SCHEDULER))
+    durability._log._db.close()  # the disk goes away
+    with pytest.raises(PagekeeperError, match="could not be made durable"):
+        state.step(
+            StepCommand(2.0, sched.client_id, 1, 1, admissions=(Admission("x", tokens(0, 20)),))
+        )
+    assert failures and state.fenced_reason
+    with pytest.raises(FailedPrecondition, match="refuses changes"):
+        state.register(RegisterCommand(now=3.0, role=ClientRole.SCHEDULER))
+    durability._log = None
+    crash(durability)
+    recovered, durability = recover(tmp_path)
+    assert recovered.request_ids() == [] and len(recovered.clients()) == 1
+    durability.close()
+
+
+def test_every_mutation_is_journaled():
+    """Each applied command reaches the journal exactly once, with its result; refused
+    ones never do."""
+    state, workload = new_state(), Workload(3)
+    journal = CountingJournal()
+    state.journal = journal
+    applied = 0
+    for _ in range(600):
+        before = journal.num_records
+        _command, result = workload.run_one(state)
+        if isinstance(result, Exception):
+            assert journal.num_records == before
+        else:
+            applied += journal.num_records - before
+            # Everything but an expiry or resume with nothing to do is a change.
+            assert journal.num_records - before in (0, 1)
+    assert applied > 500
