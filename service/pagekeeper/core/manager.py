@@ -87,6 +87,14 @@ def _as_token_list(token_ids: TokenIds, what: str) -> list[int]:
     return tokens
 
 
+def _checked_hashes(page_hashes: Sequence[bytes]) -> list[bytes]:
+    """A private list of client page hashes, or InvalidArgument (one C-level type pass)."""
+    hashes = list(page_hashes)
+    if set(map(type, hashes)) - {bytes} or not all(hashes):
+        raise InvalidArgument("page hashes must be non-empty bytes")
+    return hashes
+
+
 class PageManager:
     """Owns physical page allocation and block-table construction for one pool.
 
@@ -139,15 +147,13 @@ class PageManager:
         self, tokens: list[int], extra_keys: ExtraKeys, page_hashes: Sequence[bytes] | None
     ) -> list[bytes]:
         if page_hashes is not None:
-            hashes = list(page_hashes)
+            hashes = _checked_hashes(page_hashes)
             num_full = len(tokens) // self.hash_page_size
             if len(hashes) > num_full:
                 raise InvalidArgument(
                     f"{len(hashes)} page hashes for {len(tokens)} tokens "
                     f"(at most {num_full} full pages of {self.hash_page_size})"
                 )
-            if set(map(type, hashes)) - {bytes} or not all(hashes):
-                raise InvalidArgument("page hashes must be non-empty bytes")
             if len(hashes) < num_full:
                 # Complete the chain from the client's last hash.
                 start = len(hashes)
@@ -224,9 +230,7 @@ class PageManager:
         if not self.enable_caching or not num_tokens:
             return LookupResult(0, tuple(() for _ in self.groups), ())
         if page_hashes is not None and len(page_hashes) == num_tokens // self.hash_page_size:
-            hashes = list(page_hashes)
-            if set(map(type, hashes)) - {bytes} or not all(hashes):
-                raise InvalidArgument("page hashes must be non-empty bytes")
+            hashes = _checked_hashes(page_hashes)
         else:
             tokens = _as_token_list(token_ids, "token_ids")
             hashes = self._compute_hashes(tokens, extra_keys or NO_EXTRA_KEYS, page_hashes)
@@ -294,8 +298,7 @@ class PageManager:
         pool = self.pool
         group = np.full(pool.num_pages, -1, dtype=np.int16)
         for g in self.groups:
-            for rid, row in g.request_rows.items():
-                del rid
+            for row in g.request_rows.values():
                 pages = g.rows.row(row)
                 group[pages[pages != NULL_PAGE]] = g.group_id
         cached_pages = np.flatnonzero(pool._cached_np)
