@@ -436,15 +436,15 @@ def bench_step(
         s = st["pk"] % num_steps
         st["pk"] += 1
         toks = work.decode_tokens[s]
-        allocate, admit, free = pm.allocate, pm.admit, pm.free
+        allocate_decodes, admit, free = pm.allocate_decodes, pm.admit, pm.free
         running = list(pk_running)
         new_ids = [f"s{st['pk']}_{j}" for j in range(4)]
         new_toks = work.prompts.tokens[4 * s : 4 * s + 4]
         new_hashes = work.prompts.hashes[4 * s : 4 * s + 4]
         t0 = time.perf_counter()
-        for rid, tok in zip(running, toks, strict=True):
-            if allocate(rid, 1, new_token_ids=(tok,)) is None:
-                raise RuntimeError("pool too small")
+        # The 256 decodes in one call (what the service does with a step's decodes).
+        if None in allocate_decodes(running, toks).values():
+            raise RuntimeError("pool too small")
         for j in range(4):
             if with_hashing:
                 admit(new_ids[j], new_toks[j])

@@ -332,3 +332,120 @@ def test_docstring_example():
     assert tables[0].block_table.shape == (2, 7)
     manager.free("a")
     manager.check_invariants()
+
+
+# -- allocate_decodes: a whole decode step in one call --------------------------------------
+
+
+def _twins(**kw) -> tuple[PageManager, PageManager]:
+    a, b = full(**kw), full(**kw)
+    for m in (a, b):
+        m.admit("x", list(range(7)))  # 2 pages, 1 slot left in page 2
+        m.admit("y", list(range(8)))  # 2 full pages (the second is y's own), then a decode
+        m.admit("z", [9] * 3)
+        m.take_events()
+    return a, b
+
+
+def test_allocate_decodes_matches_allocate_one_by_one():
+    a, b = _twins()
+    for step in range(6):
+        tokens = [step, 50 + step, 90 + step]
+        want = {}
+        for rid, token in zip("xyz", tokens, strict=True):
+            got = a.allocate(rid, 1, new_token_ids=[token])
+            if got is None or any(got.new_page_ids):
+                want[rid] = got
+        assert b.allocate_decodes(list("xyz"), tokens) == want
+        assert b.take_events() == a.take_events()
+        for rid in "xyz":
+            assert b.request_info(rid) == a.request_info(rid)
+        b.check_invariants()
+    assert b.pool.free_queue() == a.pool.free_queue()
+
+
+def test_allocate_decodes_reports_only_new_pages_and_no_capacity():
+    m = full(num_pages=6)  # pages 1..5
+    m.admit("x", list(range(8)))  # pages 1, 2 (both full)
+    m.admit("y", list(range(100, 112)))  # pages 3, 4, 5 (all full)
+    m.take_events()
+    # x's next token needs a new page; none is free. y is in the same spot after x fails.
+    assert m.allocate_decodes(["x", "y"], [1, 2]) == {"x": None, "y": None}
+    assert m.request_info("x").num_tokens == 8  # nothing appended for a refused request
+    m.free("y")  # cached pages to the tail, y's last page first: 5, 4, 3
+    got = m.allocate_decodes(["x"], [1])
+    assert got["x"].new_page_ids == ((5,),)  # the queue's head, evicted
+    assert m.allocate_decodes(["x"], [2]) == {}  # fits: absent from the answer
+    assert m.request_info("x").num_tokens == 10
+    m.check_invariants()
+
+
+def test_allocate_decodes_pool_running_dry_midway_serves_in_order():
+    m = full(num_pages=4)  # pages 1..3
+    m.admit("a", list(range(4)))
+    m.admit("b", list(range(10, 14)))
+    m.take_events()
+    got = m.allocate_decodes(["a", "b"], [7, 8])  # one page left: a gets it, b does not
+    assert got == {"a": got["a"], "b": None} and got["a"].new_page_ids == ((3,),)
+    m.check_invariants()
+
+
+@pytest.mark.parametrize(
+    ("rids", "tokens", "error", "match"),
+    [
+        (["x", "nope"], [1, 2], NotFound, "nope"),
+        (["x", "x"], [1, 2], InvalidArgument, "twice"),
+        (["x", "y"], [1], InvalidArgument, "1 new token ids for 2"),
+        (["x", "y"], [1, -2], InvalidArgument, "non-negative"),
+        (["x", "y"], [1, 2.5], InvalidArgument, "integers"),
+        ([3, "y"], [1, 2], NotFound, "3"),
+    ],
+)
+def test_allocate_decodes_bad_input_changes_nothing(rids, tokens, error, match):
+    a, b = _twins()
+    with pytest.raises(error, match=match):
+        b.allocate_decodes(rids, tokens)
+    for rid in "xyz":
+        assert b.request_info(rid) == a.request_info(rid)
+    assert b.pool.free_queue() == a.pool.free_queue()
+    assert b.take_events() == []
+
+
+def test_allocate_decodes_refuses_past_max_model_len_before_any_change():
+    m = full(max_model_len=8)
+    m.admit("x", list(range(3)))
+    m.admit("y", list(range(8)))
+    with pytest.raises(InvalidArgument, match=r"'y'.*max_model_len 8"):
+        m.allocate_decodes(["x", "y"], [1, 2])
+    assert m.request_info("x").num_tokens == 3
+
+
+def test_allocate_decodes_hybrid_groups_match_allocate():
+    def hybrid() -> PageManager:
+        m = PageManager(
+            PoolConfig(
+                num_pages=40,
+                groups=(
+                    GroupConfig(GroupKind.FULL, PS),
+                    GroupConfig(GroupKind.SLIDING_WINDOW, PS, window=5),
+                    GroupConfig(GroupKind.MAMBA, 2 * PS),
+                ),
+                max_model_len=64,
+            )
+        )
+        m.admit("p", list(range(11)))
+        m.admit("q", list(range(5)))
+        return m
+
+    a, b = hybrid(), hybrid()
+    for step in range(10):
+        want = {}
+        for rid in "pq":
+            got = a.allocate(rid, 1, new_token_ids=[step], num_lookahead_tokens=1)
+            if got is None or any(got.new_page_ids):
+                want[rid] = got
+        assert b.allocate_decodes(["p", "q"], [step, step], num_lookahead_tokens=1) == want
+        assert b.take_events() == a.take_events()
+    for rid in "pq":
+        assert b.request_info(rid) == a.request_info(rid)
+    b.check_invariants()

@@ -105,6 +105,22 @@ class ManagerVsModel(RuleBasedStateMachine):
             assert got is not None
             assert list(got.new_page_ids[0]) == want
 
+    @rule(seed=st.integers(0, 2**16), lookahead=st.integers(0, 2))
+    def decode_all(self, seed, lookahead):
+        """One batched decode step over every live request (the pool may run dry midway:
+        the model grows them one by one in the same order)."""
+        rids = [r for r, q in self.model.reqs.items() if len(q["tokens"]) < 256]
+        tokens = [(seed + 7 * i) % 21 for i in range(len(rids))]
+        got = self.manager.allocate_decodes(rids, tokens, num_lookahead_tokens=lookahead)
+        for rid, token in zip(rids, tokens, strict=True):
+            want = self.model.grow(rid, [token], 1, lookahead)
+            if want is None:
+                assert got[rid] is None
+            elif want:
+                assert list(got[rid].new_page_ids[0]) == want
+            else:
+                assert rid not in got
+
     @rule(rid=consumes(requests))
     def free(self, rid):
         if rid not in self.model.reqs:

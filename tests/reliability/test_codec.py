@@ -243,7 +243,7 @@ KNOWN_ATTRIBUTES = {
     PageManager: {
         "config", "enable_caching", "pool", "groups", "hash_page_size", "_hash_factors",
         "_hit_alignment", "_requests", "_stats", "_max_model_len", "_no_new_pages",
-        "_single_full",
+        "_single_full", "_hasher",
     },
     ServiceState: {
         "pool_config", "limits", "manager", "sink", "debug_invariants", "clock", "journal",

@@ -253,6 +253,7 @@ class _CompiledKeys:
 
 
 _NO_KEYS: Final = _CompiledKeys(None)
+_EMPTY_EXTRA_KEYS: Final = ExtraKeys()
 
 
 # --------------------------------------------------------------------------------------
@@ -531,6 +532,18 @@ class PageHasher:
         hashes += new
         return new
 
+    def hash_next(self, hashes: list[bytes], page_token_ids: Sequence[int]) -> bytes:
+        """Append to ``hashes`` the hash of the request's next page (exactly ``page_size``
+        plain int token ids, e.g. the page a decode just filled) and return it: the decode
+        step's shortest path, with no chain machinery."""
+        if len(page_token_ids) != self.page_size:
+            raise InvalidArgument(
+                f"hash_next needs one page of {self.page_size} tokens, got {len(page_token_ids)}"
+            )
+        (new,) = self._hash(page_token_ids, hashes[-1] if hashes else self._none_hash, len(hashes))
+        hashes.append(new)
+        return new
+
     def _hash(self, token_ids: TokenIds, parent: bytes, first_page: int) -> list[bytes]:
         page_size = self.page_size
         if isinstance(token_ids, np.ndarray) and token_ids.ndim != 1:
@@ -596,7 +609,11 @@ def hash_pages(
     non-integer token ids, bad extra keys or a bad page size, ConfigError on an unknown
     algorithm.
     """
-    if extra_keys is None and type(page_size) is int and type(algorithm) is str:
+    if (
+        (extra_keys is None or extra_keys == _EMPTY_EXTRA_KEYS)
+        and type(page_size) is int
+        and type(algorithm) is str
+    ):
         hasher = _plain_hasher(page_size, algorithm)
     else:
         hasher = PageHasher(page_size, extra_keys=extra_keys, algorithm=algorithm)
