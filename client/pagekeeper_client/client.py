@@ -489,6 +489,8 @@ class _PendingGrowth:
     is_sync: bool = False
     """Answered to its own caller (not carried into the next explicit step's results)."""
     result: AllocationResult | None = None
+    is_computed_given: bool = False
+    """The caller named ``num_computed_tokens`` (else the mirror's count was used)."""
 
     @property
     def mutates_pool(self) -> bool:
@@ -511,6 +513,32 @@ class _PendingAdmission:
 class _PendingFree:
     request_id: str
     tracked: _Tracked | None
+
+
+def _int32_column(values: list[int], default: int) -> bytes:
+    """A per-growth column; empty when every value is the column's default."""
+    if values.count(default) == len(values):
+        return b""
+    return encode_i32(values)
+
+
+def growth_columns(growths: Sequence[_PendingGrowth]) -> pb.GrowthColumns:
+    """The queued growths in column form: a decode step of hundreds of requests becomes
+    their ids and one token array (the service applies its plain decodes in one call)."""
+    return pb.GrowthColumns(
+        request_ids=[g.request_id for g in growths],
+        new_token_ids=b"".join([g.token_bytes for g in growths]),
+        num_new_token_ids=_int32_column([len(g.token_bytes) // 4 for g in growths], 1),
+        num_new_tokens=_int32_column([g.num_new_tokens for g in growths], 1),
+        # The mirror's computed count is the service's tracked one; it is sent only when a
+        # caller named one (the service treats a count equal to its own as a plain decode).
+        num_computed_tokens=(
+            _int32_column(
+                [g.num_computed_tokens if g.is_computed_given else -1 for g in growths], -1
+            )
+        ),
+        num_lookahead_tokens=_int32_column([g.num_lookahead_tokens for g in growths], 0),
+    )
 
 
 @dataclass(slots=True)
@@ -675,6 +703,7 @@ class SchedulerState:
             nulled=nulled,
             tracked=t,
             is_local=not needs,
+            is_computed_given=num_computed_tokens is not None,
         )
         t.num_tokens = num_tokens
         t.num_computed_tokens = computed + num_new_tokens
@@ -797,18 +826,10 @@ class SchedulerState:
             generation=generation,
             step_id=step_id,
             free_request_ids=[f.request_id for f in self._frees],
-            growths=[
-                pb.Growth(
-                    request_id=g.request_id,
-                    num_new_tokens=g.num_new_tokens,
-                    new_token_ids=g.token_bytes,
-                    num_computed_tokens=g.num_computed_tokens,
-                    num_lookahead_tokens=g.num_lookahead_tokens,
-                )
-                for g in growths
-            ],
             admissions=[a.message for a in self._admissions],
         )
+        if growths:
+            request.growth_columns.CopyFrom(growth_columns(growths))
         if batch is not None:
             b = request.batch
             b.request_ids.extend(batch)

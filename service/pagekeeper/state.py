@@ -38,9 +38,11 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
+from itertools import pairwise
 from typing import Any, Protocol
 
 import numpy as np
+import numpy.typing as npt
 
 from pagekeeper.core.config import GroupKind, PoolConfig
 from pagekeeper.core.errors import (
@@ -170,6 +172,67 @@ class Growth:
 
 
 @dataclass(frozen=True, slots=True, eq=False)
+class GrowthColumns:
+    """The same growths as a tuple of :class:`Growth`, column by column (growth ``i`` is
+    ``request_ids[i]`` with entry ``i`` of every per-growth column): a decode step of
+    hundreds of requests arrives as a few arrays, and its plain decodes (one new token,
+    tracked computed count) are applied by the core in one call.
+
+    ``new_token_ids`` holds every growth's new tokens concatenated in growth order,
+    ``num_new_token_ids[i]`` of them for growth ``i``; ``num_computed_tokens[i]`` is -1
+    for "what the service tracked"."""
+
+    request_ids: tuple[str, ...]
+    num_new_tokens: Int32Array
+    new_token_ids: Int32Array
+    num_new_token_ids: Int32Array
+    num_computed_tokens: Int32Array
+    num_lookahead_tokens: Int32Array
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+    @classmethod
+    def decodes(
+        cls, request_ids: Sequence[str], token_ids: Any, num_lookahead_tokens: int = 0
+    ) -> GrowthColumns:
+        """One plain decode per request: ``token_ids[i]`` appended to request ``i``."""
+        n = len(request_ids)
+        ones = np.ones(n, dtype=np.int32)
+        return cls(
+            tuple(request_ids),
+            ones,
+            np.asarray(token_ids, dtype=np.int32),
+            ones,
+            np.full(n, -1, dtype=np.int32),
+            np.full(n, num_lookahead_tokens, dtype=np.int32),
+        )
+
+    def token_offsets(self) -> npt.NDArray[np.int64]:
+        """Where each growth's tokens start in ``new_token_ids`` (n + 1 entries)."""
+        offsets = np.zeros(len(self.request_ids) + 1, dtype=np.int64)
+        np.cumsum(self.num_new_token_ids, out=offsets[1:])
+        return offsets
+
+    def growth(self, i: int, offsets: npt.NDArray[np.int64] | None = None) -> Growth:
+        """Growth ``i`` as a :class:`Growth`."""
+        if offsets is None:
+            offsets = self.token_offsets()
+        computed = int(self.num_computed_tokens[i])
+        return Growth(
+            self.request_ids[i],
+            int(self.num_new_tokens[i]),
+            self.new_token_ids[int(offsets[i]) : int(offsets[i + 1])],
+            None if computed < 0 else computed,
+            int(self.num_lookahead_tokens[i]),
+        )
+
+    def growths(self) -> tuple[Growth, ...]:
+        offsets = self.token_offsets()
+        return tuple(self.growth(i, offsets) for i in range(len(self.request_ids)))
+
+
+@dataclass(frozen=True, slots=True, eq=False)
 class Batch:
     request_ids: tuple[str, ...]
     num_scheduled_tokens: Int32Array | None = None
@@ -185,6 +248,14 @@ class StepCommand:
     growths: tuple[Growth, ...] = ()
     admissions: tuple[Admission, ...] = ()
     batch: Batch | None = None
+    growth_columns: GrowthColumns | None = None
+    """The growths in column form, instead of ``growths`` (not both)."""
+
+    def all_growths(self) -> tuple[Growth, ...]:
+        """The step's growths whichever form they came in (for readers, not the hot path)."""
+        if self.growth_columns is not None:
+            return self.growth_columns.growths()
+        return self.growths
 
 
 @dataclass(frozen=True, slots=True)
@@ -761,6 +832,8 @@ class ServiceState:
             if outcome.status is not AllocationStatus.OK:
                 left_out.add(growth.request_id)
             outcomes.append(outcome)
+        if cmd.growth_columns is not None:
+            self._apply_growth_columns(cmd.growth_columns, outcomes, left_out)
         for admission in cmd.admissions:
             outcome = self._apply_admission(client, admission)
             if outcome.status is not AllocationStatus.OK:
@@ -803,7 +876,11 @@ class ServiceState:
         raise on the first problem. Returns whether the batch will be published."""
         limits = self.limits
         max_len = self.pool_config.max_model_len
-        num_items = len(cmd.frees) + len(cmd.growths) + len(cmd.admissions)
+        columns = cmd.growth_columns
+        if columns is not None and cmd.growths:
+            raise InvalidArgument("a step carries growths or growth_columns, not both")
+        num_growths = len(cmd.growths) if columns is None else len(columns)
+        num_items = len(cmd.frees) + num_growths + len(cmd.admissions)
         if num_items > limits.max_requests_per_step:
             raise ResourceExhausted(
                 f"{num_items} frees + growths + admissions exceed max_requests_per_step "
@@ -829,6 +906,8 @@ class ServiceState:
             self._validate_growth(growth, record, max_len)
         if cmd.growths:
             _check_growth_tokens(cmd.growths)
+        if columns is not None:
+            grown = self._validate_growth_columns(columns, owner, freed, max_len)
         admitted: set[str] = set()
         for admission in cmd.admissions:
             request_id = _check_id(admission.request_id, "request_id")
@@ -882,6 +961,141 @@ class ServiceState:
                 f"{self._last_published_step_seq} (workers wait on increasing step ids)"
             )
         return will_publish
+
+    def _validate_growth_columns(
+        self, cols: GrowthColumns, owner: str, freed: set[str], max_len: int
+    ) -> set[str]:
+        """``_validate_growth`` for a whole column form at once (same checks, same
+        messages); returns the grown request ids."""
+        ids = cols.request_ids
+        n = len(ids)
+        columns = {
+            "num_new_tokens": cols.num_new_tokens,
+            "num_new_token_ids": cols.num_new_token_ids,
+            "num_computed_tokens": cols.num_computed_tokens,
+            "num_lookahead_tokens": cols.num_lookahead_tokens,
+        }
+        for name, column in columns.items():
+            if column.shape != (n,):
+                raise InvalidArgument(
+                    f"growth_columns.{name} has {column.size} entries for {n} growths"
+                )
+        if n == 0:
+            return set()
+        counts = cols.num_new_token_ids
+        if int(counts.min()) < 0:
+            raise InvalidArgument("growth_columns.num_new_token_ids must be >= 0")
+        total = int(counts.sum(dtype=np.int64))
+        if total != cols.new_token_ids.size:
+            raise InvalidArgument(
+                f"growth_columns.num_new_token_ids adds up to {total} tokens but "
+                f"new_token_ids holds {cols.new_token_ids.size}"
+            )
+
+        def first(bad: npt.NDArray[np.bool_]) -> str:
+            return ids[int(np.flatnonzero(bad)[0])]
+
+        recs = [self._check_owned(rid, owner) for rid in ids]
+        grown = set(ids)
+        if len(grown) != n:
+            seen: set[str] = set()
+            dup = next(r for r in ids if r in seen or seen.add(r))  # type: ignore[func-returns-value]
+            raise InvalidArgument(f"request {dup!r} is grown twice in one step")
+        both = grown & freed
+        if both:
+            raise InvalidArgument(f"request {min(both)!r} is both freed and grown")
+        num_new = cols.num_new_tokens.astype(np.int64)
+        lookahead = cols.num_lookahead_tokens.astype(np.int64)
+        explicit = cols.num_computed_tokens.astype(np.int64)
+        if (num_new < 1).any():
+            raise InvalidArgument(f"request {first(num_new < 1)!r}: num_new_tokens must be >= 1")
+        if (lookahead < 0).any():
+            raise InvalidArgument(
+                f"request {first(lookahead < 0)!r}: num_lookahead_tokens must be >= 0"
+            )
+        if cols.new_token_ids.size and int(cols.new_token_ids.min()) < 0:
+            owner_of = np.repeat(np.arange(n), counts)
+            bad_token = int(np.flatnonzero(cols.new_token_ids < 0)[0])
+            raise InvalidArgument(f"request {ids[owner_of[bad_token]]!r}: token ids must be >= 0")
+        num_tokens = np.fromiter((r.num_tokens for r in recs), np.int64, n) + counts
+        if (num_tokens > max_len).any():
+            i = int(np.flatnonzero(num_tokens > max_len)[0])
+            raise InvalidArgument(
+                f"request {ids[i]!r}: {int(num_tokens[i])} tokens exceed max_model_len {max_len}"
+            )
+        bad = (explicit < -1) | (explicit > num_tokens)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise InvalidArgument(
+                f"request {ids[i]!r}: num_computed_tokens {int(explicit[i])} outside "
+                f"[0, {int(num_tokens[i])}] (-1: tracked)"
+            )
+        tracked = np.fromiter((r.num_computed_tokens for r in recs), np.int64, n)
+        computed = np.where(explicit < 0, tracked, explicit)
+        over = computed + num_new > num_tokens + lookahead
+        if over.any():
+            i = int(np.flatnonzero(over)[0])
+            raise InvalidArgument(
+                f"request {ids[i]!r}: {int(computed[i])} computed + {int(num_new[i])} new "
+                f"tokens exceed its {int(num_tokens[i])} tokens"
+            )
+        return grown
+
+    def _apply_growth_columns(
+        self, cols: GrowthColumns, outcomes: list[AllocationOutcome], left_out: set[str]
+    ) -> None:
+        """Apply the growths in order; each run of plain decodes (one new token, tracked
+        computed count, the same lookahead) goes to the core in one call."""
+        n = len(cols)
+        if n == 0:
+            return
+        ids = cols.request_ids
+        requests = self._requests
+        explicit = cols.num_computed_tokens
+        plain = (cols.num_new_tokens == 1) & (cols.num_new_token_ids == 1)
+        given = np.flatnonzero(plain & (explicit >= 0))
+        plain &= explicit == -1
+        # A computed count equal to the tracked one is a plain decode too (clients that
+        # always send it, e.g. from their own mirror).
+        for i in given.tolist():
+            plain[i] = requests[ids[i]].num_computed_tokens == explicit[i]
+        lookahead = cols.num_lookahead_tokens
+        cuts = np.flatnonzero((plain[1:] != plain[:-1]) | (lookahead[1:] != lookahead[:-1])) + 1
+        bounds = [0, *cuts.tolist(), n]
+        offsets = cols.token_offsets()
+        manager = self.manager
+        for start, stop in pairwise(bounds):
+            if plain[start]:
+                run = ids[start:stop]
+                tokens = cols.new_token_ids[int(offsets[start]) : int(offsets[stop])]
+                try:
+                    answers = manager.allocate_decodes(
+                        run, tokens.tolist(), num_lookahead_tokens=int(lookahead[start])
+                    )
+                except PagekeeperError:
+                    answers = None  # checked up front; if not, the general path says why
+                if answers is not None:
+                    for rid in run:
+                        record = requests[rid]
+                        record.num_tokens += 1
+                        record.num_computed_tokens += 1
+                    for rid, allocation in answers.items():
+                        if allocation is None:
+                            record = requests[rid]
+                            record.num_tokens -= 1
+                            record.num_computed_tokens -= 1
+                            left_out.add(rid)
+                            outcomes.append(AllocationOutcome(rid, AllocationStatus.NO_CAPACITY))
+                        else:
+                            outcomes.append(_outcome(allocation))
+                    continue
+            for i in range(start, stop):
+                outcome = self._apply_growth(cols.growth(i, offsets))
+                if outcome is None:
+                    continue
+                if outcome.status is not AllocationStatus.OK:
+                    left_out.add(outcome.request_id)
+                outcomes.append(outcome)
 
     def _check_owned(self, request_id: str, owner: str) -> _RequestRecord:
         record = self._requests.get(request_id)

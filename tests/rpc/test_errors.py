@@ -136,6 +136,42 @@ def _bad_steps(owner: Scheduler, other: Scheduler):
         other.request(batch=pb.Batch(request_ids=[b])),
     )
     yield (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "not both",
+        owner,
+        owner.request(
+            growths=[pb.Growth(request_id=a, num_new_tokens=1, new_token_ids=i32([1]))],
+            growth_columns=pb.GrowthColumns(request_ids=[b], new_token_ids=i32([2])),
+        ),
+    )
+    yield (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "token ids must be >= 0",
+        owner,
+        # A valid free and a valid decode first: nothing of the step happens.
+        owner.request(
+            free_request_ids=[b],
+            growth_columns=pb.GrowthColumns(request_ids=[a], new_token_ids=i32([-1])),
+        ),
+    )
+    yield (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "growth_columns.num_new_tokens has 1 entries for 2 growths",
+        owner,
+        owner.request(
+            free_request_ids=[b],
+            growth_columns=pb.GrowthColumns(
+                request_ids=[a, b], new_token_ids=i32([1, 2]), num_new_tokens=i32([1])
+            ),
+        ),
+    )
+    yield (
+        grpc.StatusCode.PERMISSION_DENIED,
+        "belongs to another client",
+        other,
+        other.request(growth_columns=pb.GrowthColumns(request_ids=[a], new_token_ids=i32([1]))),
+    )
+    yield (
         grpc.StatusCode.FAILED_PRECONDITION,
         "is not the current registration",
         owner,

@@ -121,6 +121,40 @@ def test_admission_hit_growth_batch_free(pagekeeper_server):
     )
 
 
+def test_decodes_in_column_form(pagekeeper_server):
+    """The same decode steps as growth messages and as columns give the same pages."""
+    sched = Scheduler(pagekeeper_server)
+    for rid in ("col-a", "col-b"):
+        assert sched.admit(rid, _unique_prompt(11, 30)).status == pb.ALLOCATION_STATUS_OK
+    # 30 tokens each in 2 pages of 16: two decodes fit, the third needs a page.
+    for token in (5, 6):
+        reply = sched.step(
+            growth_columns=pb.GrowthColumns(
+                request_ids=["col-a", "col-b"], new_token_ids=i32([token, token + 1])
+            )
+        )
+        assert list(reply.results) == []
+    reply = sched.step(
+        growth_columns=pb.GrowthColumns(
+            request_ids=["col-a", "col-b"],
+            new_token_ids=i32([7, 8, 9, 10]),
+            num_new_token_ids=i32([1, 3]),
+            num_new_tokens=i32([1, 3]),
+        ),
+        batch=pb.Batch(request_ids=["col-a", "col-b"]),
+    )
+    assert [r.request_id for r in reply.results] == ["col-a", "col-b"]
+    assert all(r.status == pb.ALLOCATION_STATUS_OK for r in reply.results)
+    a_page, b_page = (from_i32(r.new_page_ids[0]) for r in reply.results)
+    assert len(a_page) == len(b_page) == 1 and a_page != b_page
+    table = sched.stub.GetBlockTable(
+        pb.GetBlockTableRequest(request_id="col-b", group_id=0), metadata=sched.md
+    )
+    assert table.num_tokens == 35 and table.num_computed_tokens == 35
+    assert from_i32(table.page_ids)[-1:] == b_page
+    sched.free("col-a", "col-b")
+
+
 def test_lookup_has_no_side_effects(pagekeeper_server):
     sched = Scheduler(pagekeeper_server)
     prompt = _unique_prompt(2, 64)

@@ -29,6 +29,7 @@ from pagekeeper.state import (
     ExpireLeasesCommand,
     ForceFreeCommand,
     Growth,
+    GrowthColumns,
     HeartbeatCommand,
     RegisterCommand,
     ResetPrefixCacheCommand,
@@ -209,6 +210,20 @@ def _column_from(tree: Any, n: int) -> list[int]:
     return values
 
 
+def _array_column(values: Any, n: int) -> Any:
+    """``_column`` for an int32 array column (one int when uniform)."""
+    array = np.asarray(values)
+    if n and array.shape == (n,) and (array == array[0]).all():
+        return int(array[0])
+    return array.astype(np.int64)
+
+
+def _int32_column(tree: Any, n: int) -> Any:
+    if isinstance(tree, int):
+        return np.full(n, tree, dtype=np.int32)
+    return np.asarray(tree).astype(np.int32)
+
+
 def _step_to_tree(cmd: StepCommand, result: StepResult | None) -> list[Any]:
     growths_tree: list[Any] | None = None
     growths = cmd.growths
@@ -226,6 +241,20 @@ def _step_to_tree(cmd: StepCommand, result: StepResult | None) -> list[Any]:
                 [-1 if g.num_computed_tokens is None else g.num_computed_tokens for g in growths]
             ),
             _column([g.num_lookahead_tokens for g in growths]),
+        ]
+    columns = cmd.growth_columns
+    if columns is not None:
+        # Already column-wise; the 8th entry marks the form so replay rebuilds the same one.
+        n = len(columns)
+        growths_tree = [
+            n,
+            _ids(list(columns.request_ids)),
+            _array_column(columns.num_new_tokens, n),
+            np.asarray(columns.new_token_ids).astype(np.int32, copy=False),
+            _array_column(columns.num_new_token_ids, n),
+            _array_column(columns.num_computed_tokens, n),
+            _array_column(columns.num_lookahead_tokens, n),
+            True,
         ]
     admissions = [
         [
@@ -268,7 +297,19 @@ def _step_to_tree(cmd: StepCommand, result: StepResult | None) -> list[Any]:
 def _step_from_tree(tree: list[Any]) -> tuple[StepCommand, Publication | None]:
     now, client_id, generation, step_id, frees, growths_tree, admissions, batch, pub = tree
     growths: tuple[Growth, ...] = ()
-    if growths_tree is not None:
+    columns: GrowthColumns | None = None
+    if growths_tree is not None and len(growths_tree) == 8:
+        n, ids, num_new, tokens, token_lens, computed, lookahead, _ = growths_tree
+        n = int(n)
+        columns = GrowthColumns(
+            request_ids=tuple(_ids_from(ids, n)),
+            num_new_tokens=_int32_column(num_new, n),
+            new_token_ids=np.asarray(tokens, dtype=np.int32),
+            num_new_token_ids=_int32_column(token_lens, n),
+            num_computed_tokens=_int32_column(computed, n),
+            num_lookahead_tokens=_int32_column(lookahead, n),
+        )
+    elif growths_tree is not None:
         n, ids, num_new, tokens, token_lens, computed, lookahead = growths_tree
         n = int(n)
         lengths = _column_from(token_lens, n)
@@ -317,6 +358,7 @@ def _step_from_tree(tree: list[Any]) -> tuple[StepCommand, Publication | None]:
         growths=growths,
         admissions=decoded_admissions,
         batch=decoded_batch,
+        growth_columns=columns,
     )
     publication = None if pub is None else (bool(pub[0]), int(pub[1]), str(pub[2]))
     return command, publication

@@ -25,6 +25,7 @@ from pagekeeper.state import (
     ClientRole,
     GroupKernelSupport,
     Growth,
+    GrowthColumns,
     KernelBackend,
     Limits,
     ServiceCounters,
@@ -231,9 +232,37 @@ def _growth_from_pb(g: pb.Growth) -> Growth:
     )
 
 
+def _column_from_pb(data: bytes, name: str, n: int, default: int) -> Int32Array:
+    if not data:
+        column = np.full(n, default, dtype=np.int32)
+        column.flags.writeable = False
+        return column
+    return decode_i32(data, f"growth_columns.{name}")
+
+
+def growth_columns_from_pb(c: pb.GrowthColumns) -> GrowthColumns:
+    """Column form -> :class:`GrowthColumns` (empty columns filled with their default;
+    lengths are checked by the state with the rest of the step)."""
+    n = len(c.request_ids)
+    return GrowthColumns(
+        request_ids=tuple(c.request_ids),
+        num_new_tokens=_column_from_pb(c.num_new_tokens, "num_new_tokens", n, 1),
+        new_token_ids=decode_i32(c.new_token_ids, "growth_columns.new_token_ids"),
+        num_new_token_ids=_column_from_pb(c.num_new_token_ids, "num_new_token_ids", n, 1),
+        num_computed_tokens=_column_from_pb(c.num_computed_tokens, "num_computed_tokens", n, -1),
+        num_lookahead_tokens=_column_from_pb(c.num_lookahead_tokens, "num_lookahead_tokens", n, 0),
+    )
+
+
 def step_from_pb(request: pb.StepRequest, now: float) -> StepCommand:
-    # The hot part of a decode step: up to hundreds of growths, so one plain call each.
+    # The hot part of a decode step: up to hundreds of growths, so one plain call each
+    # (or a few arrays in column form).
     growths = tuple(map(_growth_from_pb, request.growths))
+    columns = (
+        growth_columns_from_pb(request.growth_columns)
+        if request.HasField("growth_columns")
+        else None
+    )
     admissions = tuple(
         Admission(
             request_id=a.request_id,
@@ -265,6 +294,7 @@ def step_from_pb(request: pb.StepRequest, now: float) -> StepCommand:
         growths=growths,
         admissions=admissions,
         batch=batch,
+        growth_columns=columns,
     )
 
 

@@ -363,6 +363,22 @@ class Growth(_message.Message):
     num_lookahead_tokens: int
     def __init__(self, request_id: _Optional[str] = ..., num_new_tokens: _Optional[int] = ..., new_token_ids: _Optional[bytes] = ..., num_computed_tokens: _Optional[int] = ..., num_lookahead_tokens: _Optional[int] = ...) -> None: ...
 
+class GrowthColumns(_message.Message):
+    __slots__ = ("request_ids", "num_new_tokens", "new_token_ids", "num_new_token_ids", "num_computed_tokens", "num_lookahead_tokens")
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOOKAHEAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    num_new_tokens: bytes
+    new_token_ids: bytes
+    num_new_token_ids: bytes
+    num_computed_tokens: bytes
+    num_lookahead_tokens: bytes
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., num_new_tokens: _Optional[bytes] = ..., new_token_ids: _Optional[bytes] = ..., num_new_token_ids: _Optional[bytes] = ..., num_computed_tokens: _Optional[bytes] = ..., num_lookahead_tokens: _Optional[bytes] = ...) -> None: ...
+
 class Batch(_message.Message):
     __slots__ = ("request_ids", "num_scheduled_tokens")
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -372,13 +388,14 @@ class Batch(_message.Message):
     def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., num_scheduled_tokens: _Optional[bytes] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("client_id", "generation", "step_id", "free_request_ids", "growths", "admissions", "batch")
+    __slots__ = ("client_id", "generation", "step_id", "free_request_ids", "growths", "admissions", "growth_columns", "batch")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     FREE_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     GROWTHS_FIELD_NUMBER: _ClassVar[int]
     ADMISSIONS_FIELD_NUMBER: _ClassVar[int]
+    GROWTH_COLUMNS_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     generation: int
@@ -386,8 +403,9 @@ class StepRequest(_message.Message):
     free_request_ids: _containers.RepeatedScalarFieldContainer[str]
     growths: _containers.RepeatedCompositeFieldContainer[Growth]
     admissions: _containers.RepeatedCompositeFieldContainer[Admission]
+    growth_columns: GrowthColumns
     batch: Batch
-    def __init__(self, client_id: _Optional[str] = ..., generation: _Optional[int] = ..., step_id: _Optional[int] = ..., free_request_ids: _Optional[_Iterable[str]] = ..., growths: _Optional[_Iterable[_Union[Growth, _Mapping]]] = ..., admissions: _Optional[_Iterable[_Union[Admission, _Mapping]]] = ..., batch: _Optional[_Union[Batch, _Mapping]] = ...) -> None: ...
+    def __init__(self, client_id: _Optional[str] = ..., generation: _Optional[int] = ..., step_id: _Optional[int] = ..., free_request_ids: _Optional[_Iterable[str]] = ..., growths: _Optional[_Iterable[_Union[Growth, _Mapping]]] = ..., admissions: _Optional[_Iterable[_Union[Admission, _Mapping]]] = ..., growth_columns: _Optional[_Union[GrowthColumns, _Mapping]] = ..., batch: _Optional[_Union[Batch, _Mapping]] = ...) -> None: ...
 
 class AllocationResult(_message.Message):
     __slots__ = ("request_id", "status", "num_cached_tokens", "new_page_ids", "hit_page_ids", "reason")

@@ -1,0 +1,245 @@
+"""Growths in column form: the same outcomes as the same growths as messages, checked as a
+whole step before anything changes, and journaled so a replay rebuilds the same form."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pagekeeper.core.config import GroupConfig, GroupKind, PoolConfig
+from pagekeeper.core.errors import InvalidArgument, NotFound, PermissionDenied
+from pagekeeper.durability.commands import decode_command, encode_command
+from pagekeeper.state import (
+    Admission,
+    AllocationStatus,
+    Growth,
+    GrowthColumns,
+    Limits,
+    ServiceState,
+    StepCommand,
+)
+from tests.service.test_state import scheduler, tokens
+
+FULL = PoolConfig(num_pages=48, groups=(GroupConfig(GroupKind.FULL, 4),), max_model_len=96)
+HYBRID = PoolConfig(
+    num_pages=96,
+    groups=(
+        GroupConfig(GroupKind.FULL, 4),
+        GroupConfig(GroupKind.SLIDING_WINDOW, 4, window=6),
+    ),
+    max_model_len=96,
+)
+
+
+def columns_of(growths: list[Growth]) -> GrowthColumns:
+    arrays = [g.new_token_ids for g in growths]
+    return GrowthColumns(
+        request_ids=tuple(g.request_id for g in growths),
+        num_new_tokens=np.array([g.num_new_tokens for g in growths], dtype=np.int32),
+        new_token_ids=np.concatenate(arrays) if arrays else np.empty(0, np.int32),
+        num_new_token_ids=np.array([len(a) for a in arrays], dtype=np.int32),
+        num_computed_tokens=np.array(
+            [-1 if g.num_computed_tokens is None else g.num_computed_tokens for g in growths],
+            dtype=np.int32,
+        ),
+        num_lookahead_tokens=np.array([g.num_lookahead_tokens for g in growths], dtype=np.int32),
+    )
+
+
+def workload_step(
+    rng: np.random.Generator, running: dict[str, int], step_id: int
+) -> tuple[tuple[str, ...], list[Growth], tuple[Admission, ...]]:
+    """Mostly plain decodes, some multi-token / explicit / lookahead growths, some frees
+    and admissions; lengths tracked from the answers by the caller."""
+    rids = list(running)
+    frees = tuple(r for r in rids if rng.random() < 0.08)
+    growths = []
+    for rid in rids:
+        if rid in frees or running[rid] >= 88:
+            continue
+        kind = rng.random()
+        if kind < 0.7:
+            growths.append(Growth(rid, 1, tokens(int(rng.integers(0, 30)), 1)))
+        elif kind < 0.8:
+            growths.append(Growth(rid, 1, tokens(7, 1), num_lookahead_tokens=2))
+        elif kind < 0.9:
+            n = int(rng.integers(2, 5))
+            growths.append(Growth(rid, n, tokens(int(rng.integers(0, 30)), n)))
+        else:
+            growths.append(Growth(rid, 1, tokens(3, 1), num_computed_tokens=running[rid]))
+    admissions = tuple(
+        Admission(f"s{step_id}-{j}", tokens(int(rng.integers(0, 3)) * 8, int(rng.integers(5, 30))))
+        for j in range(int(rng.integers(0, 3)))
+    )
+    return frees, growths, admissions
+
+
+@pytest.mark.parametrize("config", [FULL, HYBRID], ids=["full", "hybrid"])
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_columns_match_messages_step_for_step(config: PoolConfig, seed: int) -> None:
+    states = [ServiceState(config, Limits(), debug_invariants=True) for _ in range(2)]
+    clients = [scheduler(s) for s in states]
+    rng = np.random.default_rng(seed)
+    running: dict[str, int] = {}
+    num_no_capacity = 0
+    for step_id in range(1, 60):
+        frees, growths, admissions = workload_step(rng, running, step_id)
+        results = []
+        for state, me, columnar in zip(states, clients, (False, True), strict=True):
+            kw: dict[str, object] = (
+                {"growth_columns": columns_of(growths)} if columnar else {"growths": tuple(growths)}
+            )
+            command = StepCommand(1.0, me[0], me[1], step_id, frees, admissions=admissions, **kw)
+            results.append(state.step(command))
+        assert results[0] == results[1]
+        for rid in frees:
+            del running[rid]
+        statuses = {o.request_id: o.status for o in results[0].results}
+        for g in growths:
+            if statuses.get(g.request_id, AllocationStatus.OK) is AllocationStatus.OK:
+                running[g.request_id] += len(g.new_token_ids)
+            else:
+                num_no_capacity += 1
+                del running[g.request_id]  # preempted
+                for state, me in zip(states, clients, strict=True):
+                    state.manager.free(g.request_id)
+                    del state._requests[g.request_id]
+                    state._clients[me[0]].request_ids.discard(g.request_id)
+        for a in admissions:
+            if statuses[a.request_id] is AllocationStatus.OK:
+                running[a.request_id] = len(a.token_ids)
+        for rid in running:
+            assert states[0].request_info(rid) == states[1].request_info(rid)
+        assert states[0].manager.pool.free_queue() == states[1].manager.pool.free_queue()
+    assert num_no_capacity > 0, "the workload should run the pool dry at least once"
+
+
+def two_running() -> tuple[ServiceState, tuple[str, int]]:
+    state = ServiceState(FULL, Limits(), debug_invariants=True)
+    me = scheduler(state)
+    state.step(
+        StepCommand(
+            1.0,
+            me[0],
+            me[1],
+            1,
+            admissions=(Admission("a", tokens(0, 7)), Admission("b", tokens(50, 90))),
+        )
+    )
+    return state, me
+
+
+def decodes(ids: list[str], toks: list[int]) -> GrowthColumns:
+    return GrowthColumns.decodes(ids, np.array(toks, dtype=np.int32))
+
+
+def replace_column(cols: GrowthColumns, **changes: object) -> GrowthColumns:
+    fields = {name: getattr(cols, name) for name in GrowthColumns.__slots__}
+    fields.update(changes)
+    return GrowthColumns(**fields)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"growth_columns": decodes(["a", "zz"], [1, 2])}, NotFound, "zz"),
+        ({"growth_columns": decodes(["a", "a"], [1, 2])}, InvalidArgument, "grown twice"),
+        ({"growth_columns": decodes(["a"], [1]), "frees": ("a",)}, InvalidArgument, "freed"),
+        ({"growth_columns": decodes(["a", "b"], [1, -4])}, InvalidArgument, "'b'.*>= 0"),
+        # b holds 90 tokens; 7 more exceed max_model_len 96
+        (
+            {
+                "growth_columns": replace_column(
+                    decodes(["a", "b"], [1, 2]),
+                    new_token_ids=np.arange(8, dtype=np.int32),
+                    num_new_token_ids=np.array([1, 7], dtype=np.int32),
+                )
+            },
+            InvalidArgument,
+            "'b': 97 tokens exceed max_model_len 96",
+        ),
+        (
+            {"growth_columns": replace_column(decodes(["a"], [1]), new_token_ids=tokens(0, 2))},
+            InvalidArgument,
+            "adds up to 1 tokens but new_token_ids holds 2",
+        ),
+        (
+            {
+                "growth_columns": replace_column(
+                    decodes(["a", "b"], [1, 2]), num_new_tokens=np.array([1], dtype=np.int32)
+                )
+            },
+            InvalidArgument,
+            "num_new_tokens has 1 entries for 2 growths",
+        ),
+        (
+            {
+                "growth_columns": replace_column(
+                    decodes(["a"], [1]), num_new_tokens=np.array([0], dtype=np.int32)
+                )
+            },
+            InvalidArgument,
+            "num_new_tokens must be >= 1",
+        ),
+        (
+            {
+                "growth_columns": replace_column(
+                    decodes(["a"], [1]), num_computed_tokens=np.array([-2], dtype=np.int32)
+                )
+            },
+            InvalidArgument,
+            "num_computed_tokens -2",
+        ),
+        (
+            {
+                "growth_columns": replace_column(
+                    decodes(["a"], [1]), num_new_tokens=np.array([5], dtype=np.int32)
+                )
+            },
+            InvalidArgument,
+            "exceed its 8 tokens",
+        ),
+        (
+            {"growth_columns": decodes(["a"], [1]), "growths": (Growth("b", 1, tokens(0, 1)),)},
+            InvalidArgument,
+            "not both",
+        ),
+    ],
+)
+def test_bad_columns_change_nothing(kwargs, error, match) -> None:
+    state, me = two_running()
+    before = {rid: state.request_info(rid) for rid in ("a", "b")}
+    queue = state.manager.pool.free_queue()
+    with pytest.raises(error, match=match):
+        state.step(StepCommand(2.0, me[0], me[1], 2, **kwargs))
+    assert {rid: state.request_info(rid) for rid in ("a", "b")} == before
+    assert state.manager.pool.free_queue() == queue
+
+
+def test_columns_of_another_client_are_refused() -> None:
+    state, _ = two_running()
+    other = scheduler(state)
+    with pytest.raises(PermissionDenied):
+        state.step(StepCommand(2.0, other[0], other[1], 1, growth_columns=decodes(["a"], [1])))
+
+
+def test_columns_round_trip_through_the_journal_codec() -> None:
+    cols = columns_of(
+        [
+            Growth("a", 1, tokens(5, 1)),
+            Growth("b", 3, tokens(9, 0), num_computed_tokens=17, num_lookahead_tokens=2),
+            Growth("c", 2, tokens(1, 2)),
+        ]
+    )
+    command = StepCommand(3.5, "s-1", 2, 7, ("x",), growth_columns=cols)
+    decoded, _ = decode_command(encode_command(command))
+    assert decoded.growths == ()
+    got = decoded.growth_columns
+    assert got is not None and got.request_ids == cols.request_ids
+    for name in GrowthColumns.__slots__[1:]:
+        assert getattr(got, name).tolist() == getattr(cols, name).tolist(), name
+    uniform = GrowthColumns.decodes(["a", "b"], np.array([3, 4], dtype=np.int32))
+    decoded, _ = decode_command(encode_command(StepCommand(1.0, "s", 1, 1, growth_columns=uniform)))
+    assert decoded.growth_columns is not None
+    assert decoded.growth_columns.new_token_ids.tolist() == [3, 4]
+    assert decoded.growth_columns.num_computed_tokens.tolist() == [-1, -1]
