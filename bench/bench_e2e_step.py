@@ -11,8 +11,11 @@ as ``page_hashes``); ``--with-hashing`` adds rows where both sides hash inside t
 
 pagekeeper rows (``PagekeeperClient`` + ``pagekeeper serve`` subprocess on loopback):
 
-* ``batched``: ``free_later`` x4, ``allocate_slots`` x256 (answered locally unless a page
-  is needed, then queued), ``admit(sync=False)`` x4, ``step(batch=...)``: one round trip.
+* ``batched, allocate_decodes``: ``free_later`` x4, one ``allocate_decodes`` for the 256
+  decodes (no call; the ids that need a page come back, their pages with the step),
+  ``admit(sync=False)`` x4, ``step(batch=...)``: one round trip.
+* ``batched, allocate_slots x256``: the same with one ``allocate_slots`` per decode
+  (answered locally unless a page is needed, then queued).
 * ``vLLM-shaped, sync crossings``: what vLLM's scheduler needs from its KV manager -- a
   decode that crosses into a new page asks at once (``allocate_slots(sync=True)``), each
   admission is answered at once (``admit()``), then the step publishes: 1 + crossings +
@@ -27,7 +30,12 @@ shared/VLLM_ANCHOR.md) driven over a pipe, one step per request, interleaved A B
 the pagekeeper samples so machine drift hits both alike. Medians; ratio = vLLM / pagekeeper
 (> 1: pagekeeper faster).
 
+The service runs with its default durability (``process``: every step journaled to SQLite
+before it is answered) unless ``--durability none`` is given (no journal, like vLLM's
+in-process manager).
+
     .venv/bin/python bench/bench_e2e_step.py [--steps 60] [--with-hashing] [--no-vllm]
+                                             [--durability none|process|fsync]
 """
 
 from __future__ import annotations
@@ -60,9 +68,10 @@ RUNNING = 256
 PROMPT_LEN = 2_000
 PREFIX_LEN = 1_024
 NEW_PER_STEP = 4
-MODES = ("batched", "sync", "deferred")
+MODES = ("decodes", "batched", "sync", "deferred")
 MODE_NAMES = {
-    "batched": "batched",
+    "decodes": "batched, allocate_decodes",
+    "batched": "batched, allocate_slots x256",
     "sync": "vLLM-shaped, sync crossings",
     "deferred": "vLLM-shaped, deferred ids",
 }
@@ -232,7 +241,7 @@ def vllm_available() -> bool:
 class Server:
     """``pagekeeper serve`` on ephemeral loopback ports."""
 
-    def __init__(self) -> None:
+    def __init__(self, durability: str | None = None) -> None:
         self.workdir = Path(tempfile.mkdtemp(prefix="pk-bench-e2e-"))
         ready = self.workdir / "ready.json"
         env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEKEEPER_")}
@@ -250,6 +259,7 @@ class Server:
                 "--publish-transport", "none",
                 "--lease-ttl-s", "300",
                 "--log-level", "warning",
+                *(["--durability", durability] if durability else []),
             ],
             stdout=self.log,
             stderr=subprocess.STDOUT,
@@ -307,13 +317,22 @@ class PkSide:
         new_ids = [f"{self.tag}-s{self.count}_{j}" for j in range(NEW_PER_STEP)]
         prompts = work.prompts[NEW_PER_STEP * s : NEW_PER_STEP * (s + 1)]
         hashes = self.hashes[NEW_PER_STEP * s : NEW_PER_STEP * (s + 1)]
-        sync = self.mode != "batched"
+        sync = self.mode not in ("batched", "decodes")
         rpcs0 = client.stats.num_rpcs
         allocate_slots, admit = client.allocate_slots, client.admit
         crossings = 0
         t0 = time.perf_counter()
         client.free_later(*(self.running.popleft() for _ in range(NEW_PER_STEP)))
-        for rid, token in zip(self.running, work.decode_tokens[s], strict=False):
+        if self.mode == "decodes":
+            # The whole decode step in one call (no RPC): the ids that need a page come back.
+            crossings = len(
+                client.allocate_decodes(
+                    list(self.running), work.decode_tokens[s][: len(self.running)]
+                )
+            )
+        for rid, token in zip(
+            self.running if self.mode != "decodes" else (), work.decode_tokens[s], strict=False
+        ):
             got = allocate_slots(rid, 1, new_token_ids=(token,), sync=sync)
             if not got.is_local:
                 crossings += 1
@@ -366,6 +385,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--with-hashing", action="store_true")
     parser.add_argument("--no-vllm", action="store_true")
+    parser.add_argument("--durability", help="the service's durability (default: its own)")
+    parser.add_argument(
+        "--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}"
+    )
     parser.add_argument("--json", help="write the raw medians here")
     parser.add_argument("--vllm-child", nargs=2, type=int, metavar=("SEED", "STEPS"))
     args = parser.parse_args(argv)
@@ -379,12 +402,15 @@ def main(argv: list[str] | None = None) -> int:
     total = args.steps + args.warmup
     # Each pagekeeper side gets a workload of the same shape but its own tokens (the two
     # share one pool: identical prompts would hit each other's pages); vLLM gets the first.
+    modes = [m for m in args.modes.split(",") if m]
+    if not modes or set(modes) - set(MODES):
+        parser.error(f"--modes: choose from {','.join(MODES)}")
     works = {mode: Workload.make(args.seed + k, total) for k, mode in enumerate(MODES)}
     hashes = {mode: [hash_pages(p, PAGE) for p in w.prompts] for mode, w in works.items()}
     have_vllm = not args.no_vllm and vllm_available()
     flavours = [False, True] if args.with_hashing else [False]
 
-    server = Server()
+    server = Server(args.durability)
     clients: list[Any] = []
     results: dict[str, Any] = {}
     try:
@@ -394,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
             sides = {}
             for client in clients:  # the previous flavour's requests leave the pool
                 client.close()
-            for mode in MODES:
+            for mode in modes:
                 client = PagekeeperClient(
                     server.address, timeout=60, defer_page_ids=mode == "deferred"
                 )
@@ -403,9 +429,9 @@ def main(argv: list[str] | None = None) -> int:
                 side = PkSide(client, works[mode], mode, with_hashing, hashes[mode])
                 side.setup(f"{mode}{int(with_hashing)}")
                 sides[mode] = side
-            samples: dict[str, list[float]] = {mode: [] for mode in (*MODES, "vllm")}
+            samples: dict[str, list[float]] = {mode: [] for mode in (*modes, "vllm")}
             for r in range(total):
-                order = [*MODES, "vllm"]
+                order = [*modes, "vllm"]
                 if r % 2:
                     order.reverse()  # A B C C B A: drift hits every side alike
                 for name in order:
@@ -419,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
             cut = args.warmup
             suffix = " + hashing" if with_hashing else ""
             vl = samples["vllm"][cut:] or None
-            for mode in MODES:
+            for mode in modes:
                 rows.append((MODE_NAMES[mode] + suffix, samples[mode][cut:], vl, sides[mode]))
         floor_client = clients[-1]
         floor = [empty_step_sample(floor_client)() for _ in range(args.steps)]
@@ -431,7 +457,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"One scheduling step: {RUNNING} decodes + {NEW_PER_STEP} admissions of {PROMPT_LEN} "
         f"tokens ({PREFIX_LEN} cached) + {NEW_PER_STEP} frees; pool {POOL_PAGES:,} pages of "
-        f"{PAGE}; medians of {args.steps} interleaved steps.\n"
+        f"{PAGE}; medians of {args.steps} interleaved steps; service durability: "
+        f"{args.durability or 'default (process)'}.\n"
     )
     print("| pagekeeper mode | pagekeeper e2e | RPCs / step | vLLM in-process | ratio (vLLM/pk) |")
     print("|---|---:|---:|---:|---:|")

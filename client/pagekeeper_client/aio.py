@@ -445,6 +445,34 @@ class AsyncPagekeeperClient:
         assert admission.result is not None
         return admission.result
 
+    async def allocate_decodes(
+        self,
+        request_ids: Sequence[str],
+        token_ids: TokenIds,
+        *,
+        num_lookahead_tokens: int = 0,
+    ) -> list[str]:
+        """See :meth:`PagekeeperClient.allocate_decodes` (never awaits a call unless the
+        queue must be sent first for ordering)."""
+        state = self._scheduler()
+        if state.must_flush_before_decodes(request_ids):
+            self.stats.num_ordering_flushes += 1
+            await self._send_step(None, None)
+        growths = state.plan_decodes(request_ids, token_ids, num_lookahead_tokens)
+        if state.has_admissions_queued and any(g.needs_pages for g in growths):
+            for growth in reversed(growths):
+                state.unplan_growth(growth)
+            self.stats.num_ordering_flushes += 1
+            await self._send_step(None, None)
+            growths = state.plan_decodes(request_ids, token_ids, num_lookahead_tokens)
+        need_pages = []
+        for growth in growths:
+            state.queue_growth(growth)
+            if not growth.is_local:
+                need_pages.append(growth.request_id)
+        self.stats.num_local_answers += len(growths) - len(need_pages)
+        return need_pages
+
     async def allocate_slots(
         self,
         request_id: str,

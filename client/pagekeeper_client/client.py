@@ -602,6 +602,10 @@ class SchedulerState:
         return bool(self._frees or self._growths or self._admissions)
 
     @property
+    def has_admissions_queued(self) -> bool:
+        return bool(self._admissions)
+
+    @property
     def num_queued(self) -> int:
         return len(self._frees) + len(self._growths) + len(self._admissions)
 
@@ -709,6 +713,86 @@ class SchedulerState:
         t.num_computed_tokens = computed + num_new_tokens
         t.pending = growth
         return growth
+
+    def must_flush_before_decodes(self, request_ids: Sequence[str]) -> bool:
+        """``must_flush_before_growth`` for a whole decode step."""
+        requests, admitting = self.requests, self._admitting
+        for request_id in request_ids:
+            t = requests.get(request_id)
+            if (t is not None and t.pending is not None) or request_id in admitting:
+                return True
+        return False
+
+    def plan_decodes(
+        self, request_ids: Sequence[str], token_ids: TokenIds, num_lookahead_tokens: int
+    ) -> list[_PendingGrowth]:
+        """``plan_growth(rid, 1, [token], None, lookahead)`` for every request, checked as a
+        whole first (nothing planned when one is bad)."""
+        n = len(request_ids)
+        if len(token_ids) != n:
+            raise InvalidArgumentError(f"{len(token_ids)} token ids for {n} decoding requests")
+        if num_lookahead_tokens < 0:
+            raise InvalidArgumentError("num_lookahead_tokens must be >= 0")
+        token_bytes = encode_i32(token_ids)
+        requests = self.requests
+        tracked = []
+        for request_id in request_ids:
+            t = requests.get(request_id)
+            if t is None:
+                raise NotFoundError(self._missing(request_id))
+            if t.num_tokens >= self.max_model_len:
+                raise InvalidArgumentError(
+                    f"request {request_id!r}: {t.num_tokens + 1} tokens exceed max_model_len "
+                    f"{self.max_model_len}"
+                )
+            tracked.append(t)
+        if len(set(request_ids)) != n:
+            raise InvalidArgumentError("a request decodes twice in one call")
+        if not self._is_simple:
+            growths: list[_PendingGrowth] = []
+            for i, request_id in enumerate(request_ids):
+                growths.append(
+                    self.plan_growth(
+                        request_id,
+                        1,
+                        token_ids[i : i + 1],
+                        None,
+                        num_lookahead_tokens,
+                    )
+                )
+            return growths
+        # One full-attention group: plan_growth's arithmetic inline, one object per decode.
+        page_size, max_len = self._page_size0, self.max_model_len
+        growths = []
+        append = growths.append
+        for i, (request_id, t) in enumerate(zip(request_ids, tracked, strict=True)):
+            num_tokens = t.num_tokens
+            computed = t.num_computed_tokens
+            num_slots = computed + 1 + num_lookahead_tokens
+            if num_slots > max_len:
+                num_slots = max_len
+            num_needed = -(-num_slots // page_size) - len(t.pages[0])
+            needs = num_needed > 0
+            growth = _PendingGrowth(
+                request_id,
+                token_bytes[4 * i : 4 * i + 4],
+                computed,
+                1,
+                num_lookahead_tokens,
+                needs,
+                num_needed if needs else 0,
+                False,
+                num_tokens,
+                computed,
+                [],
+                t,
+                not needs,
+            )
+            t.num_tokens = num_tokens + 1
+            t.num_computed_tokens = computed + 1
+            t.pending = growth
+            append(growth)
+        return growths
 
     def growth_needs_ordering_flush(self, growth: _PendingGrowth) -> bool:
         # Growths apply before admissions: one that changes the pool may not overtake one.
@@ -1565,6 +1649,39 @@ class PagekeeperClient:
         if result is None:  # not listed: it fitted after all
             return SlotAllocation(request_id, AllocationStatus.OK)
         return SlotAllocation(request_id, result.status, result.new_page_ids, reason=result.reason)
+
+    def allocate_decodes(
+        self,
+        request_ids: Sequence[str],
+        token_ids: TokenIds,
+        *,
+        num_lookahead_tokens: int = 0,
+    ) -> list[str]:
+        """A whole decode step, queued with no call: request ``i`` appends
+        ``token_ids[i]`` and needs room for one more token (+ lookahead), exactly as
+        ``allocate_slots(rid, 1, new_token_ids=[token])`` for each, at a fraction of the
+        cost. Returns the ids whose token needs a new page (PENDING: their pages come with
+        the next ``step()``'s results); the rest fit in their pages. Checked as a whole
+        first: on a bad id or token nothing is queued."""
+        state = self._scheduler()
+        if state.must_flush_before_decodes(request_ids):
+            self.stats.num_ordering_flushes += 1
+            self._send_step(None, None)
+        growths = state.plan_decodes(request_ids, token_ids, num_lookahead_tokens)
+        if state.has_admissions_queued and any(g.needs_pages for g in growths):
+            # A page-taking growth may not overtake a queued admission: send those first.
+            for growth in reversed(growths):
+                state.unplan_growth(growth)
+            self.stats.num_ordering_flushes += 1
+            self._send_step(None, None)
+            growths = state.plan_decodes(request_ids, token_ids, num_lookahead_tokens)
+        need_pages = []
+        for growth in growths:
+            state.queue_growth(growth)
+            if not growth.is_local:
+                need_pages.append(growth.request_id)
+        self.stats.num_local_answers += len(growths) - len(need_pages)
+        return need_pages
 
     def free_later(self, *request_ids: str) -> None:
         """Queue frees for the next step (no call). The requests leave the client's view at

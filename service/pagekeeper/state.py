@@ -928,12 +928,14 @@ class ServiceState:
                 f"batch of {len(batch.request_ids)} requests exceeds max_requests_per_step "
                 f"{limits.max_requests_per_step}"
             )
-        seen: set[str] = set()
-        for request_id in batch.request_ids:
-            if request_id in seen:
-                raise InvalidArgument(f"request {request_id!r} appears twice in the batch")
-            seen.add(request_id)
-            if request_id in admitted:
+        batch_ids = batch.request_ids
+        if len(set(batch_ids)) != len(batch_ids):
+            seen: set[str] = set()
+            dup = next(r for r in batch_ids if r in seen or seen.add(r))  # type: ignore[func-returns-value]
+            raise InvalidArgument(f"request {dup!r} appears twice in the batch")
+        for request_id in batch_ids:
+            # Grown and admitted requests were checked above (owned, not freed).
+            if request_id in grown or request_id in admitted:
                 continue
             if request_id in freed:
                 raise InvalidArgument(f"request {request_id!r} is freed and in the batch")

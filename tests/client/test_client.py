@@ -446,3 +446,98 @@ def test_deferred_page_ids_answer_sync_growths_without_a_call(server_factory):
         assert len(new_page) == 1 and client.page_ids("d-a").tolist()[-1] == new_page[0]
         assert client.block_table("d-a").page_ids.tolist() == client.page_ids("d-a").tolist()
         assert client.stats.num_deferred_answers == 1
+
+
+FULL_SMALL_CONFIG = """
+[pool]
+num_pages = 24
+max_model_len = 512
+"""
+
+
+@pytest.mark.parametrize("config_text", [FULL_SMALL_CONFIG, HYBRID_CONFIG], ids=["full", "hybrid"])
+def test_allocate_decodes_matches_an_in_process_manager(server_factory, tmp_path, config_text):
+    """Whole decode steps queued with allocate_decodes (mixed with queued admissions, frees
+    and preemptions): every page equals the core's allocate_decodes in the same order, and
+    a decode step costs no call of its own."""
+    import tomllib
+
+    from pagekeeper.core.manager import PageManager
+    from pagekeeper.settings import from_tree
+
+    config = tmp_path / "pool.toml"
+    config.write_text(config_text)
+    server = server_factory("--config", str(config))
+    reference = PageManager(from_tree(tomllib.loads(config_text)).pool)
+    rng = np.random.default_rng(11)
+    counter = CountingInterceptor()
+    running: list[str] = []
+    num_preempted = num_crossings = 0
+    with PagekeeperClient(server.grpc_address, interceptors=[counter]) as client:
+        client.register("scheduler")
+        for step in range(80):
+            for rid in [r for r in running if rng.random() < 0.05]:
+                running.remove(rid)
+                client.free_later(rid)
+                reference.free(rid)
+            expected: dict[str, object] = {}
+            admitted = []
+            if rng.random() < 0.5:  # an admission queued *before* the decodes
+                rid = f"dec-{step}"
+                prompt = tokens(500 + step, int(rng.integers(5, 40)))
+                client.admit(rid, prompt, sync=False)
+                expected[rid] = reference.admit(rid, prompt)
+                admitted.append(rid)
+            toks = rng.integers(0, 50_000, len(running)).tolist()
+            before = counter.total
+            need_pages = client.allocate_decodes(running, toks)
+            flushed = counter.total - before
+            assert flushed <= 1  # at most the ordering flush for the admission
+            answers = reference.allocate_decodes(running, toks)
+            assert sorted(need_pages) == sorted(answers)  # the same requests need pages
+            num_crossings += len(need_pages)
+            expected.update(answers)
+            result = client.step(batch=running)
+            listed = result.by_request()
+            for rid, want in expected.items():
+                got = listed.get(rid)
+                if want is None:
+                    assert got is not None and got.status is AllocationStatus.NO_CAPACITY
+                    if rid in running:
+                        num_preempted += 1
+                        running.remove(rid)
+                        client.free_later(rid)
+                        reference.free(rid)
+                    continue
+                if got is None:  # an earlier ordering flush carried it
+                    continue
+                assert got.ok
+                assert [p.tolist() for p in got.new_page_ids] == [
+                    list(p) for p in want.new_page_ids
+                ]
+            running += [r for r in admitted if expected[r] is not None]
+            for rid in running:
+                for g in range(len(reference.groups)):
+                    assert client.page_ids(rid, g).tolist() == reference.page_table(rid, g).tolist()
+        assert num_crossings > 10 and num_preempted > 0
+        client.flush()
+        assert client.pool_info().counters.num_free_pages == reference.pool.num_free_pages
+
+
+def test_allocate_decodes_bad_input_queues_nothing(connect):
+    client = connect()
+    for rid in ("bd-a", "bd-b"):
+        client.admit(rid, tokens(900, 10))
+    before = client.stats.num_rpcs
+    with pytest.raises(NotFoundError):
+        client.allocate_decodes(["bd-a", "nope"], [1, 2])
+    with pytest.raises(InvalidArgumentError, match="twice"):
+        client.allocate_decodes(["bd-a", "bd-a"], [1, 2])
+    with pytest.raises(InvalidArgumentError, match="1 token ids for 2"):
+        client.allocate_decodes(["bd-a", "bd-b"], [1])
+    assert client.stats.num_rpcs == before
+    assert client.request("bd-a").num_tokens == 10 and not client.request("bd-a").is_pending
+    assert client.allocate_decodes(["bd-a", "bd-b"], [1, 2]) == []  # 11 tokens fit a page
+    assert client.step(batch=["bd-a", "bd-b"]).results == ()
+    assert client.block_table("bd-b").num_tokens == 11
+    client.free("bd-a", "bd-b")
