@@ -8,14 +8,17 @@ parsing, no work): the floor of one Python gRPC round trip carrying that payload
 
 Rows:
 
-* ``decode B=N fits``: N running requests, one decode token each, every one still fitting in
-  its last page (no allocation: the state's validation and the core's bookkeeping only);
+* ``decode B=N fits``: N running requests, one decode token each (growths in column form,
+  as ``PagekeeperClient`` sends them), every one still fitting in its last page (unmeasured
+  steps between samples step over page boundaries); at B=256 also with one ``Growth``
+  message per row;
 * ``decode B=N new page``: every row crosses into a new page this step (unmeasured filler
   steps bring the rows to a page boundary between samples);
 * ``admit 8x2000``: 8 new 2,000-token prompts (no cache hit: hashing + allocation), freed
   again by an unmeasured step;
-* ``sched step``: the core benchmark's scheduling step — 256 decodes + 4 admissions of
-  2,000 tokens sharing a 1,024-token prefix + 4 frees — in one ``Step``.
+* ``sched step``: the core benchmark's scheduling step — 256 decodes (staggered lengths:
+  about 16 cross into a new page) + 4 admissions of 2,000 tokens sharing a 1,024-token
+  prefix (hashed by the service) + 4 frees — in one ``Step``.
 
 ``ratio`` = step p50 / echo p50 (goal: <= 1.5). ``in-proc`` is the server's own work for
 the same Step (parse, convert, apply, convert back, serialize) measured on an in-process
@@ -157,15 +160,34 @@ class Driver:
             assert all(r.status == pb.ALLOCATION_STATUS_OK for r in reply.results)
 
 
-def fits_step(driver: Driver, ids: list[str], length: int) -> Callable[[], pb.StepRequest]:
-    """Each row: 1 new token whose slot is already in the row's last page. The growth names
-    ``num_computed_tokens = length - 1`` and brings no new token ids, so every sample sees
-    the same state (no drift, no allocation)."""
-    growths = [
-        pb.Growth(request_id=r, num_new_tokens=1, num_computed_tokens=length - 1) for r in ids
-    ]
-    batch = pb.Batch(request_ids=ids)
-    return lambda: driver.request(growths=growths, batch=batch)
+def decodes(driver: Driver, ids: list[str], lengths: dict[str, int], columns: bool = True):
+    """One plain decode per row (a token appended, one more slot), in column form (what
+    ``PagekeeperClient`` sends) or as one ``Growth`` message per row."""
+    token = int(driver.rng.integers(0, 50_000))
+    for r in ids:
+        lengths[r] += 1
+    if columns:
+        columns_msg = pb.GrowthColumns(request_ids=ids, new_token_ids=i32([token] * len(ids)))
+        return {"growth_columns": columns_msg}
+    tok = i32([token])
+    return {"growths": [pb.Growth(request_id=r, num_new_tokens=1, new_token_ids=tok) for r in ids]}
+
+
+def fits_step(driver: Driver, ids: list[str], lengths: dict[str, int], columns: bool = True):
+    """Samples where every row's new token fits in its last page; an unmeasured step
+    between samples moves rows off a page boundary (so no sample allocates)."""
+
+    def make() -> pb.StepRequest:
+        return driver.request(
+            **decodes(driver, ids, lengths, columns), batch=pb.Batch(request_ids=ids)
+        )
+
+    async def skip_boundaries() -> None:
+        pending = [r for r in ids if lengths[r] % PAGE_SIZE == 0]
+        if pending:
+            await driver.step(**decodes(driver, pending, lengths))
+
+    return make, skip_boundaries
 
 
 async def boundary_filler(driver: Driver, ids: list[str], lengths: dict[str, int]) -> None:
@@ -174,19 +196,19 @@ async def boundary_filler(driver: Driver, ids: list[str], lengths: dict[str, int
         pending = [r for r in ids if lengths[r] % PAGE_SIZE != 0]
         if not pending:
             return
-        growths = [
-            pb.Growth(request_id=r, num_new_tokens=1, new_token_ids=i32([7])) for r in pending
-        ]
-        await driver.step(growths=growths)
-        for r in pending:
-            lengths[r] += 1
+        await driver.step(**decodes(driver, pending, lengths))
 
 
-def crossing_step(driver: Driver, ids: list[str]) -> Callable[[], pb.StepRequest]:
-    token = i32([11])
-    growths = [pb.Growth(request_id=r, num_new_tokens=1, new_token_ids=token) for r in ids]
-    batch = pb.Batch(request_ids=ids)
-    return lambda: driver.request(growths=growths, batch=batch)
+def crossing_step(driver: Driver, ids: list[str], lengths: dict[str, int]):
+    """Samples where every row crosses into a new page (fillers between samples)."""
+
+    def make() -> pb.StepRequest:
+        return driver.request(**decodes(driver, ids, lengths), batch=pb.Batch(request_ids=ids))
+
+    async def refill() -> None:
+        await boundary_filler(driver, ids, lengths)
+
+    return make, refill
 
 
 # -- the in-process mirror ----------------------------------------------------------------
@@ -302,19 +324,17 @@ async def run(samples: int, workdir: Path) -> list[tuple[str, float, float, floa
         for batch_size in (1, 64, 256):
             ids = driver.new_ids(batch_size)
             await driver.admit(ids, prompt_len)
-            await measure(f"decode B={batch_size} fits", fits_step(driver, ids, prompt_len))
             lengths = dict.fromkeys(ids, prompt_len)
-            make_crossing = crossing_step(driver, ids)
-
-            async def refill(ids: list[str] = ids, lengths: dict[str, int] = lengths) -> None:
-                for r in ids:
-                    lengths[r] += 1
-                await boundary_filler(driver, ids, lengths)
-
+            make, between = fits_step(driver, ids, lengths)
+            await measure(f"decode B={batch_size} fits", make, between)
+            if batch_size == 256:
+                make, between = fits_step(driver, ids, lengths, columns=False)
+                await measure("  same, as messages", make, between)
+            make, between = crossing_step(driver, ids, lengths)
             await boundary_filler(driver, ids, lengths)
             # Rows grow one page per sample: keep the sample count within max_model_len.
-            count = min(samples, (MAX_MODEL_LEN - prompt_len) // PAGE_SIZE - 20)
-            await measure(f"decode B={batch_size} new page", make_crossing, refill, count)
+            count = min(samples, (MAX_MODEL_LEN - max(lengths.values())) // PAGE_SIZE - 20)
+            await measure(f"decode B={batch_size} new page", make, between, count)
             await driver.step(free_request_ids=ids)
 
         # Admissions: 8 new 2,000-token prompts, freed by an unmeasured step after each.
@@ -334,9 +354,14 @@ async def run(samples: int, workdir: Path) -> list[tuple[str, float, float, floa
 
         await measure("admit 8x2000", make_admissions, free_admitted)
 
-        # The scheduling step of the core benchmark.
+        # The scheduling step of the core benchmark: 256 running requests of staggered
+        # lengths (about 16 cross into a new page each step), 4 admissions, 4 frees.
         running = driver.new_ids(256)
-        await driver.admit(running, prompt_len)
+        sched_lengths: dict[str, int] = {}
+        for k in range(16):
+            group = running[k::16]
+            await driver.admit(group, prompt_len + k)
+            sched_lengths.update(dict.fromkeys(group, prompt_len + k))
         shared = driver.prompt(1024)
         cycle: list[str] = []
 
@@ -351,13 +376,9 @@ async def run(samples: int, workdir: Path) -> list[tuple[str, float, float, floa
                 )
                 for r in new
             ]
-            growths = [
-                pb.Growth(request_id=r, num_new_tokens=1, num_computed_tokens=prompt_len - 1)
-                for r in running
-            ]
             return driver.request(
                 free_request_ids=frees,
-                growths=growths,
+                **decodes(driver, running, sched_lengths),
                 admissions=admissions,
                 batch=pb.Batch(request_ids=running + new),
             )

@@ -171,6 +171,11 @@ class Growth:
     num_lookahead_tokens: int = 0
 
 
+# Fewer growths than this in column form take the per-growth path (cheaper than the
+# column form's fixed cost of a few dozen numpy calls).
+_MIN_COLUMN_GROWTHS = 8
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class GrowthColumns:
     """The same growths as a tuple of :class:`Growth`, column by column (growth ``i`` is
@@ -208,6 +213,31 @@ class GrowthColumns:
             np.full(n, num_lookahead_tokens, dtype=np.int32),
         )
 
+    def check_shape(self) -> None:
+        """Every per-growth column has one entry per growth and the token counts add up
+        (InvalidArgument naming the column otherwise)."""
+        n = len(self.request_ids)
+        columns = {
+            "num_new_tokens": self.num_new_tokens,
+            "num_new_token_ids": self.num_new_token_ids,
+            "num_computed_tokens": self.num_computed_tokens,
+            "num_lookahead_tokens": self.num_lookahead_tokens,
+        }
+        for name, column in columns.items():
+            if column.shape != (n,):
+                raise InvalidArgument(
+                    f"growth_columns.{name} has {column.size} entries for {n} growths"
+                )
+        counts = self.num_new_token_ids
+        if n and int(counts.min()) < 0:
+            raise InvalidArgument("growth_columns.num_new_token_ids must be >= 0")
+        total = int(counts.sum(dtype=np.int64))
+        if total != self.new_token_ids.size:
+            raise InvalidArgument(
+                f"growth_columns.num_new_token_ids adds up to {total} tokens but "
+                f"new_token_ids holds {self.new_token_ids.size}"
+            )
+
     def token_offsets(self) -> npt.NDArray[np.int64]:
         """Where each growth's tokens start in ``new_token_ids`` (n + 1 entries)."""
         offsets = np.zeros(len(self.request_ids) + 1, dtype=np.int64)
@@ -223,7 +253,7 @@ class GrowthColumns:
             self.request_ids[i],
             int(self.num_new_tokens[i]),
             self.new_token_ids[int(offsets[i]) : int(offsets[i + 1])],
-            None if computed < 0 else computed,
+            None if computed == -1 else computed,  # < -1 is refused by the validation
             int(self.num_lookahead_tokens[i]),
         )
 
@@ -811,7 +841,14 @@ class ServiceState:
                 f"step {client.last_step_id}"
             )
         try:
-            will_publish = self._validate_step(client, cmd)
+            if cmd.growth_columns is not None and cmd.growths:
+                raise InvalidArgument("a step carries growths or growth_columns, not both")
+            growths, columns = cmd.growths, cmd.growth_columns
+            if columns is not None and len(columns) < _MIN_COLUMN_GROWTHS:
+                # A handful of growths: the per-growth path costs less than the arrays.
+                columns.check_shape()
+                growths, columns = columns.growths(), None
+            will_publish = self._validate_step(client, cmd, growths, columns)
         except PagekeeperError:
             self.counters.num_steps_rejected += 1
             raise
@@ -825,15 +862,15 @@ class ServiceState:
             client.request_ids.discard(request_id)
         outcomes: list[AllocationOutcome] = []
         left_out: set[str] = set()
-        for growth in cmd.growths:
+        for growth in growths:
             outcome = self._apply_growth(growth)
             if outcome is None:
                 continue  # OK with no new page: the common decode, not listed
             if outcome.status is not AllocationStatus.OK:
                 left_out.add(growth.request_id)
             outcomes.append(outcome)
-        if cmd.growth_columns is not None:
-            self._apply_growth_columns(cmd.growth_columns, outcomes, left_out)
+        if columns is not None:
+            self._apply_growth_columns(columns, outcomes, left_out)
         for admission in cmd.admissions:
             outcome = self._apply_admission(client, admission)
             if outcome.status is not AllocationStatus.OK:
@@ -871,15 +908,18 @@ class ServiceState:
         self.counters.step_seconds.append(time.perf_counter() - started)
         return result
 
-    def _validate_step(self, client: ClientRecord, cmd: StepCommand) -> bool:
+    def _validate_step(
+        self,
+        client: ClientRecord,
+        cmd: StepCommand,
+        growths: tuple[Growth, ...],
+        columns: GrowthColumns | None,
+    ) -> bool:
         """Check the whole step against the state as it will be when each part applies;
         raise on the first problem. Returns whether the batch will be published."""
         limits = self.limits
         max_len = self.pool_config.max_model_len
-        columns = cmd.growth_columns
-        if columns is not None and cmd.growths:
-            raise InvalidArgument("a step carries growths or growth_columns, not both")
-        num_growths = len(cmd.growths) if columns is None else len(columns)
+        num_growths = len(growths) if columns is None else len(columns)
         num_items = len(cmd.frees) + num_growths + len(cmd.admissions)
         if num_items > limits.max_requests_per_step:
             raise ResourceExhausted(
@@ -895,7 +935,7 @@ class ServiceState:
                 raise InvalidArgument(f"request {request_id!r} is freed twice in one step")
             freed.add(request_id)
         grown: set[str] = set()
-        for growth in cmd.growths:
+        for growth in growths:
             request_id = growth.request_id
             record = self._check_owned(request_id, owner)
             if request_id in freed:
@@ -904,8 +944,8 @@ class ServiceState:
                 raise InvalidArgument(f"request {request_id!r} is grown twice in one step")
             grown.add(request_id)
             self._validate_growth(growth, record, max_len)
-        if cmd.growths:
-            _check_growth_tokens(cmd.growths)
+        if growths:
+            _check_growth_tokens(growths)
         if columns is not None:
             grown = self._validate_growth_columns(columns, owner, freed, max_len)
         admitted: set[str] = set()
@@ -971,28 +1011,10 @@ class ServiceState:
         messages); returns the grown request ids."""
         ids = cols.request_ids
         n = len(ids)
-        columns = {
-            "num_new_tokens": cols.num_new_tokens,
-            "num_new_token_ids": cols.num_new_token_ids,
-            "num_computed_tokens": cols.num_computed_tokens,
-            "num_lookahead_tokens": cols.num_lookahead_tokens,
-        }
-        for name, column in columns.items():
-            if column.shape != (n,):
-                raise InvalidArgument(
-                    f"growth_columns.{name} has {column.size} entries for {n} growths"
-                )
+        cols.check_shape()
         if n == 0:
             return set()
         counts = cols.num_new_token_ids
-        if int(counts.min()) < 0:
-            raise InvalidArgument("growth_columns.num_new_token_ids must be >= 0")
-        total = int(counts.sum(dtype=np.int64))
-        if total != cols.new_token_ids.size:
-            raise InvalidArgument(
-                f"growth_columns.num_new_token_ids adds up to {total} tokens but "
-                f"new_token_ids holds {cols.new_token_ids.size}"
-            )
 
         def first(bad: npt.NDArray[np.bool_]) -> str:
             return ids[int(np.flatnonzero(bad)[0])]
