@@ -241,8 +241,9 @@ def vllm_available() -> bool:
 class Server:
     """``pagekeeper serve`` on ephemeral loopback ports."""
 
-    def __init__(self, durability: str | None = None) -> None:
+    def __init__(self, durability: str | None = None, unix: bool = False) -> None:
         self.workdir = Path(tempfile.mkdtemp(prefix="pk-bench-e2e-"))
+        grpc_address = f"unix:{self.workdir / 'grpc.sock'}" if unix else "127.0.0.1:0"
         ready = self.workdir / "ready.json"
         env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEKEEPER_")}
         env["PAGEKEEPER_DATA_DIR"] = str(self.workdir / "data")
@@ -251,7 +252,7 @@ class Server:
         self.proc = subprocess.Popen(
             [
                 sys.executable, "-m", "pagekeeper", "serve",
-                "--grpc-address", "127.0.0.1:0",
+                "--grpc-address", grpc_address,
                 "--http-address", "127.0.0.1:0",
                 "--ready-file", str(ready),
                 "--num-pages", str(POOL_PAGES),
@@ -387,6 +388,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-vllm", action="store_true")
     parser.add_argument("--durability", help="the service's durability (default: its own)")
     parser.add_argument(
+        "--unix", action="store_true", help="gRPC over a unix socket (same-node schedulers)"
+    )
+    parser.add_argument(
         "--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}"
     )
     parser.add_argument("--json", help="write the raw medians here")
@@ -410,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     have_vllm = not args.no_vllm and vllm_available()
     flavours = [False, True] if args.with_hashing else [False]
 
-    server = Server(args.durability)
+    server = Server(args.durability, args.unix)
     clients: list[Any] = []
     results: dict[str, Any] = {}
     try:
@@ -458,7 +462,8 @@ def main(argv: list[str] | None = None) -> int:
         f"One scheduling step: {RUNNING} decodes + {NEW_PER_STEP} admissions of {PROMPT_LEN} "
         f"tokens ({PREFIX_LEN} cached) + {NEW_PER_STEP} frees; pool {POOL_PAGES:,} pages of "
         f"{PAGE}; medians of {args.steps} interleaved steps; service durability: "
-        f"{args.durability or 'default (process)'}.\n"
+        f"{args.durability or 'default (process)'}; gRPC over "
+        f"{'a unix socket' if args.unix else 'TCP loopback'}.\n"
     )
     print("| pagekeeper mode | pagekeeper e2e | RPCs / step | vLLM in-process | ratio (vLLM/pk) |")
     print("|---|---:|---:|---:|---:|")

@@ -67,6 +67,10 @@ class ValueDecodeError(ValueError):
     """The bytes are not a valid encoding (truncated, corrupt, or from another format)."""
 
 
+_BYTES_ONLY = {bytes}
+_STR_ONLY = {str}
+
+
 def encode(value: Any) -> bytes:
     """Encode a tree of None/bool/int/float/str/bytes/list/tuple/dict/ndarray."""
     out: list[bytes] = []
@@ -95,9 +99,11 @@ def _encode(value: Any, out: list[bytes]) -> None:
         out.append(b"b" + _U64.pack(len(data)))
         out.append(data)
     elif kind is list or kind is tuple:
-        if value and all(type(v) is bytes for v in value):
+        # One C-level pass over the item types (a step's page-hash lists are hundreds long).
+        types = set(map(type, value))
+        if types == _BYTES_ONLY:
             _encode_blobs(b"B", value, out)
-        elif value and all(type(v) is str for v in value):
+        elif types == _STR_ONLY:
             _encode_blobs(b"S", [v.encode("utf-8", "surrogatepass") for v in value], out)
         else:
             out.append(b"l" + _U32.pack(len(value)))
