@@ -190,3 +190,55 @@ def test_check_invariants_reports_corruption():
 def test_memory_per_page_is_small():
     pool = PagePool(1 << 20)
     assert pool.nbytes() / pool.num_pages <= 32
+
+
+def test_cached_free_pages_keep_their_cell_and_stale_cells_are_never_read():
+    """Positions are kept for cached free pages only (a hit takes them from the middle);
+    the cells a taken page leaves behind are stale and must not matter."""
+    pool = make(12)
+    a = pool.allocate(4)  # 1..4
+    b = pool.allocate(3)  # 5..7
+    cache(pool, a)
+    pool.free(a[::-1])  # cached: to the tail, positions kept
+    pool.free(b[::-1])  # uncached: to the head, no positions
+    assert pool.free_queue() == [7, 6, 5, 8, 9, 10, 11, 4, 3, 2, 1]
+    assert pool.check_invariants() == []
+    pool.touch([3])  # a hit on a cached free page: a hole where it was
+    assert pool.free_queue() == [7, 6, 5, 8, 9, 10, 11, 4, 2, 1]
+    got = pool.allocate(9)  # runs over the hole; evicts 4 and 2 on the way
+    assert got == [7, 6, 5, 8, 9, 10, 11, 4, 2]
+    assert pool.free_queue() == [1] and pool.check_invariants() == []
+    pool.free([9])
+    pool.free([7])  # uncached pages back in front of the stale cells they left
+    assert pool.free_queue() == [7, 9, 1] and pool.check_invariants() == []
+
+
+def test_touch_of_a_free_page_without_a_hash_still_finds_it():
+    pool = make(8)
+    pages = pool.allocate(3)
+    pool.free(pages[::-1])  # uncached, at the head: 3, 2, 1, 4, ...
+    pool.touch([2])  # not a prefix hit (no hash), but a valid call: searched for
+    assert pool.ref_count(2) == 1 and 2 not in pool.free_queue()
+    assert pool.free_queue() == [3, 1, 4, 5, 6, 7] and pool.check_invariants() == []
+
+
+def test_only_held_pages_are_cached():
+    pool = make(8)
+    page = pool.allocate(1)
+    pool.free(page)
+    with pytest.raises(InvariantViolation, match="free"):
+        cache(pool, page)
+    many = pool.allocate(6)
+    pool.free(many[-1:])
+    with pytest.raises(InvariantViolation, match="free"):
+        cache(pool, many)  # the bulk path: one of them is free
+    assert pool.num_cached_pages == 0 and pool.check_invariants() == []
+
+
+def test_check_invariants_reports_a_lost_position():
+    pool = make()
+    pages = pool.allocate(2)
+    cache(pool, pages)
+    pool.free(pages[::-1])
+    pool._pos[pages[0]] = pool._head  # corrupt: the cached free page points elsewhere
+    assert any("position" in p for p in pool.check_invariants())

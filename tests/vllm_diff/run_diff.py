@@ -538,10 +538,20 @@ class PagekeeperBackend:
 
     def step(self, rid: str, new_tokens: Sequence[int], num_new: int, lookahead: int) -> OpResult:
         self.tokens[rid].extend(new_tokens)
-        alloc = self.pm.allocate(
-            rid, num_new, new_token_ids=list(new_tokens), num_lookahead_tokens=lookahead
-        )
-        res = self._alloc_result(alloc)
+        if len(new_tokens) == 1 and num_new == 1:
+            # A plain decode: through the batched decode path (the service's hot path).
+            answers = self.pm.allocate_decodes(
+                [rid], list(new_tokens), num_lookahead_tokens=lookahead
+            )
+            if rid in answers:
+                res = self._alloc_result(answers[rid])
+            else:
+                res = OpResult(ok=True, new_pages=tuple(() for _ in self.pm.groups))
+        else:
+            alloc = self.pm.allocate(
+                rid, num_new, new_token_ids=list(new_tokens), num_lookahead_tokens=lookahead
+            )
+            res = self._alloc_result(alloc)
         res.hit_pages = None
         res.num_cached_tokens = None
         return res

@@ -276,7 +276,7 @@ class PageManager:
         s.num_free_pages = pool.num_free_pages
         s.num_used_pages = pool.num_used_pages
         s.num_cached_pages = pool.num_cached_pages
-        s.num_free_cached_pages = int(np.count_nonzero(pool._cached_np[pool._pos_np >= 0]))
+        s.num_free_cached_pages = int(np.count_nonzero(pool._cached_np[pool.free_mask()]))
         s.num_requests = len(self._requests)
         s.usage = pool.usage()
         s.num_evictions = pool.num_evictions
@@ -311,7 +311,7 @@ class PageManager:
         return {
             "ref_count": pool._ref_np.copy(),
             "is_cached": pool._cached_np.astype(bool),
-            "is_free": pool._pos_np >= 0,
+            "is_free": pool.free_mask(),
             "group": group,
         }
 

@@ -4,8 +4,8 @@ prefix-cache index, for every page of every KV-cache group.
 Memory is a few small integers per page in flat arrays, never a Python object per page::
 
     ref_count  int32  per page   how many requests hold it (0 = in the free queue)
-    position   int32  per page   its cell in the queue buffer, -1 when not queued
-    is_cached  uint8  per page   1 while the page is in the prefix-cache index
+    position   int32  per page   its cell in the queue buffer (kept for cached free pages)
+    is_cached  uint8  per page   group id + 1 while the page is in the prefix-cache index
     buffer     int32  2 x pages  the free queue, a double-ended run with holes
 
 The free queue is the same sequence vLLM keeps in its doubly linked list, stored as a
@@ -16,6 +16,13 @@ taking pages and squeezed out when the run is re-centred, which happens only whe
 end runs out of room (amortised O(1) per page). Each array is also exposed as a numpy
 view of the same memory, so bulk operations are vectorised while single-page operations
 stay on fast scalar indexing.
+
+Only what a later operation reads is written. A page is free exactly when its ref count
+is 0 (the null page aside). Its ``position`` is needed only to take it out of the middle
+of the queue, which happens only to cached pages (prefix hits), so it is written when a
+cached page is queued and nowhere else; cells outside ``[head, tail)`` are never read, so
+taking pages from the head does not clear them. Allocating and freeing a page thus costs
+two or three array writes, not five.
 """
 
 from __future__ import annotations
@@ -108,7 +115,13 @@ class PagePool:
         return None if page_hash is None else (self._cached[page_id] - 1, page_hash)
 
     def is_free(self, page_id: int) -> bool:
-        return page_id != NULL_PAGE and self._pos[page_id] >= 0
+        return page_id != NULL_PAGE and self._ref[page_id] == 0
+
+    def free_mask(self) -> npt.NDArray[np.bool_]:
+        """Per page: in the free queue (ref count 0, the null page excluded)."""
+        mask: npt.NDArray[np.bool_] = self._ref_np == 0
+        mask[NULL_PAGE] = False
+        return mask
 
     def ensure_groups(self, num_groups: int) -> None:
         while len(self._index) < num_groups:
@@ -126,30 +139,28 @@ class PagePool:
         live = run[run >= 0].copy()
         capacity = len(self._buf)
         start = (capacity - len(live)) // 2
-        self._buf_np[:] = -1
+        # Cells outside the run are never read: only the run itself is rewritten.
         self._buf_np[start : start + len(live)] = live
         self._pos_np[live] = np.arange(start, start + len(live), dtype=np.int32)
         self._head = start
         self._tail = start + len(live)
 
     def _prepend(self, pages: Sequence[int]) -> None:
+        """Queue uncached pages at the head (no position: nothing takes them out of the
+        middle)."""
         k = len(pages)
         if self._head < k:
             self._recenter()
         start = self._head - k
         if k <= _SMALL:
             self._buf[start : self._head] = array("i", pages)
-            pos = self._pos
-            for i, page in enumerate(pages, start):
-                pos[page] = i
         else:
-            ids = np.asarray(pages, dtype=np.int32)
-            self._buf_np[start : self._head] = ids
-            self._pos_np[ids] = np.arange(start, self._head, dtype=np.int32)
+            self._buf_np[start : self._head] = np.asarray(pages, dtype=np.int32)
         self._head = start
         self._num_free += k
 
     def _append(self, pages: Sequence[int]) -> None:
+        """Queue cached pages at the tail, with their positions (a hit may take them)."""
         k = len(pages)
         if self._tail + k > len(self._buf):
             self._recenter()
@@ -179,9 +190,7 @@ class PagePool:
             while page < 0:
                 head += 1
                 page = buf[head]
-            buf[head] = -1
             self._head = head + 1
-            self._pos[page] = -1
             self._ref[page] = 1
             self._num_free -= 1
             self.num_allocated_total += 1
@@ -195,34 +204,41 @@ class PagePool:
         head = self._head
         evicted: list[int] = []
         if num <= _SMALL:
-            buf, pos, ref, cached = self._buf, self._pos, self._ref, self._cached
-            pages: list[int] = []
-            take = pages.append
-            left = num
-            while left:
-                page = buf[head]
-                head += 1
-                if page < 0:
-                    continue  # a hole left by a page taken out of the middle
-                buf[head - 1] = -1
-                pos[page] = -1
-                ref[page] = 1
-                take(page)
-                if cached[page]:
-                    evicted.append(page)
-                left -= 1
+            buf, ref, cached = self._buf, self._ref, self._cached
+            end = head + num
+            run = buf[head:end]
+            if -1 not in run:
+                # No hole in the way (the common case): the pages are the next ``num`` cells.
+                pages = run.tolist()
+                head = end
+                for page in pages:
+                    ref[page] = 1
+                    if cached[page]:
+                        evicted.append(page)
+            else:
+                pages = []
+                take = pages.append
+                left = num
+                while left:
+                    page = buf[head]
+                    head += 1
+                    if page < 0:
+                        continue  # a hole left by a page taken out of the middle
+                    ref[page] = 1
+                    take(page)
+                    if cached[page]:
+                        evicted.append(page)
+                    left -= 1
         else:
             parts: list[npt.NDArray[np.int32]] = []
-            need, start = num, head
+            need = num
             while need:
                 seg = self._buf_np[head : head + need]
                 live = seg[seg >= 0]
                 parts.append(live)
                 head += len(seg)
                 need -= len(live)
-            self._buf_np[start:head] = -1
-            ids = np.concatenate(parts)
-            self._pos_np[ids] = -1
+            ids = parts[0] if len(parts) == 1 else np.concatenate(parts)
             self._ref_np[ids] = 1
             hit = self._cached_np[ids]
             if hit.any():
@@ -237,15 +253,19 @@ class PagePool:
 
     def touch(self, pages: Iterable[int]) -> None:
         """A prefix hit: take each page out of the free queue if needed, ref count +1."""
-        ref, pos, buf = self._ref, self._pos, self._buf
+        ref, pos, buf, cached = self._ref, self._pos, self._buf, self._cached
+        if type(pages) is not list:
+            pages = list(pages)
+        if NULL_PAGE in pages:  # one C-level scan instead of a test per page
+            pages = [p for p in pages if p != NULL_PAGE]
         removed = 0
         for page in pages:
-            if page == NULL_PAGE:
-                continue
             count = ref[page]
             if count == 0:
-                buf[pos[page]] = -1  # leave a hole: O(1) removal from the middle
-                pos[page] = -1
+                if cached[page]:
+                    buf[pos[page]] = -1  # leave a hole: O(1) removal from the middle
+                else:
+                    self._unqueue_uncached(page)
                 removed += 1
             ref[page] = count + 1
         if removed:
@@ -254,6 +274,15 @@ class PagePool:
             while head < tail and buf[head] < 0:
                 head += 1
             self._head = head
+
+    def _unqueue_uncached(self, page: int) -> None:
+        """Take a free page without a hash out of the queue. Prefix hits only ever touch
+        cached pages, whose positions are kept; this search is for any other caller."""
+        run = self._buf_np[self._head : self._tail]
+        cells = np.flatnonzero(run == page)
+        if len(cells) != 1:
+            raise InvariantViolation(f"free page {page} is queued {len(cells)} times")
+        self._buf[self._head + int(cells[0])] = -1
 
     def free(self, pages: Sequence[int] | npt.NDArray[np.int32]) -> None:
         """Drop one reference of each page; ``pages`` are in eviction order (a request's
@@ -286,28 +315,29 @@ class PagePool:
                         head = self._head
                     head -= 1
                     self._buf[head] = page
-                    self._pos[page] = head
                     self._head = head
                 self._num_free += 1
             return
         if len(pages) <= _SMALL:
             if type(pages) is not list:
                 pages = [int(p) for p in pages]
+            if NULL_PAGE in pages:  # one C-level scan instead of a test per page
+                pages = [p for p in pages if p != NULL_PAGE]
             ref, cached = self._ref, self._cached
             head_run = []
             tail_run = []
+            to_head, to_tail = head_run.append, tail_run.append
             for page in pages:
-                if page == NULL_PAGE:
-                    continue
                 count = ref[page] - 1
-                if count < 0:
-                    raise InvariantViolation(f"page {page} freed with ref count 0")
                 ref[page] = count
                 if count == 0:
                     if cached[page]:
-                        tail_run.append(page)
+                        to_tail(page)
                     else:
-                        head_run.append(page)
+                        to_head(page)
+                elif count < 0:
+                    ref[page] = 0
+                    raise InvariantViolation(f"page {page} freed with ref count 0")
         else:
             ids = np.asarray(pages, dtype=np.int32)
             ids = ids[ids != NULL_PAGE]
@@ -367,8 +397,8 @@ class PagePool:
         ):
             # The common case (a run of fresh pages with new hashes): bulk dict updates.
             ids = np.asarray(pages, dtype=np.int64)
-            if self._cached_np[ids].any():
-                raise InvariantViolation(f"pages {pages} include an already cached page")
+            if self._cached_np[ids].any() or not self._ref_np[ids].all():
+                raise InvariantViolation(f"pages {pages} include a cached or free page")
             index.update(zip(hashes, pages, strict=True))
             hash_of.update(zip(pages, hashes, strict=True))
             self._cached_np[ids] = tag
@@ -376,13 +406,16 @@ class PagePool:
                 group_id, pages, hashes, parent_hash, token_ids, page_size, lora_name
             )
             return
+        ref = self._ref
+        for page in pages:
+            # Only held pages are cached (a free page's queue position is not kept).
+            if page != NULL_PAGE and (cached[page] or not ref[page]):
+                raise InvariantViolation(f"page {page} is already cached or is free")
         stored_pages: list[int] = []
         stored_hashes: list[bytes] = []
         for page, page_hash in zip(pages, hashes, strict=True):
             if page == NULL_PAGE:
                 continue
-            if cached[page]:
-                raise InvariantViolation(f"page {page} is already cached")
             if page_hash in index:
                 dups.setdefault(page_hash, []).append(page)
             else:
@@ -498,9 +531,8 @@ class PagePool:
         n = self.num_pages
         run = self._buf_np[self._head : self._tail]
         queued = run[run >= 0]
-        outside = np.concatenate([self._buf_np[: self._head], self._buf_np[self._tail :]])
-        if (outside >= 0).any():
-            problems.append("queue buffer holds pages outside [head, tail)")
+        if not 0 <= self._head <= self._tail <= len(self._buf):
+            problems.append(f"queue bounds out of order: head {self._head}, tail {self._tail}")
         if len(queued) != self._num_free:
             problems.append(f"num_free={self._num_free} but the queue holds {len(queued)}")
         counts = np.bincount(queued, minlength=n) if len(queued) else np.zeros(n, np.int64)
@@ -517,11 +549,15 @@ class PagePool:
             problems.append(f"free-queue membership != (ref_count == 0) for pages {bad}")
         if (ref < 0).any():
             problems.append(f"negative ref counts at {np.flatnonzero(ref < 0)[:10].tolist()}")
-        cells = np.flatnonzero(self._pos_np >= 0)
-        if not np.array_equal(np.sort(cells), np.sort(queued)):
-            problems.append("position array disagrees with queue membership")
-        elif len(cells) and not np.array_equal(self._buf_np[self._pos_np[cells]], cells):
-            problems.append("position array does not point back at its pages")
+        # Cached free pages (the ones a prefix hit can take from the middle) know their cell.
+        cached_free = queued[self._cached_np[queued] != 0]
+        cells = self._pos_np[cached_free].astype(np.int64)
+        if len(cells) and (
+            (cells < self._head).any()
+            or (cells >= self._tail).any()
+            or not np.array_equal(self._buf_np[np.clip(cells, 0, len(self._buf) - 1)], cached_free)
+        ):
+            problems.append("a cached free page's position does not point at its cell")
         if expected_refs is not None:
             diff = np.flatnonzero(expected_refs[1:] != ref[1:].astype(np.int64)) + 1
             if len(diff):
