@@ -459,17 +459,12 @@ class AsyncPagekeeperClient:
             self.stats.num_ordering_flushes += 1
             await self._send_step(None, None)
         growths = state.plan_decodes(request_ids, token_ids, num_lookahead_tokens)
-        if state.has_admissions_queued and any(g.needs_pages for g in growths):
-            for growth in reversed(growths):
-                state.unplan_growth(growth)
+        if state.decodes_need_ordering_flush(growths):
+            state.unplan_decodes(growths)
             self.stats.num_ordering_flushes += 1
             await self._send_step(None, None)
             growths = state.plan_decodes(request_ids, token_ids, num_lookahead_tokens)
-        need_pages = []
-        for growth in growths:
-            state.queue_growth(growth)
-            if not growth.is_local:
-                need_pages.append(growth.request_id)
+        need_pages = state.queue_decodes(growths)
         self.stats.num_local_answers += len(growths) - len(need_pages)
         return need_pages
 

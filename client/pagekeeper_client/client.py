@@ -602,10 +602,6 @@ class SchedulerState:
         return bool(self._frees or self._growths or self._admissions)
 
     @property
-    def has_admissions_queued(self) -> bool:
-        return bool(self._admissions)
-
-    @property
     def num_queued(self) -> int:
         return len(self._frees) + len(self._growths) + len(self._admissions)
 
@@ -793,6 +789,23 @@ class SchedulerState:
             t.pending = growth
             append(growth)
         return growths
+
+    def decodes_need_ordering_flush(self, growths: Sequence[_PendingGrowth]) -> bool:
+        """A page-taking decode may not overtake a queued admission."""
+        return bool(self._admissions) and any(g.needs_pages for g in growths)
+
+    def unplan_decodes(self, growths: Sequence[_PendingGrowth]) -> None:
+        for growth in reversed(growths):
+            self.unplan_growth(growth)
+
+    def queue_decodes(self, growths: Sequence[_PendingGrowth]) -> list[str]:
+        """Queue planned decodes; returns the ids that need a new page."""
+        need_pages = []
+        for growth in growths:
+            self.queue_growth(growth)
+            if not growth.is_local:
+                need_pages.append(growth.request_id)
+        return need_pages
 
     def growth_needs_ordering_flush(self, growth: _PendingGrowth) -> bool:
         # Growths apply before admissions: one that changes the pool may not overtake one.
@@ -1668,18 +1681,12 @@ class PagekeeperClient:
             self.stats.num_ordering_flushes += 1
             self._send_step(None, None)
         growths = state.plan_decodes(request_ids, token_ids, num_lookahead_tokens)
-        if state.has_admissions_queued and any(g.needs_pages for g in growths):
-            # A page-taking growth may not overtake a queued admission: send those first.
-            for growth in reversed(growths):
-                state.unplan_growth(growth)
+        if state.decodes_need_ordering_flush(growths):
+            state.unplan_decodes(growths)
             self.stats.num_ordering_flushes += 1
             self._send_step(None, None)
             growths = state.plan_decodes(request_ids, token_ids, num_lookahead_tokens)
-        need_pages = []
-        for growth in growths:
-            state.queue_growth(growth)
-            if not growth.is_local:
-                need_pages.append(growth.request_id)
+        need_pages = state.queue_decodes(growths)
         self.stats.num_local_answers += len(growths) - len(need_pages)
         return need_pages
 

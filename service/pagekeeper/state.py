@@ -1184,7 +1184,7 @@ class ServiceState:
                     f"request {rid!r}: {len(hashes)} page hashes for {tokens.shape[0]} tokens "
                     f"(at most {num_full})"
                 )
-            if any(not h for h in hashes):
+            if not all(hashes):
                 raise InvalidArgument(f"request {rid!r}: page hashes must be non-empty")
         _validate_extra_keys(admission.extra_keys, rid, tokens.shape[0])
 

@@ -282,6 +282,33 @@ def test_async_client_has_the_same_api(pagekeeper_server):
     asyncio.run(main())
 
 
+def test_async_allocate_decodes(pagekeeper_server):
+    async def main() -> None:
+        async with AsyncPagekeeperClient(
+            pagekeeper_server.grpc_address, token=pagekeeper_server.token
+        ) as client:
+            await client.register("scheduler", name="async-decodes")
+            for rid in ("ad-a", "ad-b"):
+                assert (await client.admit(rid, tokens(700, 31))).ok  # 2 pages, 1 slot left
+            await client.admit("ad-c", tokens(800, 5), sync=False)  # queued before decodes
+            assert await client.allocate_decodes(["ad-a", "ad-b"], [1, 2]) == []
+            need = await client.allocate_decodes(["ad-a", "ad-b"], [3, 4])  # token 33
+            assert need == ["ad-a", "ad-b"] and client.stats.num_ordering_flushes >= 1
+            result = await client.step(batch=["ad-a", "ad-b"])
+            # The admission sent early by the ordering flush is reported here too.
+            by_id = result.by_request()
+            assert sorted(by_id) == ["ad-a", "ad-b", "ad-c"]
+            assert all(r.ok for r in by_id.values())
+            assert len(by_id["ad-a"].new_page_ids[0]) == len(by_id["ad-b"].new_page_ids[0]) == 1
+            for rid in ("ad-a", "ad-b"):
+                table = await client.block_table(rid)
+                assert table.num_tokens == 33
+                assert table.page_ids.tolist() == client.page_ids(rid).tolist()
+            await client.free("ad-a", "ad-b", "ad-c")
+
+    asyncio.run(main())
+
+
 HYBRID_CONFIG = """
 [pool]
 num_pages = 40

@@ -16,11 +16,16 @@ Token regions of one request in one group, at an allocation::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from functools import partial
+from itertools import takewhile
+from operator import is_not
 
 from pagekeeper.core.config import GroupConfig, GroupKind
 from pagekeeper.core.pool import NULL_PAGE, PagePool
 from pagekeeper.core.tables import PageRows
+
+_is_not_none = partial(is_not, None)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -60,14 +65,10 @@ class GroupManager:
     def find_cache_hit(self, hashes: Sequence[bytes], max_length: int) -> list[int]:
         """Pages of the longest cached prefix of at most ``max_length`` tokens (null pages
         where the kind needs none). Hashes are this group's, one per page."""
-        hit: list[int] = []
+        # The longest run of hashes found, in one C-level pass that stops at the first miss.
         index = self.pool.index(self.group_id)
-        for page_hash in hashes[: max_length // self.page_size]:
-            page = index.get(page_hash)
-            if page is None:
-                break
-            hit.append(page)
-        return hit
+        found: Iterator[int] = map(index.get, hashes[: max_length // self.page_size])  # type: ignore[arg-type]
+        return list(takewhile(_is_not_none, found))
 
     # -- per-request state ---------------------------------------------------------------
     def has(self, request_id: str) -> bool:

@@ -323,21 +323,38 @@ class PagePool:
                 pages = [int(p) for p in pages]
             if NULL_PAGE in pages:  # one C-level scan instead of a test per page
                 pages = [p for p in pages if p != NULL_PAGE]
-            ref, cached = self._ref, self._cached
+            ref, cached, buf, pos = self._ref, self._cached, self._buf, self._pos
+            if self._tail + len(pages) > len(buf):
+                self._recenter()
+            # Cached pages go straight into the cells after the tail (with their positions);
+            # pages without a hash are collected for one run in front of the head.
+            tail = start = self._tail
             head_run = []
-            tail_run = []
-            to_head, to_tail = head_run.append, tail_run.append
+            to_head = head_run.append
             for page in pages:
                 count = ref[page] - 1
                 ref[page] = count
                 if count == 0:
                     if cached[page]:
-                        to_tail(page)
+                        buf[tail] = page
+                        pos[page] = tail
+                        tail += 1
                     else:
                         to_head(page)
                 elif count < 0:
                     ref[page] = 0
+                    self._tail = tail
+                    self._num_free += tail - start
                     raise InvariantViolation(f"page {page} freed with ref count 0")
+            if tail != start:
+                self._tail = tail
+                self._num_free += tail - start
+                self.num_freed_total += tail - start
+            if head_run:
+                # One run, in the order given: the request's last page ends up at the head.
+                self._prepend(head_run)
+                self.num_freed_total += len(head_run)
+            return
         else:
             ids = np.asarray(pages, dtype=np.int32)
             ids = ids[ids != NULL_PAGE]
