@@ -179,6 +179,28 @@ class GroupManager:
         )
         self.num_cached_pages[request_id] = num_full
 
+    def cache_next(
+        self,
+        request_id: str,
+        hashes: Sequence[bytes],
+        token_ids: Sequence[int],
+        lora_name: str | None,
+    ) -> None:
+        """Enter the request's next full page into the index (``cache`` for the one page a
+        decode fills; the hashes already cover it)."""
+        k = self.num_cached_pages[request_id]
+        ps = self.page_size
+        self.pool.cache_one(
+            self.group_id,
+            self.rows.page(self.request_rows[request_id], k),
+            hashes[k],
+            parent_hash=hashes[k - 1] if k else None,
+            token_ids=token_ids[k * ps : (k + 1) * ps],
+            page_size=ps,
+            lora_name=lora_name,
+        )
+        self.num_cached_pages[request_id] = k + 1
+
     def free(self, request_id: str) -> None:
         """Release the request's pages, last to first (leading null pages dropped)."""
         row = self.request_rows.pop(request_id, None)

@@ -563,8 +563,14 @@ class PageManager:
                 ids.append(token)
                 if caching and len(ids) // hps > len(req.hashes):
                     self._extend_hashes(req, None)
-            if caching and min(end, len(ids)) // ps > num_cached_pages[rid]:
-                self._cache(req, end)
+            if caching:
+                num_full = min(end, len(ids)) // ps
+                num_done = num_cached_pages[rid]
+                if num_full == num_done + 1:
+                    # The page this token filled (ids checked, hashes already extended).
+                    group.cache_next(rid, req.hashes, ids, req.extra_keys.lora_name)
+                elif num_full > num_done:
+                    self._cache(req, end)
             req.num_computed_tokens = end
             req.scheduled_start = computed
             req.num_scheduled = 1

@@ -446,6 +446,31 @@ class PagePool:
                 group_id, stored_pages, stored_hashes, parent_hash, token_ids, page_size, lora_name
             )
 
+    def cache_one(
+        self,
+        group_id: int,
+        page: int,
+        page_hash: bytes,
+        *,
+        parent_hash: bytes | None,
+        token_ids: Sequence[int],
+        page_size: int,
+        lora_name: str | None,
+    ) -> None:
+        """``cache`` for the one page a decode just filled (the shortest path)."""
+        if self._cached[page] or not self._ref[page] or page == NULL_PAGE:
+            raise InvariantViolation(f"page {page} is already cached, free or the null page")
+        index = self._index[group_id]
+        if page_hash in index:
+            self._dups[group_id].setdefault(page_hash, []).append(page)
+        else:
+            index[page_hash] = page
+        self._cached[page] = group_id + 1
+        self._page_hash[page] = page_hash
+        self._stored_event(
+            group_id, (page,), (page_hash,), parent_hash, token_ids, page_size, lora_name
+        )
+
     def _stored_event(
         self,
         group_id: int,

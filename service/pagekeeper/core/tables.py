@@ -696,6 +696,12 @@ class PageRows:
         self._check_live(row)
         return int(self._num_pages[row])
 
+    def page(self, row: int, index: int) -> int:
+        """Entry ``index`` of a row (a live row, an index below its length)."""
+        if not 0 <= index < self._num_pages[row] or not self._is_live[row]:
+            raise InvalidArgument(f"row {row} has no page {index}")
+        return int(self._table[row, index])
+
     def row(self, row: int) -> Int32Array:
         """A read-only view of the row's pages. Being a view, it shows later
         :meth:`set_page` writes and the zeroes :meth:`release_row` leaves; copy it to keep
