@@ -29,8 +29,9 @@ PRECISE = {
 }
 
 
-def _examples(fuzz: Scheduler, worker: pb.RegisterClientResponse) -> dict[str, bytes]:
-    """One valid request per RPC (serialized), with real ids: mutations start here."""
+def _examples(fuzz: Scheduler, worker: pb.RegisterClientResponse) -> list[tuple[str, bytes]]:
+    """Valid requests (serialized) with real ids, one per RPC and a second ``Step`` whose
+    decodes travel in column form: mutations start here."""
     step = pb.StepRequest(
         client_id=fuzz.client_id,
         generation=fuzz.generation,
@@ -60,7 +61,26 @@ def _examples(fuzz: Scheduler, worker: pb.RegisterClientResponse) -> dict[str, b
         "ResetPrefixCache": pb.ResetPrefixCacheRequest(),
     }
     assert set(messages) == {m.name for m in SERVICE.methods}
-    return {name: m.SerializeToString() for name, m in messages.items()}
+    decoding = ["f-a", *COLUMN_IDS]
+    columns = pb.StepRequest(
+        client_id=fuzz.client_id,
+        generation=fuzz.generation,
+        step_id=10**9 + 1,
+        free_request_ids=["f-z"],
+        growth_columns=pb.GrowthColumns(
+            request_ids=decoding,
+            new_token_ids=i32([7] * (len(decoding) + 1)),
+            num_new_token_ids=i32([2] + [1] * (len(decoding) - 1)),
+            num_new_tokens=i32([2] + [1] * (len(decoding) - 1)),
+        ),
+        batch=pb.Batch(request_ids=decoding),
+    )
+    examples = [(name, m.SerializeToString()) for name, m in messages.items()]
+    return [*examples, ("Step", columns.SerializeToString())]
+
+
+# Running requests a column-form Step decodes (more than the per-growth threshold of 8).
+COLUMN_IDS = [f"f-c{i}" for i in range(9)]
 
 
 def _mutate(data: bytes, rng: np.random.Generator) -> bytes:
@@ -119,14 +139,15 @@ def run_rpc_fuzz(
     """Fuzz every RPC; returns the figures (inputs tried, refused, codes seen). The state
     digest is compared around every ``check_every``-th input (1: all of them)."""
     fuzz = Scheduler(server, "fuzz")
-    assert fuzz.admit("f-a", list(range(200, 240))).status == pb.ALLOCATION_STATUS_OK
+    for rid in ("f-a", "f-z", *COLUMN_IDS):
+        assert fuzz.admit(rid, list(range(200, 240))).status == pb.ALLOCATION_STATUS_OK
     examples = _examples(fuzz, worker)
     rng = np.random.default_rng(seed)
     channel = server.channel()
     tried = refused = 0
     codes: dict[str, int] = {}
     digest = state_digest(server)
-    for name, valid in examples.items():
+    for name, valid in examples:
         for i in range(inputs_per_rpc):
             data = _mutate(valid, rng) if i else rng.bytes(int(rng.integers(1, 64)))
             code = _call(server, channel, name, data)

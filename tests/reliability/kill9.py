@@ -20,9 +20,12 @@ from __future__ import annotations
 
 import os
 import select
+import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +51,47 @@ class CampaignResult:
     mid_snapshot_kills: int = 0
     rounds: list[tuple[int, int, int]] = field(default_factory=list)
     """(last acked, recovered last_seq, replayed) per crash."""
+
+
+def _is_sound(data_dir: Path) -> bool:
+    """Whether SQLite reads the database + WAL of ``data_dir`` without finding corruption
+    (checked on a copy: opening the real files would recover and rewrite them)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        for suffix in ("", "-wal"):
+            source = data_dir / f"{DB_NAME}{suffix}"
+            if source.exists():
+                shutil.copyfile(source, Path(tmp) / f"{DB_NAME}{suffix}")
+        try:
+            db = sqlite3.connect(Path(tmp) / DB_NAME)
+            try:
+                return db.execute("PRAGMA quick_check").fetchone()[0] == "ok"
+            finally:
+                db.close()
+        except sqlite3.DatabaseError:
+            return False
+
+
+def tear_wal(data_dir: Path, rng: np.random.Generator, attempts: int = 8) -> bool:
+    """Cut the WAL at a random byte, as a power loss without fsync may leave it, and drop
+    the wal-index (memory SQLite rebuilds on open). A power loss cannot take frames SQLite
+    had already synced: it syncs the WAL before copying frames into the database, so a cut
+    below frames that a checkpoint (under way at the kill) had copied leaves a state no
+    power loss produces, and SQLite reports it as corrupt. Such a cut is undone and a later
+    one drawn. Returns whether the WAL was torn."""
+    wal = data_dir / f"{DB_NAME}-wal"
+    original = wal.read_bytes()
+    low = 32
+    for _ in range(attempts):
+        if low >= len(original):
+            break
+        with open(wal, "r+b") as f:
+            f.truncate(int(rng.integers(low, len(original))))
+        (data_dir / f"{DB_NAME}-shm").unlink(missing_ok=True)
+        if _is_sound(data_dir):
+            return True
+        low = wal.stat().st_size + 1
+        wal.write_bytes(original)
+    return False
 
 
 def _read_line(proc: subprocess.Popen[bytes], timeout: float) -> str:
@@ -118,9 +162,7 @@ def run_campaign(
                 acked = max(acked, int(extra))
         torn = bool(tear_every) and round_number % tear_every == tear_every - 1
         wal = data_dir / f"{DB_NAME}-wal"
-        if torn and wal.exists() and wal.stat().st_size > 32:
-            with open(wal, "r+b") as f:
-                f.truncate(int(rng.integers(32, wal.stat().st_size)))
+        if torn and wal.exists() and wal.stat().st_size > 32 and tear_wal(data_dir, rng):
             result.torn += 1
         recovered, durability = recover(data_dir, POOLS[pool])
         report = durability.report
