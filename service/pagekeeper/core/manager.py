@@ -517,9 +517,10 @@ class PageManager:
         max_len = self._max_model_len
         longest = max((len(r.token_ids) for r in reqs), default=0)
         if longest + 1 > max_len:
-            rid = next(r.request_id for r in reqs if len(r.token_ids) + 1 > max_len)
+            bad = next(r for r in reqs if len(r.token_ids) + 1 > max_len)
             raise InvalidArgument(
-                f"request {rid!r}: {longest + 1} tokens exceed max_model_len {max_len}"
+                f"request {bad.request_id!r}: {len(bad.token_ids) + 1} tokens exceed "
+                f"max_model_len {max_len}"
             )
         out: dict[str, Allocation | None] = {}
         group = self._single_full
