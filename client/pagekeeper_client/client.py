@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import array
 import logging
+import operator
 import os
 import sys
 import threading
@@ -491,6 +492,9 @@ class _PendingGrowth:
     result: AllocationResult | None = None
     is_computed_given: bool = False
     """The caller named ``num_computed_tokens`` (else the mirror's count was used)."""
+    is_plain: bool = False
+    """A plain decode: one token, one new slot, the tracked computed count, no lookahead
+    (every column of the wire form takes its default)."""
 
     @property
     def mutates_pool(self) -> bool:
@@ -522,12 +526,20 @@ def _int32_column(values: list[int], default: int) -> bytes:
     return encode_i32(values)
 
 
+_IS_PLAIN = operator.attrgetter("is_plain")
+
+
 def growth_columns(growths: Sequence[_PendingGrowth]) -> pb.GrowthColumns:
     """The queued growths in column form: a decode step of hundreds of requests becomes
     their ids and one token array (the service applies its plain decodes in one call)."""
+    request_ids = [g.request_id for g in growths]
+    new_token_ids = b"".join([g.token_bytes for g in growths])
+    if all(map(_IS_PLAIN, growths)):
+        # A decode step: every other column is its default (one C-level pass to know it).
+        return pb.GrowthColumns(request_ids=request_ids, new_token_ids=new_token_ids)
     return pb.GrowthColumns(
-        request_ids=[g.request_id for g in growths],
-        new_token_ids=b"".join([g.token_bytes for g in growths]),
+        request_ids=request_ids,
+        new_token_ids=new_token_ids,
         num_new_token_ids=_int32_column([len(g.token_bytes) // 4 for g in growths], 1),
         num_new_tokens=_int32_column([g.num_new_tokens for g in growths], 1),
         # The mirror's computed count is the service's tracked one; it is sent only when a
@@ -704,6 +716,10 @@ class SchedulerState:
             tracked=t,
             is_local=not needs,
             is_computed_given=num_computed_tokens is not None,
+            is_plain=num_new_tokens == 1
+            and len(token_bytes) == 4
+            and num_computed_tokens is None
+            and num_lookahead_tokens == 0,
         )
         t.num_tokens = num_tokens
         t.num_computed_tokens = computed + num_new_tokens
@@ -759,6 +775,7 @@ class SchedulerState:
             return growths
         # One full-attention group: plan_growth's arithmetic inline, one object per decode.
         page_size, max_len = self._page_size0, self.max_model_len
+        plain = num_lookahead_tokens == 0
         growths = []
         append = growths.append
         for i, (request_id, t) in enumerate(zip(request_ids, tracked, strict=True)):
@@ -783,6 +800,7 @@ class SchedulerState:
                 [],
                 t,
                 not needs,
+                is_plain=plain,
             )
             t.num_tokens = num_tokens + 1
             t.num_computed_tokens = computed + 1
@@ -800,11 +818,10 @@ class SchedulerState:
 
     def queue_decodes(self, growths: Sequence[_PendingGrowth]) -> list[str]:
         """Queue planned decodes; returns the ids that need a new page."""
-        need_pages = []
-        for growth in growths:
-            self.queue_growth(growth)
-            if not growth.is_local:
-                need_pages.append(growth.request_id)
+        self._growths.extend(growths)
+        need_pages = [g.request_id for g in growths if not g.is_local]
+        if need_pages and self.free_pages_bound is not None:
+            self.free_pages_bound -= sum(g.num_pages_needed for g in growths)
         return need_pages
 
     def growth_needs_ordering_flush(self, growth: _PendingGrowth) -> bool:
