@@ -48,7 +48,7 @@ from pagekeeper.state import (  # noqa: E402
     Admission,
     Batch,
     ClientRole,
-    Growth,
+    GrowthColumns,
     HeartbeatCommand,
     Limits,
     RegisterCommand,
@@ -117,16 +117,16 @@ class Scenario:
 
     def decode(self, batch: int) -> StepCommand:
         ids = self.running[:batch]
-        growths = tuple(Growth(r, 1, _tokens(self.step_id + i, 1)) for i, r in enumerate(ids))
-        return self._step(growths=growths, batch=Batch(tuple(ids)))
+        # In column form, as PagekeeperClient sends a decode step.
+        columns = GrowthColumns.decodes(ids, _tokens(self.step_id, len(ids)))
+        return self._step(growth_columns=columns, batch=Batch(tuple(ids)))
 
     def sched_step(self) -> StepCommand:
         """256 decodes + 4 admissions of 2,000 tokens (1,024 shared) + 4 frees."""
         frees = tuple(self.running[:4])
         self.running = self.running[4:]
-        growths = tuple(
-            Growth(r, 1, _tokens(self.step_id + i, 1)) for i, r in enumerate(self.running[:256])
-        )
+        decoding = self.running[:256]
+        columns = GrowthColumns.decodes(decoding, _tokens(self.step_id, len(decoding)))
         admissions = []
         for _ in range(4):
             rid = f"r{self.next_request}"
@@ -136,7 +136,7 @@ class Scenario:
             )
             admissions.append(Admission(rid, prompt))
         self.running += [a.request_id for a in admissions]
-        return self._step(frees=frees, growths=growths, admissions=tuple(admissions))
+        return self._step(frees=frees, growth_columns=columns, admissions=tuple(admissions))
 
     def free_all(self) -> StepCommand:
         frees, self.running = tuple(self.running), []
@@ -294,14 +294,10 @@ def measure_rpc(samples: int) -> dict[str, float]:
                     fields = {"admissions": admissions}
                 else:
                     fields = {
-                        "growths": [
-                            pb.Growth(
-                                request_id=r,
-                                num_new_tokens=1,
-                                new_token_ids=_tokens(step_id, 1).tobytes(),
-                            )
-                            for r in rids
-                        ],
+                        "growth_columns": pb.GrowthColumns(
+                            request_ids=rids,
+                            new_token_ids=_tokens(step_id, len(rids)).tobytes(),
+                        ),
                         "batch": pb.Batch(request_ids=rids),
                     }
                 for k in _order(step_id):
