@@ -762,16 +762,16 @@ class SchedulerState:
             raise InvalidArgumentError("a request decodes twice in one call")
         if not self._is_simple:
             growths: list[_PendingGrowth] = []
-            for i, request_id in enumerate(request_ids):
-                growths.append(
-                    self.plan_growth(
-                        request_id,
-                        1,
-                        token_ids[i : i + 1],
-                        None,
-                        num_lookahead_tokens,
+            try:
+                for i, request_id in enumerate(request_ids):
+                    growths.append(
+                        self.plan_growth(
+                            request_id, 1, token_ids[i : i + 1], None, num_lookahead_tokens
+                        )
                     )
-                )
+            except PagekeeperError:
+                self.unplan_decodes(growths)  # nothing planned when one is refused
+                raise
             return growths
         # One full-attention group: plan_growth's arithmetic inline, one object per decode.
         page_size, max_len = self._page_size0, self.max_model_len
