@@ -281,12 +281,6 @@ class StepCommand:
     growth_columns: GrowthColumns | None = None
     """The growths in column form, instead of ``growths`` (not both)."""
 
-    def all_growths(self) -> tuple[Growth, ...]:
-        """The step's growths whichever form they came in (for readers, not the hot path)."""
-        if self.growth_columns is not None:
-            return self.growth_columns.growths()
-        return self.growths
-
 
 @dataclass(frozen=True, slots=True)
 class ExpireLeasesCommand:
@@ -970,8 +964,7 @@ class ServiceState:
             )
         batch_ids = batch.request_ids
         if len(set(batch_ids)) != len(batch_ids):
-            seen: set[str] = set()
-            dup = next(r for r in batch_ids if r in seen or seen.add(r))  # type: ignore[func-returns-value]
+            dup = _first_repeat(batch_ids)
             raise InvalidArgument(f"request {dup!r} appears twice in the batch")
         for request_id in batch_ids:
             # Grown and admitted requests were checked above (owned, not freed).
@@ -1015,16 +1008,10 @@ class ServiceState:
         if n == 0:
             return set()
         counts = cols.num_new_token_ids
-
-        def first(bad: npt.NDArray[np.bool_]) -> str:
-            return ids[int(np.flatnonzero(bad)[0])]
-
         recs = [self._check_owned(rid, owner) for rid in ids]
         grown = set(ids)
         if len(grown) != n:
-            seen: set[str] = set()
-            dup = next(r for r in ids if r in seen or seen.add(r))  # type: ignore[func-returns-value]
-            raise InvalidArgument(f"request {dup!r} is grown twice in one step")
+            raise InvalidArgument(f"request {_first_repeat(ids)!r} is grown twice in one step")
         both = grown & freed
         if both:
             raise InvalidArgument(f"request {min(both)!r} is both freed and grown")
@@ -1032,24 +1019,24 @@ class ServiceState:
         lookahead = cols.num_lookahead_tokens.astype(np.int64)
         explicit = cols.num_computed_tokens.astype(np.int64)
         if (num_new < 1).any():
-            raise InvalidArgument(f"request {first(num_new < 1)!r}: num_new_tokens must be >= 1")
+            i = _first_true(num_new < 1)
+            raise InvalidArgument(f"request {ids[i]!r}: num_new_tokens must be >= 1")
         if (lookahead < 0).any():
-            raise InvalidArgument(
-                f"request {first(lookahead < 0)!r}: num_lookahead_tokens must be >= 0"
-            )
+            i = _first_true(lookahead < 0)
+            raise InvalidArgument(f"request {ids[i]!r}: num_lookahead_tokens must be >= 0")
         if cols.new_token_ids.size and int(cols.new_token_ids.min()) < 0:
             owner_of = np.repeat(np.arange(n), counts)
-            bad_token = int(np.flatnonzero(cols.new_token_ids < 0)[0])
-            raise InvalidArgument(f"request {ids[owner_of[bad_token]]!r}: token ids must be >= 0")
+            i = int(owner_of[_first_true(cols.new_token_ids < 0)])
+            raise InvalidArgument(f"request {ids[i]!r}: token ids must be >= 0")
         num_tokens = np.fromiter((r.num_tokens for r in recs), np.int64, n) + counts
         if (num_tokens > max_len).any():
-            i = int(np.flatnonzero(num_tokens > max_len)[0])
+            i = _first_true(num_tokens > max_len)
             raise InvalidArgument(
                 f"request {ids[i]!r}: {int(num_tokens[i])} tokens exceed max_model_len {max_len}"
             )
         bad = (explicit < -1) | (explicit > num_tokens)
         if bad.any():
-            i = int(np.flatnonzero(bad)[0])
+            i = _first_true(bad)
             raise InvalidArgument(
                 f"request {ids[i]!r}: num_computed_tokens {int(explicit[i])} outside "
                 f"[0, {int(num_tokens[i])}] (-1: tracked)"
@@ -1058,7 +1045,7 @@ class ServiceState:
         computed = np.where(explicit < 0, tracked, explicit)
         over = computed + num_new > num_tokens + lookahead
         if over.any():
-            i = int(np.flatnonzero(over)[0])
+            i = _first_true(over)
             raise InvalidArgument(
                 f"request {ids[i]!r}: {int(computed[i])} computed + {int(num_new[i])} new "
                 f"tokens exceed its {int(num_tokens[i])} tokens"
@@ -1100,14 +1087,13 @@ class ServiceState:
                     answers = None  # checked up front; if not, the general path says why
                 if answers is not None:
                     for rid in run:
-                        record = requests[rid]
-                        record.num_tokens += 1
-                        record.num_computed_tokens += 1
+                        # Absent: fitted in its pages; None: refused, nothing changed for it.
+                        if answers.get(rid, True) is not None:
+                            record = requests[rid]
+                            record.num_tokens += 1
+                            record.num_computed_tokens += 1
                     for rid, allocation in answers.items():
                         if allocation is None:
-                            record = requests[rid]
-                            record.num_tokens -= 1
-                            record.num_computed_tokens -= 1
                             left_out.add(rid)
                             outcomes.append(AllocationOutcome(rid, AllocationStatus.NO_CAPACITY))
                         else:
@@ -1564,6 +1550,21 @@ class ServiceState:
                 problems.append(f"request {rid!r} missing from its owner's set")
         if problems:
             raise InvariantViolation("; ".join(problems))
+
+
+def _first_repeat(ids: Sequence[str]) -> str:
+    """The first id that appears a second time (the caller knows there is one)."""
+    seen: set[str] = set()
+    for request_id in ids:
+        if request_id in seen:
+            return request_id
+        seen.add(request_id)
+    raise AssertionError("no repeated id")  # pragma: no cover - callers check first
+
+
+def _first_true(mask: npt.NDArray[np.bool_]) -> int:
+    """Index of the first True of a mask that has one."""
+    return int(np.flatnonzero(mask)[0])
 
 
 def _check_growth_tokens(growths: Sequence[Growth]) -> None:

@@ -548,22 +548,17 @@ class PageManager:
             if num_slots > max_len:
                 num_slots = max_len
             held = page_counts[rid]
-            if num_slots > held * ps:
-                needed = -(-num_slots // ps) - held
-                if needed > pool._num_free:
-                    self._stats.num_no_capacity += 1
-                    out[rid] = None
-                    continue
-                ids = req.token_ids
-                ids.append(token)
-                if caching and len(ids) // hps > len(req.hashes):
-                    self._extend_hashes(req, None)
+            needs_page = num_slots > held * ps
+            if needs_page and -(-num_slots // ps) - held > pool._num_free:
+                self._stats.num_no_capacity += 1
+                out[rid] = None
+                continue
+            ids = req.token_ids
+            ids.append(token)
+            if caching and len(ids) // hps > len(req.hashes):
+                self._extend_hashes(req, None)
+            if needs_page:
                 out[rid] = Allocation(rid, 0, (tuple(group.allocate_new(rid, num_slots)),))
-            else:
-                ids = req.token_ids
-                ids.append(token)
-                if caching and len(ids) // hps > len(req.hashes):
-                    self._extend_hashes(req, None)
             if caching:
                 num_full = min(end, len(ids)) // ps
                 num_done = num_cached_pages[rid]

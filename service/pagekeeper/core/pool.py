@@ -401,9 +401,7 @@ class PagePool:
         lora_name: str | None,
     ) -> None:
         """Enter full pages into the index (one ``stored`` event for the run)."""
-        index, dups = self._index[group_id], self._dups[group_id]
-        cached, hash_of = self._cached, self._page_hash
-        tag = group_id + 1
+        index, cached, hash_of = self._index[group_id], self._cached, self._page_hash
         if len(pages) != len(hashes):
             raise InvalidArgument(f"{len(pages)} pages but {len(hashes)} hashes")
         if (
@@ -418,7 +416,7 @@ class PagePool:
                 raise InvariantViolation(f"pages {pages} include a cached or free page")
             index.update(zip(hashes, pages, strict=True))
             hash_of.update(zip(pages, hashes, strict=True))
-            self._cached_np[ids] = tag
+            self._cached_np[ids] = group_id + 1
             self._stored_event(
                 group_id, pages, hashes, parent_hash, token_ids, page_size, lora_name
             )
@@ -433,12 +431,7 @@ class PagePool:
         for page, page_hash in zip(pages, hashes, strict=True):
             if page == NULL_PAGE:
                 continue
-            if page_hash in index:
-                dups.setdefault(page_hash, []).append(page)
-            else:
-                index[page_hash] = page
-            cached[page] = tag
-            hash_of[page] = page_hash
+            self._index_page(group_id, page, page_hash)
             stored_pages.append(page)
             stored_hashes.append(page_hash)
         if stored_pages:
@@ -460,6 +453,14 @@ class PagePool:
         """``cache`` for the one page a decode just filled (the shortest path)."""
         if self._cached[page] or not self._ref[page] or page == NULL_PAGE:
             raise InvariantViolation(f"page {page} is already cached, free or the null page")
+        self._index_page(group_id, page, page_hash)
+        self._stored_event(
+            group_id, (page,), (page_hash,), parent_hash, token_ids, page_size, lora_name
+        )
+
+    def _index_page(self, group_id: int, page: int, page_hash: bytes) -> None:
+        """Enter one held, uncached page under its hash (a duplicate hash waits behind the
+        first page holding it, as vLLM keeps duplicates)."""
         index = self._index[group_id]
         if page_hash in index:
             self._dups[group_id].setdefault(page_hash, []).append(page)
@@ -467,9 +468,6 @@ class PagePool:
             index[page_hash] = page
         self._cached[page] = group_id + 1
         self._page_hash[page] = page_hash
-        self._stored_event(
-            group_id, (page,), (page_hash,), parent_hash, token_ids, page_size, lora_name
-        )
 
     def _stored_event(
         self,
