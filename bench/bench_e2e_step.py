@@ -14,6 +14,10 @@ pagekeeper rows (``PagekeeperClient`` + ``pagekeeper serve`` subprocess on loopb
 * ``batched, allocate_decodes``: ``free_later`` x4, one ``allocate_decodes`` for the 256
   decodes (no call; the ids that need a page come back, their pages with the step),
   ``admit(sync=False)`` x4, ``step(batch=...)``: one round trip.
+* ``batched, allocate_decodes, no held decodes``: the same with ``hold_decodes=False``:
+  every decode travels in the step (by default the client holds back the ~14 of every 16
+  decodes that need no page and complete none; their tokens go with the request's next
+  growth).
 * ``batched, allocate_slots x256``: the same with one ``allocate_slots`` per decode
   (answered locally unless a page is needed, then queued).
 * ``vLLM-shaped, sync crossings``: what vLLM's scheduler needs from its KV manager -- a
@@ -68,9 +72,10 @@ RUNNING = 256
 PROMPT_LEN = 2_000
 PREFIX_LEN = 1_024
 NEW_PER_STEP = 4
-MODES = ("decodes", "batched", "sync", "deferred")
+MODES = ("decodes", "decodes_sent", "batched", "sync", "deferred")
 MODE_NAMES = {
     "decodes": "batched, allocate_decodes",
+    "decodes_sent": "batched, allocate_decodes, no held decodes",
     "batched": "batched, allocate_slots x256",
     "sync": "vLLM-shaped, sync crossings",
     "deferred": "vLLM-shaped, deferred ids",
@@ -318,13 +323,13 @@ class PkSide:
         new_ids = [f"{self.tag}-s{self.count}_{j}" for j in range(NEW_PER_STEP)]
         prompts = work.prompts[NEW_PER_STEP * s : NEW_PER_STEP * (s + 1)]
         hashes = self.hashes[NEW_PER_STEP * s : NEW_PER_STEP * (s + 1)]
-        sync = self.mode not in ("batched", "decodes")
+        sync = self.mode not in ("batched", "decodes", "decodes_sent")
         rpcs0 = client.stats.num_rpcs
         allocate_slots, admit = client.allocate_slots, client.admit
         crossings = 0
         t0 = time.perf_counter()
         client.free_later(*(self.running.popleft() for _ in range(NEW_PER_STEP)))
-        if self.mode == "decodes":
+        if self.mode in ("decodes", "decodes_sent"):
             # The whole decode step in one call (no RPC): the ids that need a page come back.
             crossings = len(
                 client.allocate_decodes(
@@ -332,7 +337,9 @@ class PkSide:
                 )
             )
         for rid, token in zip(
-            self.running if self.mode != "decodes" else (), work.decode_tokens[s], strict=False
+            self.running if self.mode in ("batched", "sync", "deferred") else (),
+            work.decode_tokens[s],
+            strict=False,
         ):
             got = allocate_slots(rid, 1, new_token_ids=(token,), sync=sync)
             if not got.is_local:
@@ -426,7 +433,10 @@ def main(argv: list[str] | None = None) -> int:
                 client.close()
             for mode in modes:
                 client = PagekeeperClient(
-                    server.address, timeout=60, defer_page_ids=mode == "deferred"
+                    server.address,
+                    timeout=60,
+                    defer_page_ids=mode == "deferred",
+                    hold_decodes=mode != "decodes_sent",
                 )
                 clients.append(client)
                 client.register("scheduler", name=f"bench-{mode}")

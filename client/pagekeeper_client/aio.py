@@ -136,6 +136,7 @@ class AsyncPagekeeperClient:
         interceptors: Sequence[Any] = (),
         options: Sequence[tuple[str, Any]] = (),
         defer_page_ids: bool = False,
+        hold_decodes: bool = True,
     ) -> None:
         self.address = resolve_address(address)
         self._token = token if token is not None else os.environ.get(TOKEN_ENV) or None
@@ -143,6 +144,7 @@ class AsyncPagekeeperClient:
         self.timeout = timeout
         self.retry_s = retry_s
         self.defer_page_ids = defer_page_ids
+        self.hold_decodes = hold_decodes
         self._channel = grpc.aio.insecure_channel(
             self.address,
             options=channel_options(
@@ -221,7 +223,7 @@ class AsyncPagekeeperClient:
         self._role = role
         self._accept_registration(registration)
         if role is ClientRole.SCHEDULER:
-            self._state = SchedulerState(registration.pool)
+            self._state = SchedulerState(registration.pool, hold_decodes=self.hold_decodes)
         if renew:
             self._heartbeat_task = asyncio.create_task(
                 self._heartbeat_loop(), name="pagekeeper-lease"
@@ -458,14 +460,14 @@ class AsyncPagekeeperClient:
         if state.must_flush_before_decodes(request_ids):
             self.stats.num_ordering_flushes += 1
             await self._send_step(None, None)
-        growths = state.plan_decodes(request_ids, token_ids, num_lookahead_tokens)
-        if state.decodes_need_ordering_flush(growths):
-            state.unplan_decodes(growths)
+        plan = state.plan_decodes(request_ids, token_ids, num_lookahead_tokens)
+        if state.decodes_need_ordering_flush(plan):
+            state.unplan_decodes(plan)
             self.stats.num_ordering_flushes += 1
             await self._send_step(None, None)
-            growths = state.plan_decodes(request_ids, token_ids, num_lookahead_tokens)
-        need_pages = state.queue_decodes(growths)
-        self.stats.num_local_answers += len(growths) - len(need_pages)
+            plan = state.plan_decodes(request_ids, token_ids, num_lookahead_tokens)
+        need_pages = state.queue_decodes(plan)
+        self.stats.num_local_answers += len(request_ids) - len(need_pages)
         return need_pages
 
     async def allocate_slots(
@@ -565,7 +567,11 @@ class AsyncPagekeeperClient:
         return await self._send_step(batch, num_scheduled_tokens, explicit=True)
 
     async def flush(self) -> StepResult | None:
-        if not self._scheduler().has_queued:
+        """Send the queue now (no batch), with every held-back decode; None when there is
+        nothing to send."""
+        state = self._scheduler()
+        state.queue_held()
+        if not state.has_queued:
             return None
         return await self._send_step(None, None, explicit=True)
 

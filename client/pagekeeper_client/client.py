@@ -23,9 +23,15 @@ What the client mirrors per request (its own requests only)::
     num_computed   tokens whose KV is (being) computed
 
 A growth fits locally when, in every group, ``len(pages[g]) >=
-required_pages(num_computed + num_new + num_lookahead)``. It still travels in the next step
-(the service needs the token ids to cache filled pages and the token count for the slot
-mapping), but it costs no call of its own. A growth that needs a page is queued for the next
+required_pages(num_computed + num_new + num_lookahead)``. It costs no call of its own. On a
+pool of one full-attention group, a plain decode that fits and completes no page changes
+nothing in the pool: it is held back (``hold_decodes``, default on) and its token travels
+with the request's next growth -- the decode that completes the page (its tokens enter the
+prefix cache) or takes a new one -- so a decode step sends ~2 of every ``page_size``
+decodes. Pages, cache entries and events come out as if every decode had been sent; the
+service's token counts trail the client's by the held-back decodes, and a published batch
+carries the client's counts for those rows (``Batch.num_computed_tokens``). Any other
+growth travels in the next step. A growth that needs a page is queued for the next
 ``step()`` -- or, with ``sync=True`` (what vLLM's ``allocate_slots`` needs: new block ids or
 ``None`` at once), sent at once in a step of its own together with everything queued before
 it. A client that is its pool's only scheduler can skip even that call
@@ -463,6 +469,9 @@ class _Tracked:
     num_computed_tokens: int
     pages: list[list[int]]
     pending: _PendingGrowth | None = None
+    held: bytes = b""
+    """Tokens of held-back decodes (int32 LE): counted here, not yet sent. Each needed
+    nothing from the service; they travel with the request's next growth."""
 
 
 @dataclass(slots=True, eq=False)
@@ -495,6 +504,10 @@ class _PendingGrowth:
     is_plain: bool = False
     """A plain decode: one token, one new slot, the tracked computed count, no lookahead
     (every column of the wire form takes its default)."""
+    is_held: bool = False
+    """Held back (not queued): a decode that needs no page and completes none."""
+    prev_held: bytes = b""
+    """The request's held-back tokens before it (``token_bytes`` starts with them)."""
 
     @property
     def mutates_pool(self) -> bool:
@@ -566,6 +579,23 @@ class PreparedStep:
     or an ordering flush), and the answers to queued operations are carried over."""
 
 
+@dataclass(slots=True)
+class _DecodePlan:
+    """A planned decode step: the queue entries, and the held-back decodes (already counted
+    in the mirror) that ``unplan_decodes`` takes back."""
+
+    growths: list[_PendingGrowth]
+    held: list[_Tracked]
+
+
+def _unhold(held: Sequence[_Tracked]) -> None:
+    """Take back held-back decodes (one token each), newest first."""
+    for t in reversed(held):
+        t.num_tokens -= 1
+        t.num_computed_tokens -= 1
+        t.held = t.held[:-4]
+
+
 @dataclass(frozen=True, slots=True)
 class RequestView:
     """One tracked request as the client mirrors it (read-only copies)."""
@@ -576,6 +606,9 @@ class RequestView:
     page_ids: tuple[Int32Array, ...]
     is_pending: bool
     """Queued operations for it are not yet applied by the service."""
+    num_held_tokens: int = 0
+    """Tokens of held-back decodes: counted here, sent with the request's next growth (the
+    service's counts trail this view's by as many)."""
 
 
 class SchedulerState:
@@ -586,12 +619,19 @@ class SchedulerState:
     Not thread-safe: one scheduler thread (or one event loop) drives it.
     """
 
-    def __init__(self, pool: PoolConfig) -> None:
+    def __init__(self, pool: PoolConfig, *, hold_decodes: bool = True) -> None:
         self.pool = pool
         self.groups = pool.groups
         self.max_model_len = pool.max_model_len
         self._is_simple = len(pool.groups) == 1 and pool.groups[0].kind is GroupKind.FULL
         self._page_size0 = pool.groups[0].page_size
+        # Hold back plain decodes that change nothing in the pool (one full-attention group:
+        # no page needed, no page completed) and send their tokens with the request's next
+        # growth: a decode step then carries only the ~2/page_size of its requests that take
+        # or complete a page. Hybrid pools send every decode (windows release pages).
+        self.hold_decodes = hold_decodes and self._is_simple
+        # Held-back decodes since the last answered step, (tracked, ...) for discard_queued.
+        self._held: list[_Tracked] = []
         self.requests: dict[str, _Tracked] = {}
         self._frees: list[_PendingFree] = []
         self._growths: list[_PendingGrowth] = []
@@ -627,6 +667,7 @@ class SchedulerState:
             t.num_computed_tokens,
             tuple(np.array(p, dtype=np.int32) for p in t.pages),
             t.pending is not None,
+            len(t.held) // 4,
         )
 
     def _missing(self, request_id: str) -> str:
@@ -701,6 +742,14 @@ class SchedulerState:
                     nulled.append((g, i, pages[i]))
                     pages[i] = 0
         needs = num_needed > 0
+        is_decode = num_new_tokens == 1 and len(token_bytes) == 4 and num_computed_tokens is None
+        is_held = is_decode and not needs and self.hold_decodes and not self._completes(computed)
+        prev_held = t.held
+        if prev_held:
+            # The held-back decodes travel with this growth: their tokens first, and the
+            # computed count as the mirror has it (theirs included), so the service's
+            # last-scheduled tokens are this growth's own.
+            token_bytes = prev_held + token_bytes
         growth = _PendingGrowth(
             request_id=request_id,
             token_bytes=token_bytes,
@@ -715,16 +764,60 @@ class SchedulerState:
             nulled=nulled,
             tracked=t,
             is_local=not needs,
-            is_computed_given=num_computed_tokens is not None,
-            is_plain=num_new_tokens == 1
-            and len(token_bytes) == 4
-            and num_computed_tokens is None
-            and num_lookahead_tokens == 0,
+            is_computed_given=num_computed_tokens is not None or bool(prev_held),
+            is_plain=is_decode and not prev_held and num_lookahead_tokens == 0,
+            is_held=is_held,
+            prev_held=prev_held,
         )
         t.num_tokens = num_tokens
         t.num_computed_tokens = computed + num_new_tokens
         t.pending = growth
+        t.held = token_bytes if is_held else b""
         return growth
+
+    def _completes(self, computed: int) -> bool:
+        """Whether a decode at ``computed`` completes a page the prefix cache takes."""
+        return self.pool.enable_prefix_caching and (computed + 1) % self._page_size0 == 0
+
+    @property
+    def num_held_tokens(self) -> int:
+        """Tokens of held-back decodes across every request (not yet sent)."""
+        return sum(len(t.held) for t in self.requests.values()) // 4
+
+    def queue_held(self) -> int:
+        """Queue the held-back decodes of every request as one growth each (no page: they
+        fit), so the next step brings the service's counts level with the mirror's.
+        Returns how many requests had some."""
+        count = 0
+        for request_id, t in self.requests.items():
+            held = t.held
+            if not held or t.pending is not None:
+                continue
+            # Sent as the last held decode with the others' tokens before it: the service's
+            # last-scheduled token is the one the last decode scheduled.
+            growth = _PendingGrowth(
+                request_id,
+                held,
+                t.num_computed_tokens - 1,
+                1,
+                0,
+                False,
+                0,
+                False,
+                t.num_tokens,
+                t.num_computed_tokens,
+                [],
+                t,
+                True,
+                is_computed_given=True,
+                prev_held=held,
+            )
+            # The mirror's counts already include them: only the held tokens move.
+            t.held = b""
+            t.pending = growth
+            self._growths.append(growth)
+            count += 1
+        return count
 
     def must_flush_before_decodes(self, request_ids: Sequence[str]) -> bool:
         """``must_flush_before_growth`` for a whole decode step."""
@@ -737,7 +830,7 @@ class SchedulerState:
 
     def plan_decodes(
         self, request_ids: Sequence[str], token_ids: TokenIds, num_lookahead_tokens: int
-    ) -> list[_PendingGrowth]:
+    ) -> _DecodePlan:
         """``plan_growth(rid, 1, [token], None, lookahead)`` for every request, checked as a
         whole first (nothing planned when one is bad)."""
         n = len(request_ids)
@@ -770,14 +863,20 @@ class SchedulerState:
                         )
                     )
             except PagekeeperError:
-                self.unplan_decodes(growths)  # nothing planned when one is refused
+                # Nothing planned when one is refused.
+                self.unplan_decodes(_DecodePlan(growths, []))
                 raise
-            return growths
-        # One full-attention group: plan_growth's arithmetic inline, one object per decode.
+            return _DecodePlan(growths, [])
+        # One full-attention group: plan_growth's arithmetic inline. A decode that needs no
+        # page and completes none is held back (no object, no wire entry); the others get a
+        # queue entry carrying the request's held-back tokens.
         page_size, max_len = self._page_size0, self.max_model_len
         plain = num_lookahead_tokens == 0
+        hold = self.hold_decodes
+        caching = self.pool.enable_prefix_caching
         growths = []
         append = growths.append
+        held_back: list[_Tracked] = []
         for i, (request_id, t) in enumerate(zip(request_ids, tracked, strict=True)):
             num_tokens = t.num_tokens
             computed = t.num_computed_tokens
@@ -786,9 +885,17 @@ class SchedulerState:
                 num_slots = max_len
             num_needed = -(-num_slots // page_size) - len(t.pages[0])
             needs = num_needed > 0
+            token = token_bytes[4 * i : 4 * i + 4]
+            held = t.held
+            if hold and not needs and not (caching and (computed + 1) % page_size == 0):
+                t.held = held + token
+                t.num_tokens = num_tokens + 1
+                t.num_computed_tokens = computed + 1
+                held_back.append(t)
+                continue
             growth = _PendingGrowth(
                 request_id,
-                token_bytes[4 * i : 4 * i + 4],
+                held + token if held else token,
                 computed,
                 1,
                 num_lookahead_tokens,
@@ -800,25 +907,31 @@ class SchedulerState:
                 [],
                 t,
                 not needs,
-                is_plain=plain,
+                is_computed_given=bool(held),
+                is_plain=plain and not held,
+                prev_held=held,
             )
             t.num_tokens = num_tokens + 1
             t.num_computed_tokens = computed + 1
             t.pending = growth
+            t.held = b""
             append(growth)
-        return growths
+        return _DecodePlan(growths, held_back)
 
-    def decodes_need_ordering_flush(self, growths: Sequence[_PendingGrowth]) -> bool:
+    def decodes_need_ordering_flush(self, plan: _DecodePlan) -> bool:
         """A page-taking decode may not overtake a queued admission."""
-        return bool(self._admissions) and any(g.needs_pages for g in growths)
+        return bool(self._admissions) and any(g.needs_pages for g in plan.growths)
 
-    def unplan_decodes(self, growths: Sequence[_PendingGrowth]) -> None:
-        for growth in reversed(growths):
+    def unplan_decodes(self, plan: _DecodePlan) -> None:
+        for growth in reversed(plan.growths):
             self.unplan_growth(growth)
+        _unhold(plan.held)
 
-    def queue_decodes(self, growths: Sequence[_PendingGrowth]) -> list[str]:
+    def queue_decodes(self, plan: _DecodePlan) -> list[str]:
         """Queue planned decodes; returns the ids that need a new page."""
+        growths = plan.growths
         self._growths.extend(growths)
+        self._held.extend(plan.held)
         need_pages = [g.request_id for g in growths if not g.is_local]
         if need_pages and self.free_pages_bound is not None:
             self.free_pages_bound -= sum(g.num_pages_needed for g in growths)
@@ -835,12 +948,21 @@ class SchedulerState:
             return
         t.num_tokens = growth.prev_num_tokens
         t.num_computed_tokens = growth.prev_num_computed_tokens
+        t.held = growth.prev_held
         for g, i, page in growth.nulled:
             t.pages[g][i] = page
         if t.pending is growth:
             t.pending = None
 
     def queue_growth(self, growth: _PendingGrowth) -> None:
+        if growth.is_held:
+            # Nothing to send: its token waits in the mirror for the request's next growth.
+            t = growth.tracked
+            assert t is not None
+            if t.pending is growth:
+                t.pending = None
+            self._held.append(t)
+            return
         self._growths.append(growth)
         if growth.num_pages_needed and self.free_pages_bound is not None:
             self.free_pages_bound -= growth.num_pages_needed
@@ -954,6 +1076,16 @@ class SchedulerState:
                         f"{len(batch)} batch requests"
                     )
                 b.num_scheduled_tokens = encode_i32(num_scheduled_tokens)
+            if self.hold_decodes:
+                # Rows with held-back decodes run ahead of the service's counts: their slot
+                # mapping ends at the client's count (-1: the service's own).
+                requests = self.requests
+                ends = [
+                    t.num_computed_tokens if t is not None and t.held else -1
+                    for t in map(requests.get, batch)
+                ]
+                if ends.count(-1) != len(ends):
+                    b.num_computed_tokens = encode_i32(ends)
         return PreparedStep(
             request, list(self._frees), list(growths), list(self._admissions), explicit
         )
@@ -975,6 +1107,8 @@ class SchedulerState:
             )
         self._frees = self._frees[len(prepared.frees) :]
         self._growths = self._growths[len(prepared.growths) :]
+        num_held = len(self._held)
+        self._held = []  # what is held back now stays (discard_queued no longer undoes it)
         self._admissions = self._admissions[num_admissions:]
         for f in prepared.frees:
             self._freeing.discard(f.request_id)
@@ -1020,7 +1154,7 @@ class SchedulerState:
             last_event_seq=response.last_event_seq,
             publish_error=response.publish_error,
             is_retry=response.is_retry,
-            num_local_growths=num_local,
+            num_local_growths=num_local + num_held,
         )
 
     def _apply_growth_results(
@@ -1106,6 +1240,8 @@ class SchedulerState:
         count = self.num_queued
         for growth in reversed(self._growths):
             self.unplan_growth(growth)
+        _unhold(self._held)
+        self._held = []
         for f in self._frees:
             if f.tracked is not None:
                 self.requests[f.request_id] = f.tracked
@@ -1231,6 +1367,9 @@ class PagekeeperClient:
     costs one round trip plus one per admission. The answer is exact while no other client
     takes pages from the pool (a violated bound shows as NO_CAPACITY in the step's results,
     with a warning).
+
+    ``hold_decodes``: hold back plain decodes that need nothing from the service (see the
+    module docstring); off: every decode travels in the next step.
     """
 
     def __init__(
@@ -1245,6 +1384,7 @@ class PagekeeperClient:
         interceptors: Sequence[Any] = (),
         options: Sequence[tuple[str, Any]] = (),
         defer_page_ids: bool = False,
+        hold_decodes: bool = True,
     ) -> None:
         self.address = resolve_address(address)
         self._token = token if token is not None else os.environ.get(TOKEN_ENV) or None
@@ -1252,6 +1392,7 @@ class PagekeeperClient:
         self.timeout = timeout
         self.retry_s = retry_s
         self.defer_page_ids = defer_page_ids
+        self.hold_decodes = hold_decodes
         channel = grpc.insecure_channel(
             self.address,
             options=channel_options(
@@ -1344,7 +1485,7 @@ class PagekeeperClient:
             self._role = role
             self._accept_registration(registration)
             if role is ClientRole.SCHEDULER:
-                self._state = SchedulerState(registration.pool)
+                self._state = SchedulerState(registration.pool, hold_decodes=self.hold_decodes)
         if renew:
             self._start_heartbeat()
         return registration
@@ -1697,14 +1838,14 @@ class PagekeeperClient:
         if state.must_flush_before_decodes(request_ids):
             self.stats.num_ordering_flushes += 1
             self._send_step(None, None)
-        growths = state.plan_decodes(request_ids, token_ids, num_lookahead_tokens)
-        if state.decodes_need_ordering_flush(growths):
-            state.unplan_decodes(growths)
+        plan = state.plan_decodes(request_ids, token_ids, num_lookahead_tokens)
+        if state.decodes_need_ordering_flush(plan):
+            state.unplan_decodes(plan)
             self.stats.num_ordering_flushes += 1
             self._send_step(None, None)
-            growths = state.plan_decodes(request_ids, token_ids, num_lookahead_tokens)
-        need_pages = state.queue_decodes(growths)
-        self.stats.num_local_answers += len(growths) - len(need_pages)
+            plan = state.plan_decodes(request_ids, token_ids, num_lookahead_tokens)
+        need_pages = state.queue_decodes(plan)
+        self.stats.num_local_answers += len(request_ids) - len(need_pages)
         return need_pages
 
     def free_later(self, *request_ids: str) -> None:
@@ -1744,8 +1885,11 @@ class PagekeeperClient:
         return self._send_step(batch, num_scheduled_tokens, explicit=True)
 
     def flush(self) -> StepResult | None:
-        """Send the queue now (no batch); None when nothing is queued."""
-        if not self._scheduler().has_queued:
+        """Send the queue now (no batch), with every held-back decode, so the service's
+        view is the client's; None when there is nothing to send."""
+        state = self._scheduler()
+        state.queue_held()
+        if not state.has_queued:
             return None
         return self._send_step(None, None, explicit=True)
 

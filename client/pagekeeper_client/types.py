@@ -320,7 +320,8 @@ class StepResult:
     is_retry: bool = False
     """The stored answer to a retried step id (nothing was applied twice)."""
     num_local_growths: int = 0
-    """Client side: growths in this step that had been answered locally (no new page)."""
+    """Client side: growths answered locally (no new page) that this step carries, and the
+    decodes held back since the previous step (their tokens travel later)."""
 
     def by_request(self) -> dict[str, AllocationResult]:
         return {r.request_id: r for r in self.results}

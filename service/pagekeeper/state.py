@@ -266,6 +266,10 @@ class GrowthColumns:
 class Batch:
     request_ids: tuple[str, ...]
     num_scheduled_tokens: Int32Array | None = None
+    num_computed_tokens: Int32Array | None = None
+    """Per row, its computed count after this step as the client counts it (a client that
+    holds back decodes needing nothing from the service runs ahead of the service's count);
+    None: the service's own."""
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -989,6 +993,25 @@ class ServiceState:
                     f"{total} scheduled tokens exceed max_tokens_per_step "
                     f"{limits.max_tokens_per_step}"
                 )
+        ends = batch.num_computed_tokens
+        if ends is not None:
+            # Checked against the pages at publication (this step's allocations come first).
+            ends = _as_int32(ends, "num_computed_tokens")
+            if ends.shape[0] != len(batch_ids):
+                raise InvalidArgument(
+                    f"num_computed_tokens has {ends.shape[0]} entries for "
+                    f"{len(batch_ids)} batch requests"
+                )
+            bad = (ends < -1) | (ends > max_len)
+            if counts is not None:
+                bad |= (ends >= 0) & (ends < counts)
+            if bad.any():
+                i = _first_true(bad)
+                low = -1 if counts is None or ends[i] < 0 else int(counts[i])
+                raise InvalidArgument(
+                    f"request {batch_ids[i]!r}: batch num_computed_tokens {int(ends[i])} "
+                    f"outside [{low}, max_model_len {max_len}]"
+                )
         will_publish = bool(self._kernel_sets)
         if will_publish and cmd.step_id <= self._last_published_step_seq:
             raise FailedPrecondition(
@@ -1231,12 +1254,14 @@ class ServiceState:
     def _publish(self, step_id: int, batch: Batch, left_out: set[str]) -> tuple[bool, int, str]:
         """Build one table per group and per distinct kernel block size, then publish."""
         assert self.sink is not None
+        ends = batch.num_computed_tokens
         if left_out:
             keep = [i for i, r in enumerate(batch.request_ids) if r not in left_out]
             request_ids: Sequence[str] = [batch.request_ids[i] for i in keep]
             counts = (
                 None if batch.num_scheduled_tokens is None else batch.num_scheduled_tokens[keep]
             )
+            ends = None if ends is None else ends[keep]
         else:
             request_ids, counts = batch.request_ids, batch.num_scheduled_tokens
         tables: list[BatchTables] = []
@@ -1247,6 +1272,7 @@ class ServiceState:
                     request_ids,
                     sizes,
                     num_scheduled_tokens=None if counts is None else counts.tolist(),
+                    num_computed_tokens=None if ends is None else ends.tolist(),
                 )
                 for table in built:
                     key = (table.group_id, table.kernel_block_size)

@@ -75,8 +75,14 @@ def test_round_trip_admit_lookup_decode_block_table_free(connect):
     assert table.page_ids.tolist() == view.page_ids[0].tolist() == client.page_ids("rt-a").tolist()
     assert len(table.page_ids) == 9
     assert table.kernel_block_ids.tolist() == [p * 4 + j for p in table.page_ids for j in range(4)]
+    # The last decode (token 130) needed no page and completed none: held back, so the
+    # service's counts trail the client's by it until the request's next growth or a flush.
+    assert (view.num_tokens, view.num_computed_tokens, view.num_held_tokens) == (130, 130, 1)
+    assert (table.num_tokens, table.num_computed_tokens) == (129, 129)
+    client.flush()
+    table = client.block_table("rt-a", kernel_block_size=4)
     assert (table.num_tokens, table.num_computed_tokens) == (130, 130)
-    assert (view.num_tokens, view.num_computed_tokens) == (130, 130)
+    assert client.request("rt-a").num_held_tokens == 0
     assert table.owner == client.client_id
 
     client.free("rt-a", "rt-b")
@@ -204,7 +210,8 @@ def test_lease_is_renewed_in_the_background(server_factory):
             idle.step()
         fresh = idle.reregister()
         assert fresh.generation == 2 and fresh.client_id == idle.client_id
-        idle.step(batch=["lease-b"])  # the queued growth went through; still its request
+        idle.step(batch=["lease-b"])  # still its request
+        idle.flush()  # the held-back decode goes through
         assert idle.block_table("lease-b").num_tokens == 21
 
 
@@ -223,7 +230,8 @@ def test_unavailable_step_is_retried_with_the_same_id(connect, deliver):
 
     dropper.drops = 1
     client.allocate_slots(rid, 1, new_token_ids=[9])
-    result = client.step(batch=[rid])
+    result = client.flush()  # the decode fits (held back): flush sends it
+    assert result is not None
     assert result.is_retry is deliver  # the service answered the retry from memory
     assert client.block_table(rid).num_tokens == 51
     client.free(rid)
@@ -566,5 +574,122 @@ def test_allocate_decodes_bad_input_queues_nothing(connect):
     assert client.request("bd-a").num_tokens == 10 and not client.request("bd-a").is_pending
     assert client.allocate_decodes(["bd-a", "bd-b"], [1, 2]) == []  # 11 tokens fit a page
     assert client.step(batch=["bd-a", "bd-b"]).results == ()
+    assert client.request("bd-b").num_held_tokens == 1  # held back: changes nothing
+    assert client.block_table("bd-b").num_tokens == 10
+    client.flush()
     assert client.block_table("bd-b").num_tokens == 11
     client.free("bd-a", "bd-b")
+
+
+def _event_key(event: object) -> tuple[object, ...]:
+    """An event as plain values (the client's numpy arrays and the core's tuples alike)."""
+    out: list[object] = [type(event).__name__]
+    for name in ("seq", "group_id", "page_hashes", "parent_page_hash", "token_ids", "page_ids"):
+        value = getattr(event, name, None)
+        out.append(list(value) if isinstance(value, tuple | np.ndarray) else value)
+    return tuple(out)
+
+
+def _service_events(client: PagekeeperClient, since: int) -> list[object]:
+    with client.watch_events(since) as stream:
+        return list(next(iter(stream)).events)
+
+
+def test_held_decodes_leave_the_service_as_if_every_decode_was_sent(server_factory, tmp_path):
+    """A client holding back decodes that need no page: after every step the service's
+    tables and KV events (page ids, hashes, token ids, order) equal an in-process manager's
+    that got every decode in its own step; its token counts trail by the held decodes until
+    a flush brings them level."""
+    import tomllib
+
+    from pagekeeper.core.manager import PageManager
+    from pagekeeper.settings import from_tree
+
+    config_text = "[pool]\nnum_pages = 40\nmax_model_len = 512\n"
+    config = tmp_path / "pool.toml"
+    config.write_text(config_text)
+    server = server_factory("--config", str(config))
+    reference = PageManager(from_tree(tomllib.loads(config_text)).pool)
+    rng = np.random.default_rng(5)
+    running: list[str] = []
+    seq = 0
+    num_held_seen = num_stored = 0
+    with PagekeeperClient(server.grpc_address) as client:
+        client.register("scheduler")
+        for step in range(70):
+            for rid in [r for r in running if rng.random() < 0.04]:
+                running.remove(rid)
+                client.free_later(rid)
+                reference.free(rid)
+            expected = {}
+            toks = rng.integers(0, 50, len(running)).tolist()  # few values: repeated pages
+            if step % 3:
+                need = client.allocate_decodes(running, toks)
+            else:  # the per-request call holds back the same way
+                need = [
+                    rid
+                    for rid, tok in zip(running, toks, strict=True)
+                    if not client.allocate_slots(rid, 1, new_token_ids=[tok]).is_local
+                ]
+            answers = reference.allocate_decodes(running, toks)
+            assert sorted(need) == sorted(answers)
+            expected.update(answers)
+            admitted = None
+            if rng.random() < 0.4:  # after the decodes, as vLLM schedules running requests first
+                rid = admitted = f"hd-{step}"
+                # Prompts share prefixes, so held-then-sent decode pages can be hit later.
+                prompt = tokens(7, int(rng.integers(5, 30))) + tokens(step, 3)
+                client.admit(rid, prompt, sync=False)
+                expected[rid] = reference.admit(rid, prompt)
+            result = client.step(batch=running)
+            for rid, want in expected.items():
+                if want is None:
+                    assert result.by_request()[rid].status is AllocationStatus.NO_CAPACITY
+                    if rid in running:
+                        running.remove(rid)
+                        client.free_later(rid)
+                        reference.free(rid)
+                elif rid == admitted:
+                    running.append(rid)
+            num_held_seen += sum(client.request(r).num_held_tokens for r in running)
+            for rid in running:
+                assert client.block_table(rid).page_ids.tolist() == (
+                    reference.page_table(rid, 0).tolist()
+                )
+            got = [_event_key(e) for e in _service_events(client, seq)]
+            want_events = [_event_key(e) for e in reference.take_events()]
+            assert got == want_events
+            num_stored += sum(k[0] == "PageStored" for k in want_events)
+            seq = client.pool_info().counters.last_event_seq
+        assert num_held_seen > 100 and num_stored > 20  # the test exercised both
+        lagging = [r for r in running if client.request(r).num_held_tokens]
+        assert lagging
+        for rid in lagging:
+            assert client.block_table(rid).num_tokens < reference.request_info(rid).num_tokens
+        client.flush()
+        for rid in running:
+            table = client.block_table(rid)
+            info = reference.request_info(rid)
+            assert (table.num_tokens, table.num_computed_tokens) == (
+                info.num_tokens,
+                info.num_computed_tokens,
+            )
+            assert client.request(rid).num_held_tokens == 0
+
+
+def test_discarded_step_takes_back_held_decodes(connect):
+    client = connect()
+    client.admit("dq-a", tokens(60, 10))
+    client.allocate_decodes(["dq-a"], [1])  # token 11: held back
+    assert client.request("dq-a").num_held_tokens == 1
+    # More page hashes than full pages: only the service can tell, and refuses the step.
+    client.admit("dq-b", tokens(61, 5), page_hashes=[b"h" * 32], sync=False)
+    with pytest.raises(InvalidArgumentError, match="page hashes"):
+        client.step()
+    assert client.discard_queued() == 1
+    view = client.request("dq-a")
+    assert (view.num_tokens, view.num_held_tokens) == (10, 0)  # the decode is taken back too
+    client.allocate_decodes(["dq-a"], [2])
+    client.flush()
+    assert client.block_table("dq-a").num_tokens == 11
+    client.free("dq-a")

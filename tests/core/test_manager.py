@@ -195,6 +195,25 @@ def test_build_batch_expands_pages_and_maps_slots():
     assert t4.slot_mapping.tolist() == t.slot_mapping.tolist()
 
 
+def test_build_batch_rows_running_ahead_of_the_manager():
+    """A scheduler that holds back decodes needing no page says where its rows end."""
+    m = full()
+    m.admit("a", list(range(10)))  # pages 1 2 3 (slots 4..15), 10 computed
+    m.admit("b", [7, 7, 7])  # page 4, 3 computed
+    # a is one held decode ahead: its row schedules that one token (position 10, slot 14);
+    # b (-1) keeps what it was last allocated for.
+    (t,) = m.build_batch(["a", "b"], num_computed_tokens=[11, -1])
+    assert t.slot_mapping.tolist() == [14, 16, 17, 18]
+    (t,) = m.build_batch(["a", "b"], num_scheduled_tokens=[2, 1], num_computed_tokens=[12, 3])
+    assert t.slot_mapping.tolist() == [14, 15, 18]
+    with pytest.raises(InvalidArgument, match="behind"):
+        m.build_batch(["a"], num_computed_tokens=[9])
+    with pytest.raises(InvalidArgument):
+        m.build_batch(["a"], num_computed_tokens=[13])  # position 12: past a's pages
+    with pytest.raises(InvalidArgument, match="num_scheduled_tokens outside"):
+        m.build_batch(["a"], num_scheduled_tokens=[13], num_computed_tokens=[12])
+
+
 def sliding(num_pages: int = 30, window: int = 8) -> PageManager:
     return PageManager(
         PoolConfig(

@@ -262,6 +262,26 @@ def test_oversized_messages_and_steps_over_the_limits(server, setup):
         E.INVALID_ARGUMENT,
         match="twice",
     )
+    # The client's computed counts of rows running ahead (held-back decodes).
+    for ends, counts, match in (
+        ([5], None, "1 entries for 2"),
+        ([-2, -1], None, "-2 outside [-1"),
+        ([-1, 10**6], None, "max_model_len"),
+        ([3, -1], [4, 1], "3 outside [4"),
+    ):
+        _refused(
+            server,
+            mine.stub.Step,
+            mine.request(
+                batch=pb.Batch(
+                    request_ids=["m-a", "m-b"],
+                    num_computed_tokens=i32(ends),
+                    num_scheduled_tokens=i32(counts) if counts else b"",
+                )
+            ),
+            E.INVALID_ARGUMENT,
+            match=match,
+        )
     # The service is still whole: a normal step goes through.
     assert mine.free("m-b").step_id == mine.step_id
 

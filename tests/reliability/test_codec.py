@@ -159,7 +159,13 @@ def _step_fields(cmd: StepCommand):
             )
             for a in cmd.admissions
         ],
-        None if cmd.batch is None else (cmd.batch.request_ids, arr(cmd.batch.num_scheduled_tokens)),
+        None
+        if cmd.batch is None
+        else (
+            cmd.batch.request_ids,
+            arr(cmd.batch.num_scheduled_tokens),
+            arr(cmd.batch.num_computed_tokens),
+        ),
     )
 
 
@@ -185,6 +191,11 @@ def test_step_round_trips_with_its_publication():
     decoded, publication = decode_command(encode_command(step, result))
     assert _step_fields(decoded) == _step_fields(step)
     assert publication == (True, 1, "")
+    # A batch with rows running ahead of the service (held-back decodes) keeps its counts.
+    ahead = dataclasses.replace(
+        step, batch=Batch(("c", "d"), np.array([1, 3], np.int32), np.array([9, -1]))
+    )
+    assert _step_fields(decode_command(encode_command(ahead))[0]) == _step_fields(ahead)
     for odd in (
         StepCommand(1.0, "s", 1, 1),
         StepCommand(1.0, "s", 1, 1, frees=("a\x00b", "", "c"), batch=Batch(("", "x\x00"))),

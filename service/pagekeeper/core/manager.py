@@ -639,13 +639,20 @@ class PageManager:
         kernel_block_sizes: Sequence[int] | None = None,
         *,
         num_scheduled_tokens: Sequence[int] | None = None,
+        num_computed_tokens: Sequence[int] | None = None,
         pad_id: int = 0,
     ) -> list[BatchTables]:
         """Per group: the kernel block table of these requests in this order, their row
         lengths, and the slot mapping of the tokens each was last allocated for (or the
         last ``num_scheduled_tokens[i]`` of them). ``kernel_block_sizes[g]`` defaults to
         the group's page size. Mamba groups without state caching publish one state page
-        per row and no slots."""
+        per row and no slots.
+
+        ``num_computed_tokens[i]`` (-1: the request's own count) ends row ``i``'s slots
+        there instead: a scheduler that holds back decodes needing no page runs ahead of
+        the manager's count by those decodes. It may not fall behind it, and the slots must
+        lie in the request's pages. A row running ahead defaults to one scheduled token
+        (a held-back decode)."""
         if kernel_block_sizes is None:
             kernel_block_sizes = [g.page_size for g in self.groups]
         if len(kernel_block_sizes) != len(self.groups):
@@ -655,14 +662,32 @@ class PageManager:
         if len(set(request_ids)) != len(request_ids):
             raise InvalidArgument("a request appears twice in the batch")
         reqs = [self._get(rid) for rid in request_ids]
+        n = len(reqs)
+        own = np.fromiter((r.num_computed_tokens for r in reqs), np.int64, n)
+        ends = own
+        ahead = None
+        if num_computed_tokens is not None:
+            given = np.asarray(num_computed_tokens, dtype=np.int64)
+            if given.shape != own.shape:
+                raise InvalidArgument("num_computed_tokens must match request_ids")
+            ends = np.where(given < 0, own, given)
+            if (ends < own).any():
+                i = int(np.flatnonzero(ends < own)[0])
+                raise InvalidArgument(
+                    f"request {request_ids[i]!r}: num_computed_tokens {int(ends[i])} is "
+                    f"behind the manager's {int(own[i])}"
+                )
+            ahead = ends > own
         if num_scheduled_tokens is None:
-            starts = np.fromiter((r.scheduled_start for r in reqs), np.int64, len(reqs))
-            counts = np.fromiter((r.num_scheduled for r in reqs), np.int64, len(reqs))
+            starts = np.fromiter((r.scheduled_start for r in reqs), np.int64, n)
+            counts = np.fromiter((r.num_scheduled for r in reqs), np.int64, n)
+            if ahead is not None:
+                counts = np.where(ahead, 1, counts)
+                starts = np.where(ahead, ends - 1, starts)
         else:
-            if len(num_scheduled_tokens) != len(reqs):
+            if len(num_scheduled_tokens) != n:
                 raise InvalidArgument("num_scheduled_tokens must match request_ids")
             counts = np.asarray(num_scheduled_tokens, dtype=np.int64)
-            ends = np.fromiter((r.num_computed_tokens for r in reqs), np.int64, len(reqs))
             if (counts < 0).any() or (counts > ends).any():
                 raise InvalidArgument("num_scheduled_tokens outside [0, num_computed_tokens]")
             starts = ends - counts

@@ -271,11 +271,15 @@ def _step_to_tree(cmd: StepCommand, result: StepResult | None) -> list[Any]:
     batch: list[Any] | None = None
     if cmd.batch is not None:
         counts = cmd.batch.num_scheduled_tokens
+        ends = cmd.batch.num_computed_tokens
         batch = [
             len(cmd.batch.request_ids),
             _ids(list(cmd.batch.request_ids)),
             None if counts is None else np.asarray(counts).astype(np.int32, copy=False),
         ]
+        if ends is not None:
+            # A 4th entry only when given: records without it read back as before.
+            batch.append(np.asarray(ends).astype(np.int32, copy=False))
     publication = (
         None
         if result is None
@@ -344,10 +348,12 @@ def _step_from_tree(tree: list[Any]) -> tuple[StepCommand, Publication | None]:
     )
     decoded_batch = None
     if batch is not None:
-        num_ids, request_ids, counts = batch
+        num_ids, request_ids, counts, *rest = batch
+        ends = rest[0] if rest else None
         decoded_batch = Batch(
             tuple(_ids_from(request_ids, int(num_ids))),
             None if counts is None else np.asarray(counts, dtype=np.int32),
+            None if ends is None else np.asarray(ends, dtype=np.int32),
         )
     command = StepCommand(
         now=float(now),

@@ -282,12 +282,13 @@ def step_from_pb(request: pb.StepRequest, now: float) -> StepCommand:
     batch = None
     if request.HasField("batch"):
         b = request.batch
-        counts = b.num_scheduled_tokens
+        counts, ends = b.num_scheduled_tokens, b.num_computed_tokens
         batch = Batch(
             request_ids=tuple(b.request_ids),
             num_scheduled_tokens=decode_i32(counts, "batch.num_scheduled_tokens")
             if counts
             else None,
+            num_computed_tokens=decode_i32(ends, "batch.num_computed_tokens") if ends else None,
         )
     return StepCommand(
         now=now,

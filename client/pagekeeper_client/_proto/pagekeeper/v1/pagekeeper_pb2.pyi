@@ -380,12 +380,14 @@ class GrowthColumns(_message.Message):
     def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., num_new_tokens: _Optional[bytes] = ..., new_token_ids: _Optional[bytes] = ..., num_new_token_ids: _Optional[bytes] = ..., num_computed_tokens: _Optional[bytes] = ..., num_lookahead_tokens: _Optional[bytes] = ...) -> None: ...
 
 class Batch(_message.Message):
-    __slots__ = ("request_ids", "num_scheduled_tokens")
+    __slots__ = ("request_ids", "num_scheduled_tokens", "num_computed_tokens")
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_ids: _containers.RepeatedScalarFieldContainer[str]
     num_scheduled_tokens: bytes
-    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., num_scheduled_tokens: _Optional[bytes] = ...) -> None: ...
+    num_computed_tokens: bytes
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., num_scheduled_tokens: _Optional[bytes] = ..., num_computed_tokens: _Optional[bytes] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("client_id", "generation", "step_id", "free_request_ids", "growths", "admissions", "growth_columns", "batch")
