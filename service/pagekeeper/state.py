@@ -1086,13 +1086,15 @@ class ServiceState:
         ids = cols.request_ids
         requests = self._requests
         explicit = cols.num_computed_tokens
-        plain = (cols.num_new_tokens == 1) & (cols.num_new_token_ids == 1)
-        given = np.flatnonzero(plain & (explicit >= 0))
-        plain &= explicit == -1
-        # A computed count equal to the tracked one is a plain decode too (clients that
-        # always send it, e.g. from their own mirror).
+        num_ids = cols.num_new_token_ids
+        one_new = cols.num_new_tokens == 1
+        plain = one_new & (num_ids == 1) & (explicit == -1)
+        # A decode with a computed count is a plain one too when the count is the tracked
+        # one plus the tokens before its own: a client's held-back decodes riding with it
+        # (or a client that always sends its mirror's count).
+        given = np.flatnonzero(one_new & (num_ids >= 1) & (explicit >= 0))
         for i in given.tolist():
-            plain[i] = requests[ids[i]].num_computed_tokens == explicit[i]
+            plain[i] = requests[ids[i]].num_computed_tokens + num_ids[i] - 1 == explicit[i]
         lookahead = cols.num_lookahead_tokens
         cuts = np.flatnonzero((plain[1:] != plain[:-1]) | (lookahead[1:] != lookahead[:-1])) + 1
         bounds = [0, *cuts.tolist(), n]
@@ -1101,20 +1103,32 @@ class ServiceState:
         for start, stop in pairwise(bounds):
             if plain[start]:
                 run = ids[start:stop]
-                tokens = cols.new_token_ids[int(offsets[start]) : int(offsets[stop])]
+                run_ids = num_ids[start:stop]
+                # Each growth's own token is its last; any before it are held-back decodes'.
+                tokens = cols.new_token_ids[offsets[start + 1 : stop + 1] - 1]
+                carriers = np.flatnonzero(run_ids > 1)
+                held = {
+                    run[k]: cols.new_token_ids[
+                        int(offsets[start + k]) : int(offsets[start + k + 1]) - 1
+                    ].tolist()
+                    for k in carriers.tolist()
+                }
                 try:
                     answers = manager.allocate_decodes(
-                        run, tokens.tolist(), num_lookahead_tokens=int(lookahead[start])
+                        run,
+                        tokens.tolist(),
+                        num_lookahead_tokens=int(lookahead[start]),
+                        held_token_ids=held,
                     )
                 except PagekeeperError:
                     answers = None  # checked up front; if not, the general path says why
                 if answers is not None:
-                    for rid in run:
+                    for rid, k in zip(run, run_ids.tolist(), strict=True):
                         # Absent: fitted in its pages; None: refused, nothing changed for it.
                         if answers.get(rid, True) is not None:
                             record = requests[rid]
-                            record.num_tokens += 1
-                            record.num_computed_tokens += 1
+                            record.num_tokens += k
+                            record.num_computed_tokens += k
                     for rid, allocation in answers.items():
                         if allocation is None:
                             left_out.add(rid)

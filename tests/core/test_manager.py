@@ -383,6 +383,61 @@ def test_allocate_decodes_matches_allocate_one_by_one():
     assert b.pool.free_queue() == a.pool.free_queue()
 
 
+@pytest.mark.parametrize("hybrid", [False, True], ids=["full", "hybrid"])
+def test_allocate_decodes_with_held_tokens_matches_allocate(hybrid):
+    """Held-back decodes' tokens ride with the next decode: the same as allocate() with
+    them prepended and counted as computed (pages, hashes, events, no-capacity answers)."""
+
+    def make() -> PageManager:
+        if not hybrid:
+            return full(num_pages=12)
+        return PageManager(
+            PoolConfig(
+                num_pages=30,
+                groups=(GroupConfig(GroupKind.FULL, PS), GroupConfig(GroupKind.FULL, 2 * PS)),
+                max_model_len=64,
+            )
+        )
+
+    a, b = make(), make()
+    for m in (a, b):
+        m.admit("x", list(range(5)))
+        m.admit("y", list(range(20, 26)))
+        m.admit("z", list(range(40, 47)))
+        m.take_events()
+    rng = np.random.default_rng(3)
+    for _ in range(12):
+        held = {rid: rng.integers(0, 9, int(rng.integers(0, 3))).tolist() for rid in "xyz"}
+        held = {rid: extra for rid, extra in held.items() if extra}
+        tokens = rng.integers(0, 9, 3).tolist()
+        want = {}
+        for rid, token in zip("xyz", tokens, strict=True):
+            extra = held.get(rid, [])
+            got = a.allocate(
+                rid,
+                1,
+                new_token_ids=[*extra, token],
+                num_computed_tokens=a.request_info(rid).num_computed_tokens + len(extra),
+            )
+            if got is None or any(got.new_page_ids):
+                want[rid] = got
+        assert b.allocate_decodes(list("xyz"), tokens, held_token_ids=held) == want
+        assert b.take_events() == a.take_events()
+        for rid in "xyz":
+            assert b.request_info(rid) == a.request_info(rid)
+        b.check_invariants()
+    assert b.pool.free_queue() == a.pool.free_queue()
+    assert b.pool.num_cached_pages > 0
+    with pytest.raises(InvalidArgument, match="does not decode here"):
+        b.allocate_decodes(["x"], [1], held_token_ids={"y": [2]})
+    with pytest.raises(InvalidArgument, match="held token ids"):
+        b.allocate_decodes(["x"], [1], held_token_ids={"x": [-2]})
+    with pytest.raises(InvalidArgument, match="max_model_len"):
+        b.allocate_decodes(["x"], [1], held_token_ids={"x": [0] * 64})
+    for rid in "xyz":
+        assert b.request_info(rid) == a.request_info(rid)
+
+
 def test_allocate_decodes_reports_only_new_pages_and_no_capacity():
     m = full(num_pages=6)  # pages 1..5
     m.admit("x", list(range(8)))  # pages 1, 2 (both full)

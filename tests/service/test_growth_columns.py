@@ -58,8 +58,13 @@ def workload_step(
         if rid in frees or running[rid] >= 88:
             continue
         kind = rng.random()
-        if kind < 0.7:
+        if kind < 0.6:
             growths.append(Growth(rid, 1, tokens(int(rng.integers(0, 30)), 1)))
+        elif kind < 0.7:
+            # A decode carrying k held-back decodes' tokens (a client's hold_decodes).
+            k = int(rng.integers(1, 4))
+            toks = tokens(int(rng.integers(0, 30)), k + 1)
+            growths.append(Growth(rid, 1, toks, num_computed_tokens=running[rid] + k))
         elif kind < 0.8:
             growths.append(Growth(rid, 1, tokens(7, 1), num_lookahead_tokens=2))
         elif kind < 0.9:

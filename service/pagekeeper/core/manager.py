@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from array import array
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from math import lcm
 from typing import Any
@@ -485,6 +485,7 @@ class PageManager:
         new_token_ids: TokenIds,
         *,
         num_lookahead_tokens: int = 0,
+        held_token_ids: Mapping[str, TokenIds] | None = None,
     ) -> dict[str, Allocation | None]:
         """One decode step for many running requests at once: request ``i`` appends
         ``new_token_ids[i]`` and is given room for one more computed token (+ lookahead).
@@ -494,6 +495,11 @@ class PageManager:
         requests left without pages when the pool runs out midway -- at a fraction of the
         cost per request. The whole batch is checked before anything changes (unknown or
         repeated ids, bad tokens, ``max_model_len``), so an error leaves it untouched.
+
+        ``held_token_ids[rid]``: tokens of earlier decodes a scheduler held back (they
+        needed no page and completed none), appended and counted as computed before the
+        request's token: ``allocate(rid, 1, new_token_ids=[*held, tok],
+        num_computed_tokens=computed + len(held))``.
 
         Returns only the exceptions: ``{request_id: Allocation}`` for requests that were
         handed new pages, ``{request_id: None}`` for those the pool could not serve (nothing
@@ -512,24 +518,46 @@ class PageManager:
         except (KeyError, TypeError):
             missing = next(r for r in request_ids if not isinstance(r, str) or r not in requests)
             raise NotFound(f"request {missing!r} holds no pages") from None
-        if len(set(request_ids)) != len(request_ids):
+        decoding = set(request_ids)
+        if len(decoding) != len(request_ids):
             raise InvalidArgument("a request decodes twice in one call")
+        extras: dict[str, list[int]] = {}
+        if held_token_ids:
+            for rid, given in held_token_ids.items():
+                if rid not in decoding:
+                    raise InvalidArgument(f"held tokens for {rid!r}, which does not decode here")
+                extras[rid] = _as_token_list(given, f"request {rid!r}: held token ids")
         max_len = self._max_model_len
-        longest = max((len(r.token_ids) for r in reqs), default=0)
-        if longest + 1 > max_len:
-            bad = next(r for r in reqs if len(r.token_ids) + 1 > max_len)
+        if extras:
+            lengths = (len(r.token_ids) + len(extras.get(r.request_id, ())) for r in reqs)
+        else:
+            lengths = (len(r.token_ids) for r in reqs)
+        if max(lengths, default=0) + 1 > max_len:
+            bad = next(
+                r for r in reqs if len(r.token_ids) + len(extras.get(r.request_id, ())) >= max_len
+            )
+            num = len(bad.token_ids) + len(extras.get(bad.request_id, ())) + 1
             raise InvalidArgument(
-                f"request {bad.request_id!r}: {len(bad.token_ids) + 1} tokens exceed "
-                f"max_model_len {max_len}"
+                f"request {bad.request_id!r}: {num} tokens exceed max_model_len {max_len}"
             )
         out: dict[str, Allocation | None] = {}
         group = self._single_full
         if group is None:
             # Hybrid groups: the general path, one request at a time (already checked).
             for rid, token in zip(request_ids, tokens, strict=True):
-                allocation = self.allocate(
-                    rid, 1, new_token_ids=(token,), num_lookahead_tokens=num_lookahead_tokens
-                )
+                extra = extras.get(rid)
+                if extra:
+                    allocation = self.allocate(
+                        rid,
+                        1,
+                        new_token_ids=[*extra, token],
+                        num_computed_tokens=requests[rid].num_computed_tokens + len(extra),
+                        num_lookahead_tokens=num_lookahead_tokens,
+                    )
+                else:
+                    allocation = self.allocate(
+                        rid, 1, new_token_ids=(token,), num_lookahead_tokens=num_lookahead_tokens
+                    )
                 if allocation is None or any(allocation.new_page_ids):
                     out[rid] = allocation
             return out
@@ -543,6 +571,9 @@ class PageManager:
         for req, token in zip(reqs, tokens, strict=True):
             rid = req.request_id
             computed = req.num_computed_tokens
+            extra = extras.get(rid) if extras else None
+            if extra:
+                computed += len(extra)
             end = computed + 1
             num_slots = end + num_lookahead_tokens
             if num_slots > max_len:
@@ -554,6 +585,8 @@ class PageManager:
                 out[rid] = None
                 continue
             ids = req.token_ids
+            if extra:
+                ids.extend(extra)
             ids.append(token)
             if caching and len(ids) // hps > len(req.hashes):
                 self._extend_hashes(req, None)
