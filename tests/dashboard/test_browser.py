@@ -281,14 +281,21 @@ def test_dashboard_in_a_browser(driver: Any, server: RunningServer) -> None:
         ),
         "the request detail",
     )
-    detail = browser.find_element(By.CSS_SELECTOR, '#detail .gtable[data-group="0"]')
-    assert detail.get_attribute("data-ratio") == "2"  # 16-token pages, 8-token kernel blocks
-    pages = detail.find_elements(By.CSS_SELECTOR, ".pg")
-    assert [int(p.get_attribute("data-page")) for p in pages] == [*SHARED_PAGES, 8]
+    # Read in one script: the panel refreshes itself, so elements found in one call may be
+    # replaced before the next (a stale element is the test's race, not the page's).
+    detail = browser.execute_script(
+        "const t = document.querySelector('#detail .gtable[data-group=\"0\"]');"
+        "return {ratio: t.dataset.ratio, pages: [...t.querySelectorAll('.pg')].map(p => ("
+        "{page: p.dataset.page, blocks: p.dataset.kernelBlocks,"
+        " pid: p.querySelector('.pid').textContent}))};"
+    )
+    assert detail["ratio"] == "2"  # 16-token pages, 8-token kernel blocks
+    pages = detail["pages"]
+    assert [int(p["page"]) for p in pages] == [*SHARED_PAGES, 8]
     for p in pages:
-        page = int(p.get_attribute("data-page"))
-        assert p.get_attribute("data-kernel-blocks") == f"{2 * page},{2 * page + 1}"
-        assert p.find_element(By.CSS_SELECTOR, ".pid").text == str(page)
+        page = int(p["page"])
+        assert p["blocks"] == f"{2 * page},{2 * page + 1}"
+        assert p["pid"].strip() == str(page)
 
     # -- live charts advance while a load runs ---------------------------------------------
     def samples() -> int:
