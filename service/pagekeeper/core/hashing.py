@@ -264,6 +264,13 @@ def _as_uint32(token_ids: TokenIds) -> npt.NDArray[np.unsignedinteger[Any]] | No
     encoder's domain, i.e. any real vocabulary), else None: the plain-Python encoder then
     takes the ids as they are, encodes any 64-bit id and refuses invalid ones. Negative
     ids in an integer array are refused here."""
+    if (
+        isinstance(token_ids, array.array)
+        and token_ids.typecode in "QL"
+        and token_ids.itemsize == 8
+    ):
+        # A request's stored tokens (unsigned 64-bit): viewed, not converted one by one.
+        token_ids = np.frombuffer(token_ids, dtype=np.uint64)
     if isinstance(token_ids, np.ndarray):
         kind = token_ids.dtype.kind
         if kind == "O":

@@ -55,7 +55,9 @@ TokenIds = Sequence[int] | np.ndarray
 @dataclass(slots=True)
 class _Request:
     request_id: str
-    token_ids: list[int]
+    # Unsigned 64-bit ids in one buffer (8 bytes a token, not a Python int object each):
+    # cheap to build from a prompt, to free, to slice for hashing and events.
+    token_ids: array[int]
     extra_keys: ExtraKeys
     owner: str
     # Hashes of the request's full pages at the hash page size (the smallest page size).
@@ -65,6 +67,25 @@ class _Request:
     # The token range of the last allocation: what a published batch writes.
     scheduled_start: int = 0
     num_scheduled: int = 0
+
+
+def _as_token_array(token_ids: TokenIds, what: str) -> array[int]:
+    """A private ``array('Q')`` of non-negative token ids, or InvalidArgument."""
+    if isinstance(token_ids, np.ndarray):
+        if token_ids.ndim != 1 or token_ids.dtype.kind not in "iu":
+            raise InvalidArgument(f"{what} must be a 1-D integer array")
+        if token_ids.size and token_ids.min() < 0:
+            raise InvalidArgument(f"{what} must be non-negative")
+        out = array("Q")
+        out.frombytes(token_ids.astype("<u8", copy=False).tobytes())
+        return out
+    # One C-level pass checks every value (see _as_token_list).
+    try:
+        return array("Q", token_ids)
+    except OverflowError:
+        raise InvalidArgument(f"{what} must be non-negative and below 2**64") from None
+    except TypeError as exc:
+        raise InvalidArgument(f"{what} must be integers ({exc})") from None
 
 
 def _as_token_list(token_ids: TokenIds, what: str) -> list[int]:
@@ -149,7 +170,7 @@ class PageManager:
         return hashes if factor == 1 else join_hashes(hashes, factor)
 
     def _compute_hashes(
-        self, tokens: list[int], extra_keys: ExtraKeys, page_hashes: Sequence[bytes] | None
+        self, tokens: Sequence[int], extra_keys: ExtraKeys, page_hashes: Sequence[bytes] | None
     ) -> list[bytes]:
         if page_hashes is not None:
             hashes = _checked_hashes(page_hashes)
@@ -201,7 +222,7 @@ class PageManager:
         trimmed = [h[: length // g.page_size] for h, g in zip(hits, groups, strict=True)]
         return trimmed, length
 
-    def _check_new_request(self, request_id: str, tokens: list[int]) -> None:
+    def _check_new_request(self, request_id: str, tokens: Sequence[int]) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise InvalidArgument("request_id must be a non-empty string")
         if request_id in self._requests:
@@ -335,7 +356,7 @@ class PageManager:
         than the hit leaves: all the rest; fewer for a chunked prefill). Returns None,
         changing nothing, when pages run out. Raises AlreadyExists, InvalidArgument.
         """
-        tokens = _as_token_list(token_ids, "token_ids")
+        tokens = _as_token_array(token_ids, "token_ids")
         self._check_new_request(request_id, tokens)
         if num_lookahead_tokens < 0:
             raise InvalidArgument("num_lookahead_tokens must be >= 0")

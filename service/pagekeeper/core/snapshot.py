@@ -29,6 +29,7 @@ token.
 from __future__ import annotations
 
 import heapq
+from array import array
 from itertools import chain
 from typing import Any
 
@@ -315,9 +316,11 @@ def restore_manager(config: PoolConfig, tree: Tree) -> Any:
         start = 0
         for i, rid in enumerate(rt["request_ids"]):
             end = int(hash_ends[i])
+            ids = array("Q")
+            ids.frombytes(np.asarray(tokens[i]).astype("<u8").tobytes())
             req = _Request(
                 str(rid),
-                tokens[i].tolist(),
+                ids,
                 extra_keys_from_tree(rt["extra_keys"][i]),
                 str(rt["owners"][i]),
                 hashes[start:end],
