@@ -967,16 +967,20 @@ class ServiceState:
                 f"{limits.max_requests_per_step}"
             )
         batch_ids = batch.request_ids
-        if len(set(batch_ids)) != len(batch_ids):
+        in_batch = set(batch_ids)
+        if len(in_batch) != len(batch_ids):
             dup = _first_repeat(batch_ids)
             raise InvalidArgument(f"request {dup!r} appears twice in the batch")
-        for request_id in batch_ids:
-            # Grown and admitted requests were checked above (owned, not freed).
-            if request_id in grown or request_id in admitted:
-                continue
-            if request_id in freed:
-                raise InvalidArgument(f"request {request_id!r} is freed and in the batch")
-            self._check_owned(request_id, owner)
+        # Grown and admitted requests were checked above (owned, not freed); the rest must be
+        # the client's and stay (set operations; the loop only names the first problem).
+        rest = in_batch - grown - admitted
+        if rest & freed or not rest <= client.request_ids:
+            for request_id in batch_ids:
+                if request_id in grown or request_id in admitted:
+                    continue
+                if request_id in freed:
+                    raise InvalidArgument(f"request {request_id!r} is freed and in the batch")
+                self._check_owned(request_id, owner)
         counts = batch.num_scheduled_tokens
         if counts is not None:
             counts = _as_int32(counts, "num_scheduled_tokens")
