@@ -283,6 +283,9 @@ class StepCommand:
     admissions: tuple[Admission, ...] = ()
     batch: Batch | None = None
     growth_columns: GrowthColumns | None = None
+    wire: Any = field(default=None, repr=False)
+    """The ``StepRequest`` message this command was read from, when it came over gRPC: the
+    journal stores its bytes (one serialization) instead of encoding the command."""
     """The growths in column form, instead of ``growths`` (not both)."""
 
 

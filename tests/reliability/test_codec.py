@@ -298,3 +298,44 @@ def test_events_round_trip():
     assert events_from_tree(decode(encode(events_to_tree([])))) == []
     with pytest.raises(InvalidArgument):
         events_from_tree({**events_to_tree(events), "kinds": "srcx"})
+
+
+def test_a_step_read_over_grpc_is_journaled_as_its_request_bytes():
+    from pagekeeper.rpc.convert import step_from_pb
+    from pagekeeper_client._proto.pagekeeper.v1 import pagekeeper_pb2 as pb
+
+    def i32(values: list[int]) -> bytes:
+        return np.asarray(values, dtype="<i4").tobytes()
+
+    request = pb.StepRequest(
+        client_id="scheduler-1",
+        generation=2,
+        step_id=41,
+        free_request_ids=["a"],
+        admissions=[
+            pb.Admission(request_id="e", token_ids=i32(list(range(40))), page_hashes=[b"h1", b"h2"])
+        ],
+        batch=pb.Batch(
+            request_ids=["c", "e"],
+            num_scheduled_tokens=i32([1, 16]),
+            num_computed_tokens=i32([9, -1]),
+        ),
+    )
+    request.growth_columns.request_ids.extend(["c", "d"])
+    request.growth_columns.new_token_ids = i32([5, 6, 7])
+    request.growth_columns.num_new_token_ids = i32([1, 2])
+    request.growth_columns.num_computed_tokens = i32([-1, 8])
+    step = step_from_pb(request, 9.25)
+    result = StepResult(41, (), is_published=True, published_slot=1, publish_error="")
+    body = encode_command(step, result)
+    assert body[0] == 10 and request.SerializeToString() in body  # the request's own bytes
+    decoded, publication = decode_command(body)
+    assert _step_fields(decoded) == _step_fields(step)
+    assert publication == (True, 1, "")
+    cols, want = decoded.growth_columns, step.growth_columns
+    assert cols is not None and want is not None and cols.request_ids == want.request_ids
+    for name in ("new_token_ids", "num_new_token_ids", "num_computed_tokens", "num_new_tokens"):
+        assert getattr(cols, name).tolist() == getattr(want, name).tolist(), name
+    # (Damage inside the bytes is the record CRC's to catch; a cut record cannot parse.)
+    with pytest.raises(RecordDecodeError):
+        decode_command(body[:-5])

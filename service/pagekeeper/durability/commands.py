@@ -7,6 +7,10 @@ ids in one string list, their token ids in one array, their counters in arrays),
 was published (``is_published``, ``published_slot``, ``publish_error``): a replay does not
 republish, yet a retry after a restart must get the answer the first call got.
 
+A step that arrived over gRPC is stored as the request's own protobuf bytes (kind
+``step_wire``: ``[now, publication, bytes]``), one serialization instead of a tree encode;
+replay parses it back through the same conversion the servicer used.
+
 Record kinds are stable numbers; a new command gets a new number, a changed layout a new
 version of its kind, and old versions keep decoding.
 """
@@ -52,6 +56,7 @@ KIND_RESET_PREFIX_CACHE = 6
 KIND_FORCE_FREE = 7
 KIND_RESUME_LEASES = 8
 KIND_CONFIGURE_LIMITS = 9
+KIND_STEP_WIRE = 10
 VERSION = 1
 
 KIND_NAMES = {
@@ -64,6 +69,7 @@ KIND_NAMES = {
     KIND_FORCE_FREE: "force_free",
     KIND_RESUME_LEASES: "resume_leases",
     KIND_CONFIGURE_LIMITS: "configure_limits",
+    KIND_STEP_WIRE: "step_wire",
 }
 
 Publication = tuple[bool, int, str]
@@ -81,7 +87,12 @@ def encode_command(command: Command, result: Any = None) -> bytes:
     """The log record body of an applied command (``result``: the step's answer)."""
     kind: int
     tree: Any
-    if isinstance(command, StepCommand):
+    if isinstance(command, StepCommand) and command.wire is not None:
+        kind, tree = (
+            KIND_STEP_WIRE,
+            [command.now, _publication(result), command.wire.SerializeToString()],
+        )
+    elif isinstance(command, StepCommand):
         kind, tree = KIND_STEP, _step_to_tree(command, result)
     elif isinstance(command, HeartbeatCommand):
         kind, tree = KIND_HEARTBEAT, [command.now, command.client_id, command.generation]
@@ -141,6 +152,8 @@ def record_kind(body: bytes | memoryview) -> str:
 def _from_tree(kind: int, tree: Any) -> tuple[Command, Publication | None]:
     if kind == KIND_STEP:
         return _step_from_tree(tree)
+    if kind == KIND_STEP_WIRE:
+        return _step_from_wire(tree)
     if kind == KIND_HEARTBEAT:
         now, client_id, generation = tree
         return HeartbeatCommand(float(now), str(client_id), int(generation)), None
@@ -280,11 +293,7 @@ def _step_to_tree(cmd: StepCommand, result: StepResult | None) -> list[Any]:
         if ends is not None:
             # A 4th entry only when given: records without it read back as before.
             batch.append(np.asarray(ends).astype(np.int32, copy=False))
-    publication = (
-        None
-        if result is None
-        else [result.is_published, result.published_slot, result.publish_error]
-    )
+    publication = _publication(result)
     return [
         cmd.now,
         cmd.client_id,
@@ -296,6 +305,30 @@ def _step_to_tree(cmd: StepCommand, result: StepResult | None) -> list[Any]:
         batch,
         publication,
     ]
+
+
+def _publication(result: StepResult | None) -> list[Any] | None:
+    if result is None:
+        return None
+    return [result.is_published, result.published_slot, result.publish_error]
+
+
+def _step_from_wire(tree: list[Any]) -> tuple[StepCommand, Publication | None]:
+    # The servicer's own conversion (imported here: the log module does not need gRPC
+    # until it reads such a record).
+    from google.protobuf.message import DecodeError
+
+    from pagekeeper.core.errors import PagekeeperError
+    from pagekeeper.rpc.convert import step_from_pb
+    from pagekeeper_client._proto.pagekeeper.v1 import pagekeeper_pb2 as pb
+
+    now, pub, data = tree
+    try:
+        command = step_from_pb(pb.StepRequest.FromString(bytes(data)), float(now))
+    except (DecodeError, PagekeeperError) as exc:
+        raise ValueError(f"its StepRequest does not read back: {exc}") from None
+    publication = None if pub is None else (bool(pub[0]), int(pub[1]), str(pub[2]))
+    return command, publication
 
 
 def _step_from_tree(tree: list[Any]) -> tuple[StepCommand, Publication | None]:

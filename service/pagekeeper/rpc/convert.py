@@ -300,6 +300,7 @@ def step_from_pb(request: pb.StepRequest, now: float) -> StepCommand:
         admissions=admissions,
         batch=batch,
         growth_columns=columns,
+        wire=request,
     )
 
 
