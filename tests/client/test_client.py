@@ -625,13 +625,23 @@ def test_held_decodes_leave_the_service_as_if_every_decode_was_sent(server_facto
             toks = rng.integers(0, 50, len(running)).tolist()  # few values: repeated pages
             if step % 3:
                 need = client.allocate_decodes(running, toks)
-            else:  # the per-request call holds back the same way
+                answers = reference.allocate_decodes(running, toks)
+            elif step % 2:  # the per-request call holds back the same way
                 need = [
                     rid
                     for rid, tok in zip(running, toks, strict=True)
                     if not client.allocate_slots(rid, 1, new_token_ids=[tok]).is_local
                 ]
-            answers = reference.allocate_decodes(running, toks)
+                answers = reference.allocate_decodes(running, toks)
+            else:  # two tokens at once (e.g. an accepted draft): carries any held tokens
+                need, answers = [], {}
+                for rid, tok in zip(running, toks, strict=True):
+                    pair = [tok, (tok + 1) % 50]
+                    if not client.allocate_slots(rid, 2, new_token_ids=pair).is_local:
+                        need.append(rid)
+                    got = reference.allocate(rid, 2, new_token_ids=pair)
+                    if got is None or any(got.new_page_ids):
+                        answers[rid] = got
             assert sorted(need) == sorted(answers)
             expected.update(answers)
             admitted = None
