@@ -214,7 +214,9 @@ def decode_i32(data: bytes) -> Int32Array:
         return EMPTY_PAGES
     if len(data) % 4:
         raise InternalError(f"the service sent {len(data)} bytes for an int32 array")
-    out: Int32Array = np.frombuffer(data, dtype=_I32).astype(np.int32, copy=False)
+    if _LITTLE_ENDIAN:
+        return np.frombuffer(data, dtype=np.int32)  # the wire's own layout: a view
+    out: Int32Array = np.frombuffer(data, dtype=_I32).astype(np.int32)
     return out
 
 
@@ -357,8 +359,8 @@ def result_from_pb(msg: pb.AllocationResult) -> AllocationResult:
         request_id=msg.request_id,
         status=_STATUS_FROM_PB.get(msg.status, AllocationStatus.REJECTED),
         num_cached_tokens=msg.num_cached_tokens,
-        new_page_ids=tuple(decode_i32(b) for b in msg.new_page_ids),
-        hit_page_ids=tuple(decode_i32(b) for b in msg.hit_page_ids),
+        new_page_ids=tuple(map(decode_i32, msg.new_page_ids)),
+        hit_page_ids=tuple(map(decode_i32, msg.hit_page_ids)),
         reason=msg.reason,
     )
 
