@@ -9,9 +9,14 @@ parsing, no work): the floor of one Python gRPC round trip carrying that payload
 Rows:
 
 * ``decode B=N fits``: N running requests, one decode token each (growths in column form,
-  as ``PagekeeperClient`` sends them), every one still fitting in its last page (unmeasured
-  steps between samples step over page boundaries); at B=256 also with one ``Growth``
-  message per row;
+  as ``PagekeeperClient`` sends them with ``hold_decodes=False``), every one still fitting
+  in its last page (unmeasured steps between samples step over page boundaries); at B=256
+  also with one ``Growth`` message per row;
+* ``same, held (as sent)`` (B=64, 256): the same decode steps as ``PagekeeperClient`` sends
+  them by default: every decode needs no page and completes none, so it is held back and
+  the step carries only the batch with each row's count (``Batch.num_computed_tokens``);
+  unmeasured steps between samples send the held tokens (carrier growths) and the decodes
+  that complete or take a page;
 * ``decode B=N new page``: every row crosses into a new page this step (unmeasured filler
   steps bring the rows to a page boundary between samples);
 * ``admit 8x2000``: 8 new 2,000-token prompts (no cache hit: hashing + allocation), freed
@@ -190,6 +195,44 @@ def fits_step(driver: Driver, ids: list[str], lengths: dict[str, int], columns: 
     return make, skip_boundaries
 
 
+def held_fits_step(driver: Driver, ids: list[str], lengths: dict[str, int]):
+    """The same decode step as ``PagekeeperClient`` sends it (``hold_decodes``): no row
+    needs a page or completes one, so no growth travels; the batch carries each row's count
+    as the client has it (``Batch.num_computed_tokens``, ahead of the service's). Between
+    samples an unmeasured step sends the held tokens as carrier growths before a row would
+    complete its page."""
+    held: dict[str, list[int]] = {r: [] for r in ids}
+
+    def make() -> pb.StepRequest:
+        token = int(driver.rng.integers(0, 50_000))
+        for r in ids:
+            held[r].append(token)
+        ends = [lengths[r] + len(held[r]) for r in ids]
+        return driver.request(batch=pb.Batch(request_ids=ids, num_computed_tokens=i32(ends)))
+
+    async def carry() -> None:
+        # Rows whose next decode would take a page or complete one are not held: send their
+        # held tokens (carrier growths), then plain decodes until each sits one token into
+        # a fresh page.
+        due = [r for r in ids if (lengths[r] + len(held[r])) % PAGE_SIZE in (0, PAGE_SIZE - 1)]
+        carriers = [r for r in due if held[r]]
+        if carriers:
+            cols = pb.GrowthColumns(
+                request_ids=carriers,
+                new_token_ids=i32([t for r in carriers for t in held[r]]),
+                num_new_token_ids=i32([len(held[r]) for r in carriers]),
+                num_computed_tokens=i32([lengths[r] + len(held[r]) - 1 for r in carriers]),
+            )
+            await driver.step(growth_columns=cols)
+            for r in carriers:
+                lengths[r] += len(held[r])
+                held[r] = []
+        while pending := [r for r in due if lengths[r] % PAGE_SIZE != 1]:
+            await driver.step(**decodes(driver, pending, lengths))
+
+    return make, carry
+
+
 async def boundary_filler(driver: Driver, ids: list[str], lengths: dict[str, int]) -> None:
     """Unmeasured decode steps until every row sits exactly at a page boundary."""
     while True:
@@ -327,6 +370,10 @@ async def run(samples: int, workdir: Path) -> list[tuple[str, float, float, floa
             lengths = dict.fromkeys(ids, prompt_len)
             make, between = fits_step(driver, ids, lengths)
             await measure(f"decode B={batch_size} fits", make, between)
+            if batch_size > 1:
+                make, between = held_fits_step(driver, ids, lengths)
+                await measure("  same, held (as sent)", make, between)
+                # Tokens still held are dropped: the service never saw them.
             if batch_size == 256:
                 make, between = fits_step(driver, ids, lengths, columns=False)
                 await measure("  same, as messages", make, between)
