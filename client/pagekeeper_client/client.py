@@ -23,12 +23,12 @@ What the client mirrors per request (its own requests only)::
     num_computed   tokens whose KV is (being) computed
 
 A growth fits locally when, in every group, ``len(pages[g]) >=
-required_pages(num_computed + num_new + num_lookahead)``. It costs no call of its own. On a
-pool of one full-attention group, a plain decode that fits and completes no page changes
-nothing in the pool: it is held back (``hold_decodes``, default on) and its token travels
-with the request's next growth -- the decode that completes the page (its tokens enter the
-prefix cache) or takes a new one -- so a decode step sends ~2 of every ``page_size``
-decodes. Pages, cache entries and events come out as if every decode had been sent; the
+required_pages(num_computed + num_new + num_lookahead)``. It costs no call of its own. A
+plain decode that fits, drops no page from a window or chunk and completes no page for the
+prefix cache changes nothing in the pool: it is held back (``hold_decodes``, default on;
+pools without Mamba groups) and its token travels with the request's next growth -- the
+decode that completes a page, drops one or takes a new one -- so a decode step on a pool
+of 16-token pages sends ~2 of every 16 decodes. Pages, cache entries and events come out as if every decode had been sent; the
 service's token counts trail the client's by the held-back decodes, and a published batch
 carries the client's counts for those rows (``Batch.num_computed_tokens``). Any other
 growth travels in the next step. A growth that needs a page is queued for the next
@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import array
 import logging
+import math
 import operator
 import os
 import sys
@@ -627,11 +628,18 @@ class SchedulerState:
         self.max_model_len = pool.max_model_len
         self._is_simple = len(pool.groups) == 1 and pool.groups[0].kind is GroupKind.FULL
         self._page_size0 = pool.groups[0].page_size
-        # Hold back plain decodes that change nothing in the pool (one full-attention group:
-        # no page needed, no page completed) and send their tokens with the request's next
-        # growth: a decode step then carries only the ~2/page_size of its requests that take
-        # or complete a page. Hybrid pools send every decode (windows release pages).
-        self.hold_decodes = hold_decodes and self._is_simple
+        # Hold back plain decodes that change nothing in the pool (no page needed, none
+        # released by a window or chunk, none completed for the prefix cache) and send their
+        # tokens with the request's next growth: a decode step then carries only the few of
+        # its requests that take, drop or complete a page. Pools with Mamba groups send every
+        # decode (their state pages follow other rules).
+        self.hold_decodes = hold_decodes and all(
+            g.kind in (GroupKind.FULL, GroupKind.SLIDING_WINDOW, GroupKind.CHUNKED_LOCAL)
+            for g in pool.groups
+        )
+        # The service caches a hybrid request's pages only up to a multiple of every group's
+        # page size: a decode completes a page for the cache when it reaches one.
+        self._cache_alignment = math.lcm(*(g.page_size for g in pool.groups))
         # Held-back decodes since the last answered step, (tracked, ...) for discard_queued.
         self._held: list[_Tracked] = []
         self.requests: dict[str, _Tracked] = {}
@@ -745,7 +753,13 @@ class SchedulerState:
                     pages[i] = 0
         needs = num_needed > 0
         is_decode = num_new_tokens == 1 and len(token_bytes) == 4 and num_computed_tokens is None
-        is_held = is_decode and not needs and self.hold_decodes and not self._completes(computed)
+        is_held = (
+            is_decode
+            and not needs
+            and not nulled
+            and self.hold_decodes
+            and not self._completes(computed)
+        )
         prev_held = t.held
         if prev_held:
             # The held-back decodes travel with this growth: their tokens first, and the
@@ -779,7 +793,7 @@ class SchedulerState:
 
     def _completes(self, computed: int) -> bool:
         """Whether a decode at ``computed`` completes a page the prefix cache takes."""
-        return self.pool.enable_prefix_caching and (computed + 1) % self._page_size0 == 0
+        return self.pool.enable_prefix_caching and (computed + 1) % self._cache_alignment == 0
 
     @property
     def num_held_tokens(self) -> int:
@@ -857,18 +871,23 @@ class SchedulerState:
             raise InvalidArgumentError("a request decodes twice in one call")
         if not self._is_simple:
             growths: list[_PendingGrowth] = []
+            held_back: list[_Tracked] = []
             try:
                 for i, request_id in enumerate(request_ids):
-                    growths.append(
-                        self.plan_growth(
-                            request_id, 1, token_ids[i : i + 1], None, num_lookahead_tokens
-                        )
+                    growth = self.plan_growth(
+                        request_id, 1, token_ids[i : i + 1], None, num_lookahead_tokens
                     )
+                    if growth.is_held:
+                        assert growth.tracked is not None
+                        growth.tracked.pending = None
+                        held_back.append(growth.tracked)
+                    else:
+                        growths.append(growth)
             except PagekeeperError:
                 # Nothing planned when one is refused.
-                self.unplan_decodes(_DecodePlan(growths, []))
+                self.unplan_decodes(_DecodePlan(growths, held_back))
                 raise
-            return _DecodePlan(growths, [])
+            return _DecodePlan(growths, held_back)
         # One full-attention group: plan_growth's arithmetic inline. A decode that needs no
         # page and completes none is held back (no object, no wire entry); the others get a
         # queue entry carrying the request's held-back tokens.
@@ -878,7 +897,7 @@ class SchedulerState:
         caching = self.pool.enable_prefix_caching
         growths = []
         append = growths.append
-        held_back: list[_Tracked] = []
+        held_back = []
         for i, (request_id, t) in enumerate(zip(request_ids, tracked, strict=True)):
             num_tokens = t.num_tokens
             computed = t.num_computed_tokens

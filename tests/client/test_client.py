@@ -595,7 +595,39 @@ def _service_events(client: PagekeeperClient, since: int) -> list[object]:
         return list(next(iter(stream)).events)
 
 
-def test_held_decodes_leave_the_service_as_if_every_decode_was_sent(server_factory, tmp_path):
+HOLD_CONFIGS = {
+    "full": "[pool]\nnum_pages = 40\nmax_model_len = 512\n",
+    "full+swa": """
+[pool]
+num_pages = 80
+max_model_len = 512
+[[pool.groups]]
+kind = "full"
+page_size = 16
+[[pool.groups]]
+kind = "sliding_window"
+page_size = 16
+window = 40
+""",
+    "full16+chunked32": """
+[pool]
+num_pages = 80
+max_model_len = 512
+[[pool.groups]]
+kind = "full"
+page_size = 16
+[[pool.groups]]
+kind = "chunked_local"
+page_size = 32
+chunk = 64
+""",
+}
+
+
+@pytest.mark.parametrize("config_name", list(HOLD_CONFIGS))
+def test_held_decodes_leave_the_service_as_if_every_decode_was_sent(
+    server_factory, tmp_path, config_name
+):
     """A client holding back decodes that need no page: after every step the service's
     tables and KV events (page ids, hashes, token ids, order) equal an in-process manager's
     that got every decode in its own step; its token counts trail by the held decodes until
@@ -605,7 +637,7 @@ def test_held_decodes_leave_the_service_as_if_every_decode_was_sent(server_facto
     from pagekeeper.core.manager import PageManager
     from pagekeeper.settings import from_tree
 
-    config_text = "[pool]\nnum_pages = 40\nmax_model_len = 512\n"
+    config_text = HOLD_CONFIGS[config_name]
     config = tmp_path / "pool.toml"
     config.write_text(config_text)
     server = server_factory("--config", str(config))
@@ -663,9 +695,10 @@ def test_held_decodes_leave_the_service_as_if_every_decode_was_sent(server_facto
                     running.append(rid)
             num_held_seen += sum(client.request(r).num_held_tokens for r in running)
             for rid in running:
-                assert client.block_table(rid).page_ids.tolist() == (
-                    reference.page_table(rid, 0).tolist()
-                )
+                for g in range(len(reference.groups)):
+                    assert client.block_table(rid, g).page_ids.tolist() == (
+                        reference.page_table(rid, g).tolist()
+                    )
             got = [_event_key(e) for e in _service_events(client, seq)]
             want_events = [_event_key(e) for e in reference.take_events()]
             assert got == want_events
