@@ -28,9 +28,10 @@ plain decode that fits, drops no page from a window or chunk and completes no pa
 prefix cache changes nothing in the pool: it is held back (``hold_decodes``, default on;
 pools without Mamba groups) and its token travels with the request's next growth -- the
 decode that completes a page, drops one or takes a new one -- so a decode step on a pool
-of 16-token pages sends ~2 of every 16 decodes. Pages, cache entries and events come out as if every decode had been sent; the
-service's token counts trail the client's by the held-back decodes, and a published batch
-carries the client's counts for those rows (``Batch.num_computed_tokens``). Any other
+of 16-token pages sends ~2 of every 16 decodes. Pages, cache entries and events come out
+as if every decode had been sent; the service's token counts trail the client's by the
+held-back decodes, and a published batch carries the client's counts for those rows
+(``Batch.num_computed_tokens``). Any other
 growth travels in the next step. A growth that needs a page is queued for the next
 ``step()`` -- or, with ``sync=True`` (what vLLM's ``allocate_slots`` needs: new block ids or
 ``None`` at once), sent at once in a step of its own together with everything queued before
