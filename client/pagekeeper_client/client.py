@@ -32,9 +32,9 @@ of 16-token pages sends ~2 of every 16 decodes. Pages, cache entries and events 
 as if every decode had been sent; the service's token counts trail the client's by the
 held-back decodes, and a published batch carries the client's counts for those rows
 (``Batch.num_computed_tokens``). Any other growth travels in the next step. A growth that
-needs a page is queued for the next ``step()`` -- or, with ``sync=True`` (what vLLM's ``allocate_slots`` needs: new block ids or
-``None`` at once), sent at once in a step of its own together with everything queued before
-it. A client that is its pool's only scheduler can skip even that call
+needs a page is queued for the next ``step()`` -- or, with ``sync=True`` (what vLLM's
+``allocate_slots`` needs: new block ids or ``None`` at once), sent at once in a step of its
+own together with everything queued before it. A client that is its pool's only scheduler can skip even that call
 (``defer_page_ids``): it knows how many pages the pool surely still has, answers "fits" at
 once and hands the new page ids out with the step.
 
