@@ -34,9 +34,9 @@ held-back decodes, and a published batch carries the client's counts for those r
 (``Batch.num_computed_tokens``). Any other growth travels in the next step. A growth that
 needs a page is queued for the next ``step()`` -- or, with ``sync=True`` (what vLLM's
 ``allocate_slots`` needs: new block ids or ``None`` at once), sent at once in a step of its
-own together with everything queued before it. A client that is its pool's only scheduler can skip even that call
-(``defer_page_ids``): it knows how many pages the pool surely still has, answers "fits" at
-once and hands the new page ids out with the step.
+own together with everything queued before it. A client that is its pool's only
+scheduler can skip even that call (``defer_page_ids``): it knows how many pages the pool
+surely still has, answers "fits" at once and hands the new page ids out with the step.
 
 Order. A ``Step`` applies frees, then growths, then admissions. The client sends queued
 operations in call order within each kind, and sends the queue early (``num_ordering_flushes``)
