@@ -344,8 +344,9 @@ class SlotAllocation:
     """The answer to :meth:`PagekeeperClient.allocate_slots` (vLLM's ``allocate_slots``).
 
     - ``OK`` with ``is_local``: the request's pages already cover the tokens in every group;
-      answered by the client without a call (the growth still travels in the next step, for
-      token ids and the slot mapping).
+      answered by the client without a call. The growth travels in the next step, or, a
+      plain decode that drops and completes no page, is held back and travels with the
+      request's next growth (``hold_decodes``).
     - ``OK`` not local: the service handed ``new_page_ids`` (``sync=True``), or, with
       ``is_deferred``, the pool surely has them and they come with the next step.
     - ``PENDING``: pages are needed; the growth is queued for the next ``step()``.
