@@ -1218,9 +1218,11 @@ class SchedulerState:
                         t.pages[g].extend(pages.tolist())
             else:
                 # Nothing changed for it on the service, except that sliding-window pages
-                # were released before the capacity check (as in vLLM).
+                # were released before the capacity check (as in vLLM). Held-back tokens it
+                # carried are held again: the service did not take them.
                 t.num_tokens = growth.prev_num_tokens
                 t.num_computed_tokens = growth.prev_num_computed_tokens
+                t.held = growth.prev_held
                 if found.status is AllocationStatus.REJECTED:
                     for g, i, page in growth.nulled:
                         t.pages[g][i] = page

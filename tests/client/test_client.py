@@ -736,3 +736,39 @@ def test_discarded_step_takes_back_held_decodes(connect):
     client.flush()
     assert client.block_table("dq-a").num_tokens == 11
     client.free("dq-a")
+
+
+def test_a_refused_carrier_holds_its_tokens_again(server_factory, tmp_path):
+    """NO_CAPACITY for a decode that carried held-back tokens: nothing changed on the
+    service, so the client holds them again, and a retry after another request is
+    preempted sends them (the service's counts end level with the client's). Without
+    prefix caching a decode that completes a page is held too, so the decode that needs
+    the next page carries the whole page's tokens."""
+    config = tmp_path / "pool.toml"
+    config.write_text(
+        "[pool]\nnum_pages = 5\nmax_model_len = 512\nenable_prefix_caching = false\n"
+    )  # pages 1..4
+    server = server_factory("--config", str(config))
+    with PagekeeperClient(server.grpc_address) as client:
+        client.register("scheduler")
+        client.admit("rc-a", tokens(70, 20))  # 2 pages, 12 slots left in the second
+        client.admit("rc-b", tokens(71, 32))  # 2 full pages: the pool is now dry
+        for i in range(12):  # tokens 21..32: fit, nothing to cache: all held
+            assert client.allocate_decodes(["rc-a"], [i]) == []
+            client.step(batch=["rc-a"])
+        assert client.request("rc-a").num_held_tokens == 12
+        assert client.block_table("rc-a").num_tokens == 20
+        # Token 33 needs a page: its growth carries the 12 held tokens; the pool is dry.
+        assert client.allocate_decodes(["rc-a"], [60]) == ["rc-a"]
+        result = client.step(batch=["rc-a"])
+        assert result.by_request()["rc-a"].status is AllocationStatus.NO_CAPACITY
+        view = client.request("rc-a")
+        assert (view.num_tokens, view.num_held_tokens) == (32, 12)  # held again
+        assert client.block_table("rc-a").num_tokens == 20  # nothing changed there
+        client.free("rc-b")  # preempt the other request, then retry the decode
+        assert client.allocate_decodes(["rc-a"], [60]) == ["rc-a"]
+        assert client.step(batch=["rc-a"]).by_request()["rc-a"].ok
+        table = client.block_table("rc-a")
+        assert (table.num_tokens, table.num_computed_tokens) == (33, 33)
+        assert client.request("rc-a").num_held_tokens == 0
+        assert len(table.page_ids) == 3
