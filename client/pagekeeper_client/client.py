@@ -640,7 +640,8 @@ class SchedulerState:
         # The service caches a hybrid request's pages only up to a multiple of every group's
         # page size: a decode completes a page for the cache when it reaches one.
         self._cache_alignment = math.lcm(*(g.page_size for g in pool.groups))
-        # Held-back decodes since the last answered step, (tracked, ...) for discard_queued.
+        # Requests with a decode held back since the last answered step, one entry per decode
+        # (what discard_queued takes back).
         self._held: list[_Tracked] = []
         self.requests: dict[str, _Tracked] = {}
         self._frees: list[_PendingFree] = []
@@ -895,6 +896,7 @@ class SchedulerState:
         plain = num_lookahead_tokens == 0
         hold = self.hold_decodes
         caching = self.pool.enable_prefix_caching
+        alignment = self._cache_alignment  # the page size here: _completes, inline
         growths = []
         append = growths.append
         held_back = []
@@ -908,7 +910,7 @@ class SchedulerState:
             needs = num_needed > 0
             token = token_bytes[4 * i : 4 * i + 4]
             held = t.held
-            if hold and not needs and not (caching and (computed + 1) % page_size == 0):
+            if hold and not needs and not (caching and (computed + 1) % alignment == 0):
                 t.held = held + token
                 t.num_tokens = num_tokens + 1
                 t.num_computed_tokens = computed + 1

@@ -597,18 +597,7 @@ def _service_events(client: PagekeeperClient, since: int) -> list[object]:
 
 HOLD_CONFIGS = {
     "full": "[pool]\nnum_pages = 40\nmax_model_len = 512\n",
-    "full+swa": """
-[pool]
-num_pages = 80
-max_model_len = 512
-[[pool.groups]]
-kind = "full"
-page_size = 16
-[[pool.groups]]
-kind = "sliding_window"
-page_size = 16
-window = 40
-""",
+    "full+swa": HYBRID_CONFIG,
     "full16+chunked32": """
 [pool]
 num_pages = 80

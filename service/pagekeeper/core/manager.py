@@ -542,17 +542,15 @@ class PageManager:
                     raise InvalidArgument(f"held tokens for {rid!r}, which does not decode here")
                 extras[rid] = _as_token_list(given, f"request {rid!r}: held token ids")
         max_len = self._max_model_len
-        if extras:
-            lengths = (len(r.token_ids) + len(extras.get(r.request_id, ())) for r in reqs)
-        else:
-            lengths = (len(r.token_ids) for r in reqs)
-        if max(lengths, default=0) + 1 > max_len:
-            bad = next(
-                r for r in reqs if len(r.token_ids) + len(extras.get(r.request_id, ())) >= max_len
-            )
-            num = len(bad.token_ids) + len(extras.get(bad.request_id, ())) + 1
+
+        def num_after(r: _Request) -> int:
+            return len(r.token_ids) + len(extras.get(r.request_id, ())) + 1
+
+        if max(map(num_after, reqs), default=0) > max_len:
+            bad = next(r for r in reqs if num_after(r) > max_len)
             raise InvalidArgument(
-                f"request {bad.request_id!r}: {num} tokens exceed max_model_len {max_len}"
+                f"request {bad.request_id!r}: {num_after(bad)} tokens exceed max_model_len "
+                f"{max_len}"
             )
         out: dict[str, Allocation | None] = {}
         group = self._single_full
