@@ -182,7 +182,7 @@ def test_recentering_keeps_order_under_long_churn():
 def test_check_invariants_reports_corruption():
     pool = make()
     pool.allocate(2)
-    pool._ref[5] = 3  # corrupt: page 5 is queued with a non-zero ref count
+    pool._state[5] = 6  # corrupt: page 5 is queued with a non-zero ref count
     problems = pool.check_invariants()
     assert any("free-queue membership" in p for p in problems)
 
@@ -242,3 +242,87 @@ def test_check_invariants_reports_a_lost_position():
     pool.free(pages[::-1])
     pool._pos[pages[0]] = pool._head  # corrupt: the cached free page points elsewhere
     assert any("position" in p for p in pool.check_invariants())
+
+
+def test_touch_takes_a_run_freed_together_at_the_tail_or_in_the_middle():
+    """A hit on a finished request's prefix finds its pages as one run of the queue (they
+    were freed together, last page first) and takes them in one go: at the tail the queue
+    just ends earlier, in the middle the cells become holes."""
+    pool = make(16)
+    a = pool.allocate(4)  # 1..4
+    cache(pool, a)
+    pool.free(a[::-1])  # tail: ... 4 3 2 1
+    pool.touch(a[:3])  # pages 1, 2, 3 lie at the tail as 3 2 1
+    assert [pool.ref_count(p) for p in a] == [1, 1, 1, 0]
+    assert pool.free_queue()[-2:] == [15, 4] and pool.num_free_pages == 12
+    assert pool._buf[pool._tail - 1] == 4  # taken from the tail: no holes left behind
+    assert pool.check_invariants() == []
+    pool.free(a[2::-1])  # back to the tail: ... 4 3 2 1
+    b = pool.allocate(2)  # 5, 6
+    cache(pool, b, tag=b"b")
+    pool.free(b[::-1])  # ... 4 3 2 1 6 5: a's run is now in the middle
+    pool.touch(a[:2])  # 2 1 in the middle: holes
+    assert pool.free_queue()[-5:] == [15, 4, 3, 6, 5]
+    assert pool.ref_count(1) == pool.ref_count(2) == 1 and pool.num_free_pages == 13
+    assert pool.check_invariants() == []
+    # Not a run in queue order (3 then 5 are apart): page by page.
+    pool.touch([3, 5])
+    assert pool.free_queue()[-3:] == [15, 4, 6] and pool.check_invariants() == []
+    assert all(pool.is_cached(p) for p in (1, 2, 3, 5))
+
+
+def test_touch_with_null_pages_and_shared_pages_falls_back_page_by_page():
+    pool = make(12)
+    a = pool.allocate(3)  # 1, 2, 3
+    cache(pool, a)
+    pool.free(a[::-1])
+    # A sliding-window hit: the null page first, then pages 2 and 3 (a run 3 2 in the queue).
+    pool.touch([0, 2, 3])
+    assert [pool.ref_count(p) for p in (0, 1, 2, 3)] == [0, 0, 1, 1]
+    pool.touch([2, 3])  # already held: ref count +1, nothing leaves the queue
+    assert pool.ref_count(2) == pool.ref_count(3) == 2 and pool.num_free_pages == 9
+    assert pool.check_invariants() == []
+
+
+def test_free_of_a_page_listed_as_often_as_it_is_held_queues_it_once():
+    pool = make(10)
+    a = pool.allocate(3)  # 1, 2, 3
+    cache(pool, a[:2])
+    pool.touch([2])  # page 2 held twice
+    pool.free([3, 2, 2, 1])  # mixed: 3 uncached, 2 and 1 cached
+    assert pool.free_queue() == [3, 4, 5, 6, 7, 8, 9, 2, 1]
+    assert pool.check_invariants() == []
+
+
+def test_free_after_a_bad_page_keeps_the_pool_sound():
+    pool = make(10)
+    a = pool.allocate(3)
+    pool.free([a[2]])
+    with pytest.raises(InvariantViolation, match="ref count 0"):
+        pool.free([a[0], a[2], a[1]])  # a[2] is already free
+    assert pool.ref_count(a[0]) == 0 and pool.ref_count(a[1]) == 1
+    assert pool.check_invariants() == []
+
+
+def test_check_invariants_reports_an_uncached_page_queued_after_a_cached_one():
+    pool = make(8)
+    a = pool.allocate(2)
+    cache(pool, a)
+    pool.free(a[::-1])  # queue: 3 4 5 6 7 2 1
+    tail = pool._tail
+    pool._buf[tail - 2], pool._buf[tail - 3] = pool._buf[tail - 3], pool._buf[tail - 2]
+    pool._pos[2] = tail - 3
+    problems = pool.check_invariants()
+    assert any("uncached page is queued after a cached one" in p for p in problems)
+
+
+def test_ref_count_array_small_and_large_counts():
+    pool = make(8)
+    a = pool.allocate(3)
+    pool.touch([a[0]])
+    assert pool.ref_count_array().tolist() == [0, 2, 1, 1, 0, 0, 0, 0]
+    for _ in range(200):  # a state past 255: the slower conversion
+        pool.touch([a[1]])
+    got = pool.ref_count_array()
+    assert got.dtype == np.int32 and got.tolist() == [0, 2, 201, 1, 0, 0, 0, 0]
+    assert pool.count_free([0, a[0], 4, 5]) == 2 and pool.check_invariants() == []

@@ -237,7 +237,7 @@ def test_snapshot_header_and_body_are_checked():
 # fails: add it to pagekeeper.core.snapshot / ServiceState.snapshot_state, then here.
 KNOWN_ATTRIBUTES = {
     PagePool: {
-        "num_pages", "enable_caching", "_ref", "_ref_np", "_pos", "_pos_np", "_cached",
+        "num_pages", "enable_caching", "_state", "_pos", "_pos_np", "_cached",
         "_cached_np", "_buf", "_buf_np", "_head", "_tail", "_num_free", "_index", "_dups",
         "_page_hash", "_events", "_event_seq", "num_evictions", "num_allocated_total",
         "num_freed_total",

@@ -93,10 +93,7 @@ class GroupManager:
         num_skipped_pages = self.num_skipped_tokens(num_computed_tokens) // self.page_size
         new = max(required - max(num_skipped_pages, len(hit_pages)), 0)
         kept = hit_pages[num_skipped_pages:]
-        # Hit pages with ref count 0 sit in the free queue (the null page's count is 0 too).
-        refs = list(map(self.pool.ref_counts.__getitem__, kept))
-        evictable = refs.count(0) - list(kept).count(NULL_PAGE)
-        return new + evictable
+        return new + self.pool.count_free(kept)
 
     def save_hits(
         self, request_id: str, hit_pages: Sequence[int], num_computed_tokens: int

@@ -290,7 +290,7 @@ class PageManager:
         s.num_free_pages = pool.num_free_pages
         s.num_used_pages = pool.num_used_pages
         s.num_cached_pages = pool.num_cached_pages
-        s.num_free_cached_pages = int(np.count_nonzero(pool._cached_np[pool.free_mask()]))
+        s.num_free_cached_pages = pool.num_free_cached_pages
         s.num_requests = len(self._requests)
         s.usage = pool.usage()
         s.num_evictions = pool.num_evictions
@@ -323,7 +323,7 @@ class PageManager:
         cached_pages = np.flatnonzero(pool._cached_np)
         group[cached_pages] = pool._cached_np[cached_pages].astype(np.int16) - 1
         return {
-            "ref_count": pool._ref_np.copy(),
+            "ref_count": pool.ref_count_array(),
             "is_cached": pool._cached_np.astype(bool),
             "is_free": pool.free_mask(),
             "group": group,

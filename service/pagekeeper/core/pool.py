@@ -3,10 +3,17 @@ prefix-cache index, for every page of every KV-cache group.
 
 Memory is a few small integers per page in flat arrays, never a Python object per page::
 
-    ref_count  int32  per page   how many requests hold it (0 = in the free queue)
+    state      list   per page   2 x ref count + 1 while cached (8 bytes: a pointer to one
+                                 of CPython's shared small ints; 0/1 = in the free queue)
     position   int32  per page   its cell in the queue buffer (kept for cached free pages)
     is_cached  uint8  per page   group id + 1 while the page is in the prefix-cache index
     buffer     int32  2 x pages  the free queue, a double-ended run with holes
+
+The state is a list rather than an ``array``: it is read and written on every page of every
+allocation, free and prefix hit, and CPython specialises subscripts of a list of ints (not
+of an ``array``), which makes those paths 1.2-1.4x faster. Folding the cached bit into it
+saves a second lookup per page when a page is freed or taken. Its values stay small (a ref
+count up to 127 is a shared small int), so the list costs 8 bytes a page and no int object.
 
 The free queue is the same sequence vLLM keeps in its doubly linked list, stored as a
 run ``buffer[head:tail]`` of a double-ended array. Taking from the head advances ``head``;
@@ -27,6 +34,8 @@ two or three array writes, not five.
 
 from __future__ import annotations
 
+import struct
+import sys
 from array import array
 from collections.abc import Iterable, Sequence
 
@@ -39,6 +48,14 @@ from pagekeeper.core.events import AllCleared, KVEvent, PageRemoved, PageStored
 NULL_PAGE = 0
 # Below this many pages, plain scalar loops beat numpy's per-call overhead.
 _SMALL = 64
+_HOLES = array("i", [-1]) * _SMALL
+# ``struct`` writes a short list of ints into an int32 buffer 2-3x faster than building an
+# ``array`` from it (or than writing the cells one by one).
+_INT32S = [struct.Struct(f"={k}i") for k in range(_SMALL + 1)]
+
+
+def _int32s(k: int) -> struct.Struct:
+    return _INT32S[k]
 
 
 def _int32_array(size: int, fill: int) -> tuple[array[int], npt.NDArray[np.int32]]:
@@ -60,7 +77,7 @@ class PagePool:
             raise InvalidArgument(f"num_pages must be >= 2, got {num_pages}")
         self.num_pages = num_pages
         self.enable_caching = enable_caching
-        self._ref, self._ref_np = _int32_array(num_pages, 0)
+        self._state = [0] * num_pages
         self._pos, self._pos_np = _int32_array(num_pages, -1)
         self._cached = bytearray(num_pages)
         self._cached_np = np.frombuffer(self._cached, dtype=np.uint8)
@@ -99,12 +116,17 @@ class PagePool:
     def num_cached_pages(self) -> int:
         return len(self._page_hash)
 
+    @property
+    def num_free_cached_pages(self) -> int:
+        """Cached pages in the free queue (a hit can still take them; eviction reuses them)."""
+        return int(np.count_nonzero(self._cached_np[self._queued()]))
+
     def usage(self) -> float:
         """Fraction of the allocatable pages in use (the null page excluded), as vLLM."""
         return 1.0 - self._num_free / (self.num_pages - 1)
 
     def ref_count(self, page_id: int) -> int:
-        return int(self._ref[page_id])
+        return self._state[page_id] >> 1
 
     def is_cached(self, page_id: int) -> bool:
         return bool(self._cached[page_id])
@@ -115,13 +137,31 @@ class PagePool:
         return None if page_hash is None else (self._cached[page_id] - 1, page_hash)
 
     def is_free(self, page_id: int) -> bool:
-        return page_id != NULL_PAGE and self._ref[page_id] == 0
+        return page_id != NULL_PAGE and self._state[page_id] < 2
 
     def free_mask(self) -> npt.NDArray[np.bool_]:
         """Per page: in the free queue (ref count 0, the null page excluded)."""
-        mask: npt.NDArray[np.bool_] = self._ref_np == 0
-        mask[NULL_PAGE] = False
+        mask = np.zeros(self.num_pages, dtype=np.bool_)
+        mask[self._queued()] = True
         return mask
+
+    def ref_count_array(self) -> npt.NDArray[np.int32]:
+        """Every page's ref count, as a fresh int32 array (introspection, snapshots)."""
+        try:
+            # Every state below 256 (no page held 128 times): bytes() converts the list at
+            # C speed, 1.7x faster than np.fromiter (50 ms for 4M pages on a slow core).
+            raw = np.frombuffer(bytes(self._state), dtype=np.uint8)
+        except ValueError:
+            state = np.fromiter(self._state, dtype=np.int32, count=self.num_pages)
+            state >>= 1
+            return state
+        counts: npt.NDArray[np.int32] = (raw >> 1).astype(np.int32)
+        return counts
+
+    def count_free(self, pages: Sequence[int]) -> int:
+        """How many of ``pages`` sit in the free queue (the null page is never counted)."""
+        states = list(map(self._state.__getitem__, pages))
+        return states.count(0) + states.count(1) - list(pages).count(NULL_PAGE)
 
     def ensure_groups(self, num_groups: int) -> None:
         while len(self._index) < num_groups:
@@ -131,8 +171,12 @@ class PagePool:
     # -- the free queue ------------------------------------------------------------------
     def free_queue(self) -> list[int]:
         """The free queue in order, head first (for tests and introspection)."""
+        queued: list[int] = self._queued().tolist()
+        return queued
+
+    def _queued(self) -> npt.NDArray[np.int32]:
         run = self._buf_np[self._head : self._tail]
-        return [int(p) for p in run[run >= 0]]
+        return run[run >= 0]
 
     def _recenter(self) -> None:
         run = self._buf_np[self._head : self._tail]
@@ -153,7 +197,7 @@ class PagePool:
             self._recenter()
         start = self._head - k
         if k <= _SMALL:
-            self._buf[start : self._head] = array("i", pages)
+            _int32s(k).pack_into(self._buf, 4 * start, *pages)
         else:
             self._buf_np[start : self._head] = np.asarray(pages, dtype=np.int32)
         self._head = start
@@ -166,10 +210,12 @@ class PagePool:
             self._recenter()
         start = self._tail
         if k <= _SMALL:
-            self._buf[start : start + k] = array("i", pages)
+            _int32s(k).pack_into(self._buf, 4 * start, *pages)
             pos = self._pos
-            for i, page in enumerate(pages, start):
-                pos[page] = i
+            cell = start
+            for page in pages:
+                pos[page] = cell
+                cell += 1
         else:
             ids = np.asarray(pages, dtype=np.int32)
             self._buf_np[start : start + k] = ids
@@ -183,6 +229,7 @@ class PagePool:
 
         The caller checks capacity first (allocation is all-or-nothing at the request level).
         """
+        state = self._state
         if num == 1 and self._num_free:
             # A decode crossing into a new page: the shortest path.
             buf, head = self._buf, self._head
@@ -191,10 +238,11 @@ class PagePool:
                 head += 1
                 page = buf[head]
             self._head = head + 1
-            self._ref[page] = 1
+            cached = state[page]
+            state[page] = 2
             self._num_free -= 1
             self.num_allocated_total += 1
-            if self._cached[page]:
+            if cached:
                 self._evict([page])
             return [page]
         if num <= 0:
@@ -202,49 +250,28 @@ class PagePool:
         if num > self._num_free:
             raise InvalidArgument(f"cannot allocate {num} pages: {self._num_free} free")
         head = self._head
-        evicted: list[int] = []
-        if num <= _SMALL:
-            buf, ref, cached = self._buf, self._ref, self._cached
-            end = head + num
-            run = buf[head:end]
-            if -1 not in run:
-                # No hole in the way (the common case): the pages are the next ``num`` cells.
-                pages = run.tolist()
-                head = end
-                for page in pages:
-                    ref[page] = 1
-                    if cached[page]:
-                        evicted.append(page)
-            else:
-                pages = []
-                take = pages.append
-                left = num
-                while left:
-                    page = buf[head]
-                    head += 1
-                    if page < 0:
-                        continue  # a hole left by a page taken out of the middle
-                    ref[page] = 1
-                    take(page)
-                    if cached[page]:
-                        evicted.append(page)
-                    left -= 1
+        end = head + num
+        if num <= _SMALL and -1 not in (run := self._buf[head:end]):
+            # No hole in the way (the common case): the pages are the next ``num`` cells.
+            pages = run.tolist()
+            head = end
         else:
             parts: list[npt.NDArray[np.int32]] = []
             need = num
             while need:
                 seg = self._buf_np[head : head + need]
-                live = seg[seg >= 0]
+                live = seg[seg >= 0]  # skip holes left by pages taken out of the middle
                 parts.append(live)
                 head += len(seg)
                 need -= len(live)
-            ids = parts[0] if len(parts) == 1 else np.concatenate(parts)
-            self._ref_np[ids] = 1
-            hit = self._cached_np[ids]
-            if hit.any():
-                evicted = ids[hit.astype(bool)].tolist()
-            pages = ids.tolist()
+            pages = (parts[0] if len(parts) == 1 else np.concatenate(parts)).tolist()
         self._head = head
+        # Free pages have state 0 (no hash) or 1 (cached: evicted now); taken, they hold 2.
+        evicted = []
+        for page in pages:
+            if state[page]:
+                evicted.append(page)
+            state[page] = 2
         self._num_free -= num
         self.num_allocated_total += num
         if evicted:
@@ -253,27 +280,66 @@ class PagePool:
 
     def touch(self, pages: Iterable[int]) -> None:
         """A prefix hit: take each page out of the free queue if needed, ref count +1."""
-        ref, pos, buf, cached = self._ref, self._pos, self._buf, self._cached
+        state, buf = self._state, self._buf
         if type(pages) is not list:
             pages = list(pages)
-        if NULL_PAGE in pages:  # one C-level scan instead of a test per page
-            pages = [p for p in pages if p != NULL_PAGE]
+        k = len(pages)
+        if k > 1 and state[pages[-1]] == 1:
+            # A hit on the pages of a finished request: they were freed together, last page
+            # first, so they usually lie in the queue as one run in reverse order. Checked
+            # with one slice comparison inside the queue (cells in [head, tail) hold live
+            # pages or holes, never the null page or a page twice), then taken as a run.
+            # The run starts at a cached page and cached pages follow uncached ones in the
+            # queue (checked by check_invariants), so every page of it is cached: state 1.
+            cell = self._pos[pages[-1]]
+            end = cell + k
+            tail = self._tail
+            if end <= tail and buf[cell:end].tolist() == pages[::-1]:
+                for page in pages:
+                    state[page] = 3
+                self._num_free -= k
+                if end == tail:
+                    # The most recently freed run (the last turn of a conversation): the
+                    # queue just ends before it, no holes left.
+                    self._tail = cell
+                    if buf[cell - 1] < 0:
+                        self._trim_tail()
+                else:
+                    buf[cell:end] = _HOLES[:k] if k <= _SMALL else array("i", [-1]) * k
+                    if cell == self._head:
+                        self._skip_holes()
+                return
+        pos = self._pos
         removed = 0
         for page in pages:
-            count = ref[page]
-            if count == 0:
-                if cached[page]:
+            s = state[page]
+            if s < 2:
+                if page == NULL_PAGE:
+                    continue  # never queued, never counted
+                if s:
                     buf[pos[page]] = -1  # leave a hole: O(1) removal from the middle
                 else:
                     self._unqueue_uncached(page)
                 removed += 1
-            ref[page] = count + 1
+            state[page] = s + 2
         if removed:
             self._num_free -= removed
-            head, tail = self._head, self._tail
-            while head < tail and buf[head] < 0:
-                head += 1
-            self._head = head
+            self._skip_holes()
+            self._trim_tail()
+
+    def _skip_holes(self) -> None:
+        """Advance the head over holes."""
+        buf, head, tail = self._buf, self._head, self._tail
+        while head < tail and buf[head] < 0:
+            head += 1
+        self._head = head
+
+    def _trim_tail(self) -> None:
+        """Pull the tail back over holes (cells from the tail on are never read)."""
+        buf, head, tail = self._buf, self._head, self._tail
+        while tail > head and buf[tail - 1] < 0:
+            tail -= 1
+        self._tail = tail
 
     def _unqueue_uncached(self, page: int) -> None:
         """Take a free page without a hash out of the queue. Prefix hits only ever touch
@@ -288,19 +354,21 @@ class PagePool:
         """Drop one reference of each page; ``pages`` are in eviction order (a request's
         pages last to first). Pages reaching 0 without a hash go to the head as one run,
         cached ones to the tail, both in the given order."""
-        head_run: list[int]
-        tail_run: list[int]
+        state = self._state
         if len(pages) == 1:
-            page = int(pages[0])
-            if page == NULL_PAGE:
-                return
-            count = self._ref[page] - 1
-            if count < 0:
+            page = pages[0]
+            if type(page) is not int:
+                page = int(page)
+            s = state[page] - 2
+            if s < 0:
+                if page == NULL_PAGE:
+                    return
                 raise InvariantViolation(f"page {page} freed with ref count 0")
-            self._ref[page] = count
-            if count == 0:
+            state[page] = s
+            if s < 2:
                 self.num_freed_total += 1
-                if self._cached[page]:
+                self._num_free += 1
+                if s:
                     tail = self._tail
                     if tail >= len(self._buf):
                         self._recenter()
@@ -316,74 +384,60 @@ class PagePool:
                     head -= 1
                     self._buf[head] = page
                     self._head = head
-                self._num_free += 1
             return
-        if len(pages) <= _SMALL:
-            if type(pages) is not list:
-                pages = [int(p) for p in pages]
-            if NULL_PAGE in pages:  # one C-level scan instead of a test per page
-                pages = [p for p in pages if p != NULL_PAGE]
-            ref, cached, buf, pos = self._ref, self._cached, self._buf, self._pos
-            if self._tail + len(pages) > len(buf):
-                self._recenter()
-            # Cached pages go straight into the cells after the tail (with their positions);
-            # pages without a hash are collected for one run in front of the head.
-            tail = start = self._tail
-            head_run = []
-            to_head = head_run.append
-            for page in pages:
-                count = ref[page] - 1
-                ref[page] = count
-                if count == 0:
-                    if cached[page]:
-                        buf[tail] = page
-                        pos[page] = tail
-                        tail += 1
-                    else:
-                        to_head(page)
-                elif count < 0:
-                    ref[page] = 0
-                    self._tail = tail
-                    self._num_free += tail - start
-                    raise InvariantViolation(f"page {page} freed with ref count 0")
-            if tail != start:
-                self._tail = tail
-                self._num_free += tail - start
-                self.num_freed_total += tail - start
-            if head_run:
-                # One run, in the order given: the request's last page ends up at the head.
-                self._prepend(head_run)
-                self.num_freed_total += len(head_run)
-            return
-        else:
-            ids = np.asarray(pages, dtype=np.int32)
-            ids = ids[ids != NULL_PAGE]
-            counts = self._ref_np[ids] - 1
-            if (counts < 0).any():
-                bad = ids[counts < 0].tolist()
-                raise InvariantViolation(f"pages {bad} freed with ref count 0")
-            self._ref_np[ids] = counts
-            zero = ids[counts == 0]
-            is_cached = self._cached_np[zero].astype(bool)
-            head_run = zero[~is_cached].tolist()
-            tail_run = zero[is_cached].tolist()
-        if head_run:
-            # One run, in the order given: the request's last page ends up at the head.
-            self._prepend(head_run)
-            self.num_freed_total += len(head_run)
-        if tail_run:
-            self._append(tail_run)
-            self.num_freed_total += len(tail_run)
+        if type(pages) is not list:
+            pages = pages.tolist() if isinstance(pages, np.ndarray) else [int(p) for p in pages]
+        # First the states alone (list operations, the cheap part), counting the pages that
+        # reach 0 and, of those, the cached ones; then the queue, in as few writes as the
+        # case allows.
+        num_zero = num_cached = 0
+        bad = -1
+        for page in pages:
+            s = state[page] - 2
+            if s < 2:
+                if s < 0:
+                    if page == NULL_PAGE:
+                        continue
+                    bad = page
+                    break
+                num_zero += 1
+                num_cached += s
+            state[page] = s
+        if bad >= 0:
+            # A caller bug (the manager checks ownership first): the pages before it are
+            # queued consistently so the pool stays sound for check_invariants to report.
+            pages = pages[: pages.index(bad)]
+        if num_zero:
+            if num_cached == len(pages):
+                # Every page reached 0 and is cached (a released prefix hit): one run.
+                self._append(pages)
+            elif num_zero == len(pages) and not num_cached:
+                # Every page reached 0 and has no hash (prefix caching off, or a request
+                # that completed no page): one run in front of the head.
+                self._prepend(pages)
+            else:
+                head_run: list[int] = []
+                tail_run: list[int] = []
+                for page in pages:
+                    if state[page] < 2 and page != NULL_PAGE:
+                        (tail_run if state[page] else head_run).append(page)
+                if len(head_run) + len(tail_run) != num_zero:
+                    # A page listed as often as it was held: queue it once.
+                    head_run = list(dict.fromkeys(head_run))
+                    tail_run = list(dict.fromkeys(tail_run))
+                if tail_run:
+                    self._append(tail_run)
+                if head_run:
+                    # One run, in the order given: the request's last page ends up at the head.
+                    self._prepend(head_run)
+            self.num_freed_total += num_zero
+        if bad >= 0:
+            raise InvariantViolation(f"page {bad} freed with ref count 0")
 
     # -- prefix-cache index --------------------------------------------------------------
     def index(self, group_id: int) -> dict[bytes, int]:
         """The group's hash -> first page map, for scans (read only: never mutate it)."""
         return self._index[group_id]
-
-    @property
-    def ref_counts(self) -> array[int]:
-        """Per-page ref counts, for scans (read only: never mutate it)."""
-        return self._ref
 
     def lookup(self, group_id: int, page_hash: bytes) -> int | None:
         """First page cached under this hash in this group, or None."""
@@ -412,19 +466,23 @@ class PagePool:
         ):
             # The common case (a run of fresh pages with new hashes): bulk dict updates.
             ids = np.asarray(pages, dtype=np.int64)
-            if self._cached_np[ids].any() or not self._ref_np[ids].all():
+            state = self._state
+            states = list(map(state.__getitem__, pages))
+            if self._cached_np[ids].any() or min(states) < 2:
                 raise InvariantViolation(f"pages {pages} include a cached or free page")
             index.update(zip(hashes, pages, strict=True))
             hash_of.update(zip(pages, hashes, strict=True))
             self._cached_np[ids] = group_id + 1
+            for page, s in zip(pages, states, strict=True):
+                state[page] = s + 1
             self._stored_event(
                 group_id, pages, hashes, parent_hash, token_ids, page_size, lora_name
             )
             return
-        ref = self._ref
+        state = self._state
         for page in pages:
             # Only held pages are cached (a free page's queue position is not kept).
-            if page != NULL_PAGE and (cached[page] or not ref[page]):
+            if page != NULL_PAGE and (cached[page] or state[page] < 2):
                 raise InvariantViolation(f"page {page} is already cached or is free")
         stored_pages: list[int] = []
         stored_hashes: list[bytes] = []
@@ -451,7 +509,7 @@ class PagePool:
         lora_name: str | None,
     ) -> None:
         """``cache`` for the one page a decode just filled (the shortest path)."""
-        if self._cached[page] or not self._ref[page] or page == NULL_PAGE:
+        if self._cached[page] or self._state[page] < 2 or page == NULL_PAGE:
             raise InvariantViolation(f"page {page} is already cached, free or the null page")
         self._index_page(group_id, page, page_hash)
         self._stored_event(
@@ -467,6 +525,7 @@ class PagePool:
         else:
             index[page_hash] = page
         self._cached[page] = group_id + 1
+        self._state[page] += 1
         self._page_hash[page] = page_hash
 
     def _stored_event(
@@ -494,8 +553,9 @@ class PagePool:
         )
 
     def _evict(self, pages: list[int]) -> None:
-        """Drop freshly taken pages from the index (lazy eviction happens here). One
-        ``removed`` event per run of pages of the same group, in allocation order."""
+        """Drop freshly taken pages from the index (lazy eviction happens here; the caller
+        has already cleared their cached bit in the state). One ``removed`` event per run
+        of pages of the same group, in allocation order."""
         cached, hash_of = self._cached, self._page_hash
         run_group = -1
         run_pages: list[int] = []
@@ -544,6 +604,9 @@ class PagePool:
         if self.num_used_pages != 0:
             return False
         self._cached_np[:] = 0
+        state = self._state
+        for page in self._page_hash:
+            state[page] = 0  # no page is held: a cached page's state is exactly 1
         self._page_hash.clear()
         for index, dups in zip(self._index, self._dups, strict=True):
             index.clear()
@@ -581,16 +644,27 @@ class PagePool:
         if counts[NULL_PAGE]:
             problems.append("the null page is in the free queue")
         in_queue = counts > 0
-        ref = self._ref_np
+        if len(self._state) != n:
+            problems.append(f"{len(self._state)} page states for {n} pages")
+        state = np.fromiter(self._state, dtype=np.int64, count=n)
+        ref = state >> 1
         zero = ref == 0
         zero[NULL_PAGE] = False
         if (in_queue != zero).any():
             bad = np.flatnonzero(in_queue != zero)[:10].tolist()
             problems.append(f"free-queue membership != (ref_count == 0) for pages {bad}")
-        if (ref < 0).any():
-            problems.append(f"negative ref counts at {np.flatnonzero(ref < 0)[:10].tolist()}")
+        if (state < 0).any():
+            problems.append(f"negative ref counts at {np.flatnonzero(state < 0)[:10].tolist()}")
+        if ((state & 1) != (self._cached_np != 0)).any():
+            bad = np.flatnonzero((state & 1) != (self._cached_np != 0))[:10].tolist()
+            problems.append(f"cached bit of the state != is_cached for pages {bad}")
+        # Cached pages are queued after uncached ones: cached pages only ever join at the
+        # tail, uncached ones at the head (touch relies on it).
+        queued_cached = self._cached_np[queued] != 0
+        if len(queued) > 1 and (queued_cached[:-1] > queued_cached[1:]).any():
+            problems.append("an uncached page is queued after a cached one")
         # Cached free pages (the ones a prefix hit can take from the middle) know their cell.
-        cached_free = queued[self._cached_np[queued] != 0]
+        cached_free = queued[queued_cached]
         cells = self._pos_np[cached_free].astype(np.int64)
         if len(cells) and (
             (cells < self._head).any()
@@ -599,7 +673,7 @@ class PagePool:
         ):
             problems.append("a cached free page's position does not point at its cell")
         if expected_refs is not None:
-            diff = np.flatnonzero(expected_refs[1:] != ref[1:].astype(np.int64)) + 1
+            diff = np.flatnonzero(expected_refs[1:] != ref[1:]) + 1
             if len(diff):
                 p = int(diff[0])
                 problems.append(
@@ -628,10 +702,15 @@ class PagePool:
             problems.append("is_cached flags disagree with the page hashes")
         if self._cached[NULL_PAGE]:
             problems.append("the null page is cached")
+        if self._state[NULL_PAGE]:
+            problems.append("the null page has a ref count or a cached bit")
         return problems
 
     def nbytes(self) -> int:
         """Bytes of the per-page arrays (not counting the cache index contents)."""
         return (
-            self._ref_np.nbytes + self._pos_np.nbytes + self._cached_np.nbytes + self._buf_np.nbytes
+            sys.getsizeof(self._state)
+            + self._pos_np.nbytes
+            + self._cached_np.nbytes
+            + self._buf_np.nbytes
         )

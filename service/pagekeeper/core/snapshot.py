@@ -214,7 +214,7 @@ def snapshot_manager(manager: Any) -> Tree:
     pool_tree: Tree = {
         "num_pages": pool.num_pages,
         "enable_caching": pool.enable_caching,
-        "ref": pool._ref_np.copy(),
+        "ref": pool.ref_count_array(),
         "cached": pool._cached_np.copy(),
         "capacity": len(pool._buf),
         "head": pool._head,
@@ -348,8 +348,10 @@ def _restore_pool(manager: Any, pt: Tree) -> None:
     cached = np.asarray(pt["cached"], dtype=np.uint8)
     if ref.shape != (n,) or cached.shape != (n,):
         raise InvalidArgument("snapshot per-page arrays have the wrong length")
-    pool._ref_np[:] = ref
+    if (ref < 0).any():
+        raise InvalidArgument("snapshot has negative ref counts")
     pool._cached_np[:] = cached
+    pool._state = (ref.astype(np.int64) * 2 + (cached != 0)).tolist()
     # The queue buffer may have grown to another capacity; rebuild it at the recorded one.
     from array import array
 
