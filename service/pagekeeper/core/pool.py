@@ -54,10 +54,6 @@ _HOLES = array("i", [-1]) * _SMALL
 _INT32S = [struct.Struct(f"={k}i") for k in range(_SMALL + 1)]
 
 
-def _int32s(k: int) -> struct.Struct:
-    return _INT32S[k]
-
-
 def _int32_array(size: int, fill: int) -> tuple[array[int], npt.NDArray[np.int32]]:
     arr = array("i", bytes(4 * size)) if fill == 0 else array("i", [fill]) * size
     view = np.frombuffer(arr, dtype=np.int32)
@@ -197,7 +193,7 @@ class PagePool:
             self._recenter()
         start = self._head - k
         if k <= _SMALL:
-            _int32s(k).pack_into(self._buf, 4 * start, *pages)
+            _INT32S[k].pack_into(self._buf, 4 * start, *pages)
         else:
             self._buf_np[start : self._head] = np.asarray(pages, dtype=np.int32)
         self._head = start
@@ -210,7 +206,7 @@ class PagePool:
             self._recenter()
         start = self._tail
         if k <= _SMALL:
-            _int32s(k).pack_into(self._buf, 4 * start, *pages)
+            _INT32S[k].pack_into(self._buf, 4 * start, *pages)
             pos = self._pos
             cell = start
             for page in pages:
@@ -387,10 +383,15 @@ class PagePool:
             return
         if type(pages) is not list:
             pages = pages.tolist() if isinstance(pages, np.ndarray) else [int(p) for p in pages]
-        # First the states alone (list operations, the cheap part), counting the pages that
-        # reach 0 and, of those, the cached ones; then the queue, in as few writes as the
-        # case allows.
-        num_zero = num_cached = 0
+        # First the states (list operations, the cheap part), counting the pages that reach
+        # 0; a cached one gets the cell it takes if every page joins the tail as one run
+        # (rewritten below otherwise). Then the queue, in as few writes as the case allows.
+        buf = self._buf
+        if self._tail + len(pages) > len(buf):
+            self._recenter()
+        pos = self._pos
+        cell = start = self._tail
+        num_zero = 0
         bad = -1
         for page in pages:
             s = state[page] - 2
@@ -401,17 +402,27 @@ class PagePool:
                     bad = page
                     break
                 num_zero += 1
-                num_cached += s
+                if s:
+                    pos[page] = cell
+                    cell += 1
             state[page] = s
         if bad >= 0:
             # A caller bug (the manager checks ownership first): the pages before it are
             # queued consistently so the pool stays sound for check_invariants to report.
             pages = pages[: pages.index(bad)]
+        num_cached = cell - start
         if num_zero:
-            if num_cached == len(pages):
-                # Every page reached 0 and is cached (a released prefix hit): one run.
-                self._append(pages)
-            elif num_zero == len(pages) and not num_cached:
+            k = len(pages)
+            if num_cached == k:
+                # Every page reached 0 and is cached (a released prefix hit): one run after
+                # the tail, positions already written.
+                if k <= _SMALL:
+                    _INT32S[k].pack_into(buf, 4 * start, *pages)
+                else:
+                    self._buf_np[start:cell] = pages
+                self._tail = cell
+                self._num_free += k
+            elif num_zero == k and not num_cached:
                 # Every page reached 0 and has no hash (prefix caching off, or a request
                 # that completed no page): one run in front of the head.
                 self._prepend(pages)
@@ -426,7 +437,7 @@ class PagePool:
                     head_run = list(dict.fromkeys(head_run))
                     tail_run = list(dict.fromkeys(tail_run))
                 if tail_run:
-                    self._append(tail_run)
+                    self._append(tail_run)  # (re)writes their positions
                 if head_run:
                     # One run, in the order given: the request's last page ends up at the head.
                     self._prepend(head_run)
