@@ -492,6 +492,12 @@ def test_allocate_decodes_refuses_past_max_model_len_before_any_change():
     with pytest.raises(InvalidArgument, match=r"'y'.*max_model_len 8"):
         m.allocate_decodes(["x", "y"], [1, 2])
     assert m.request_info("x").num_tokens == 3
+    # Held-back tokens count: x (3 tokens) + 4 held + its own = 8 fits, + 5 held does not.
+    with pytest.raises(InvalidArgument, match=r"'x': 9 tokens exceed max_model_len 8"):
+        m.allocate_decodes(["x"], [1], held_token_ids={"x": [5, 6, 7, 8, 9]})
+    assert m.request_info("x").num_tokens == 3
+    m.allocate_decodes(["x"], [1], held_token_ids={"x": [5, 6, 7, 8]})
+    assert m.request_info("x").num_tokens == 8
 
 
 def test_allocate_decodes_hybrid_groups_match_allocate():

@@ -23,6 +23,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from math import lcm
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -50,6 +51,7 @@ from pagekeeper.core.types import (
 )
 
 TokenIds = Sequence[int] | np.ndarray
+_TOKEN_IDS = attrgetter("token_ids")
 
 
 @dataclass(slots=True)
@@ -546,7 +548,11 @@ class PageManager:
         def num_after(r: _Request) -> int:
             return len(r.token_ids) + len(extras.get(r.request_id, ())) + 1
 
-        if max(map(num_after, reqs), default=0) > max_len:
+        # The longest request first, at C speed; held tokens add to a few requests only.
+        longest = max(map(len, map(_TOKEN_IDS, reqs)), default=0) + 1
+        if extras:
+            longest = max(longest, *map(num_after, (requests[rid] for rid in extras)))
+        if longest > max_len:
             bad = next(r for r in reqs if num_after(r) > max_len)
             raise InvalidArgument(
                 f"request {bad.request_id!r}: {num_after(bad)} tokens exceed max_model_len "
