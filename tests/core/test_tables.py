@@ -736,3 +736,17 @@ def test_tables_module_imports_no_transport_or_torch() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout.strip()
     assert out == ""
+
+
+def test_page_rows_append_page_at_the_kept_length_only() -> None:
+    rows = PageRows(3)
+    row = rows.add_row()
+    rows.append(row, [7])
+    rows.append_page(row, 1, 9)  # a decode crossing into its second page
+    assert rows.row(row).tolist() == [7, 9] and rows.num_pages(row) == 2
+    with pytest.raises(InvalidArgument, match="cannot append at 1"):
+        rows.append_page(row, 1, 11)  # a stale length would overwrite page 9
+    rows.append_page(row, 2, 11)
+    with pytest.raises(InvalidArgument, match="at most 3 pages"):
+        rows.append_page(row, 3, 12)  # the row is full
+    assert rows.row(row).tolist() == [7, 9, 11]

@@ -122,7 +122,10 @@ class GroupManager:
         if num_new <= 0:
             return []
         pages = self.pool.allocate(num_new)
-        self.rows.append(row, pages)
+        if num_new == 1:
+            self.rows.append_page(row, held, pages[0])
+        else:
+            self.rows.append(row, pages)
         self.page_counts[request_id] = held + num_new
         return pages
 

@@ -681,6 +681,19 @@ class PageRows:
         self._table[row, start:end] = pages
         self._num_pages[row] = end
 
+    def append_page(self, row: int, num_pages: int, page_id: int) -> None:
+        """Add one page a pool just handed out to the end of a live row whose length the
+        caller keeps (``num_pages``): a decode crossing into a new page. The shortest path:
+        the caller owns the row and the id came from the pool, so only the length and the
+        row's room are checked."""
+        if num_pages != self._num_pages[row] or num_pages >= self._max_pages:
+            raise InvalidArgument(
+                f"row {row} holds {int(self._num_pages[row])} of at most {self._max_pages} "
+                f"pages; cannot append at {num_pages}"
+            )
+        self._table[row, num_pages] = page_id
+        self._num_pages[row] = num_pages + 1
+
     def set_page(self, row: int, index: int, page_id: int) -> None:
         """Overwrite one existing entry (a sliding-window page that left becomes ``0``)."""
         self._check_live(row)
