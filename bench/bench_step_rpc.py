@@ -143,8 +143,13 @@ class Driver:
 
     def request(self, **fields: object) -> pb.StepRequest:
         self.step_id += 1
+        # As PagekeeperClient asks: growths granted pages come back in columns.
         return pb.StepRequest(
-            client_id=self.client_id, generation=self.generation, step_id=self.step_id, **fields
+            client_id=self.client_id,
+            generation=self.generation,
+            step_id=self.step_id,
+            grants_in_columns=True,
+            **fields,
         )
 
     async def step(self, **fields: object) -> pb.StepResponse:
@@ -283,7 +288,7 @@ class Mirror:
         started = time.perf_counter()
         parsed = pb.StepRequest.FromString(data)
         result = self.state.step(self.convert.step_from_pb(parsed, 0.0))
-        self.convert.step_result_to_pb(result).SerializeToString()
+        self.convert.step_result_to_pb(result, parsed).SerializeToString()
         return time.perf_counter() - started
 
 

@@ -1086,6 +1086,7 @@ class SchedulerState:
             step_id=step_id,
             free_request_ids=[f.request_id for f in self._frees],
             admissions=[a.message for a in self._admissions],
+            grants_in_columns=True,
         )
         if growths:
             request.growth_columns.CopyFrom(growth_columns(growths))
@@ -1123,10 +1124,11 @@ class SchedulerState:
         results = response.results
         num_admissions = len(prepared.admissions)
         num_growth_results = len(results) - num_admissions
-        if not 0 <= num_growth_results <= len(prepared.growths):
+        grants = self._grants(prepared, response)
+        if not 0 <= num_growth_results + len(grants) <= len(prepared.growths):
             raise InternalError(
-                f"the service answered {len(results)} results for {len(prepared.growths)} "
-                f"growths and {num_admissions} admissions"
+                f"the service answered {len(results)} results and {len(grants)} grants for "
+                f"{len(prepared.growths)} growths and {num_admissions} admissions"
             )
         self._frees = self._frees[len(prepared.frees) :]
         self._growths = self._growths[len(prepared.growths) :]
@@ -1143,8 +1145,10 @@ class SchedulerState:
             if t is not None and t.pending is growth:
                 t.pending = None
             num_local += growth.is_local
-        if num_growth_results or num_local < len(prepared.growths):
-            num_local -= self._apply_growth_results(prepared, results[:num_growth_results], out)
+        if num_growth_results or grants or num_local < len(prepared.growths):
+            num_local -= self._apply_growth_results(
+                prepared, results[:num_growth_results], grants, out
+            )
         for admission, msg in zip(prepared.admissions, results[num_growth_results:], strict=True):
             self._admitting.pop(admission.request_id, None)
             result = result_from_pb(msg)
@@ -1180,15 +1184,55 @@ class SchedulerState:
             num_local_growths=num_local + num_held,
         )
 
+    def _grants(
+        self, prepared: PreparedStep, response: pb.StepResponse
+    ) -> dict[str, AllocationResult]:
+        """The growths granted pages, from the answer's columns (``grants_in_columns``):
+        three int32 arrays decoded once, one result per growth sliced from them."""
+        if not response.HasField("grants"):
+            return {}
+        columns = response.grants
+        index = decode_i32(columns.growth_index)
+        counts = decode_i32(columns.num_pages)
+        pages = decode_i32(columns.page_ids)
+        n = index.shape[0]
+        num_groups = len(self.groups)
+        growths = prepared.growths
+        if (
+            counts.shape[0] != n * num_groups
+            or int(counts.sum()) != pages.shape[0]
+            or (n and (int(index.min()) < 0 or int(index.max()) >= len(growths)))
+        ):
+            raise InternalError(
+                f"the service's grants do not fit: {n} growths, {counts.shape[0]} counts, "
+                f"{pages.shape[0]} pages for {len(growths)} growths in {num_groups} groups"
+            )
+        ends = np.cumsum(counts).tolist()
+        starts = [0, *ends[:-1]]
+        ok = AllocationStatus.OK
+        out: dict[str, AllocationResult] = {}
+        k = 0
+        for i in index.tolist():
+            per_group = tuple(pages[starts[j] : ends[j]] for j in range(k, k + num_groups))
+            k += num_groups
+            rid = growths[i].request_id
+            out[rid] = AllocationResult(rid, ok, 0, per_group)
+        if len(out) != n:
+            raise InternalError("the service granted pages to one growth twice")
+        return out
+
     def _apply_growth_results(
         self,
         prepared: PreparedStep,
         results: Sequence[pb.AllocationResult],
+        grants: dict[str, AllocationResult],
         out: list[AllocationResult],
     ) -> int:
         """The listed growths (new pages, or refused); returns how many of them had been
         answered locally (a refusal of one is counted against the local answers)."""
         listed = {msg.request_id: result_from_pb(msg) for msg in results}
+        if grants:
+            listed.update(grants)
         num_local_listed = 0
         for growth in prepared.growths:
             found = listed.get(growth.request_id)

@@ -327,7 +327,9 @@ def _fill_outcome(msg: pb.AllocationResult, outcome: AllocationOutcome) -> None:
         msg.reason = outcome.reason
 
 
-def step_result_to_pb(result: StepResult) -> pb.StepResponse:
+def step_result_to_pb(result: StepResult, request: pb.StepRequest | None = None) -> pb.StepResponse:
+    """The answer to ``request``; with ``request.grants_in_columns`` the growths granted
+    new pages go into ``grants`` (three int32 columns) instead of ``results``."""
     response = pb.StepResponse(
         step_id=result.step_id,
         is_published=result.is_published,
@@ -339,9 +341,55 @@ def step_result_to_pb(result: StepResult) -> pb.StepResponse:
         is_retry=result.is_retry,
     )
     add = response.results.add  # built in place: no copy of each result into the response
-    for outcome in result.results:
+    outcomes = result.results
+    if request is not None and request.grants_in_columns:
+        listed = _fill_grants(response.grants, outcomes, request)
+        if listed is not None:
+            outcomes = listed
+    for outcome in outcomes:
         _fill_outcome(add(), outcome)
     return response
+
+
+def _fill_grants(
+    grants: pb.GrowthGrants, outcomes: Sequence[AllocationOutcome], request: pb.StepRequest
+) -> list[AllocationOutcome] | None:
+    """Put the OK growth outcomes in ``grants``; returns the outcomes ``results`` still
+    lists (refused growths, then the admissions), or None when the outcomes do not line up
+    with ``request`` (then every outcome goes to ``results``, which is always right)."""
+    num_growths = len(outcomes) - len(request.admissions)
+    if num_growths <= 0:
+        return None
+    if request.HasField("growth_columns"):
+        growth_ids: Sequence[str] = request.growth_columns.request_ids
+    else:
+        growth_ids = [g.request_id for g in request.growths]
+    position = {rid: i for i, rid in enumerate(growth_ids)}
+    ok = AllocationStatus.OK
+    index: list[int] = []
+    counts: list[int] = []
+    pages: list[int] = []
+    listed: list[AllocationOutcome] = []
+    num_groups = -1
+    for outcome in outcomes[:num_growths]:
+        if outcome.status is not ok:
+            listed.append(outcome)
+            continue
+        i = position.get(outcome.request_id)
+        per_group = outcome.new_page_ids
+        if i is None or (num_groups >= 0 and len(per_group) != num_groups):
+            return None
+        num_groups = len(per_group)
+        index.append(i)
+        for group_pages in per_group:
+            counts.append(len(group_pages))
+            pages.extend(group_pages)
+    if index:
+        grants.growth_index = encode_i32(index)
+        grants.num_pages = encode_i32(counts)
+        grants.page_ids = encode_i32(pages)
+    listed.extend(outcomes[num_growths:])
+    return listed
 
 
 # -- events and tables ----------------------------------------------------------------------

@@ -164,7 +164,7 @@ class PagekeeperServicer(pb_grpc.PagekeeperServiceServicer):  # type: ignore[mis
         started = time.perf_counter()
         result = self.state.step(command)
         self._step_seconds.observe(time.perf_counter() - started)
-        return convert.step_result_to_pb(result)
+        return convert.step_result_to_pb(result, request)
 
     @_unary
     def Lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupResponse:

@@ -390,7 +390,7 @@ class Batch(_message.Message):
     def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., num_scheduled_tokens: _Optional[bytes] = ..., num_computed_tokens: _Optional[bytes] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("client_id", "generation", "step_id", "free_request_ids", "growths", "admissions", "growth_columns", "batch")
+    __slots__ = ("client_id", "generation", "step_id", "free_request_ids", "growths", "admissions", "growth_columns", "batch", "grants_in_columns")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
@@ -399,6 +399,7 @@ class StepRequest(_message.Message):
     ADMISSIONS_FIELD_NUMBER: _ClassVar[int]
     GROWTH_COLUMNS_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
+    GRANTS_IN_COLUMNS_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     generation: int
     step_id: int
@@ -407,7 +408,8 @@ class StepRequest(_message.Message):
     admissions: _containers.RepeatedCompositeFieldContainer[Admission]
     growth_columns: GrowthColumns
     batch: Batch
-    def __init__(self, client_id: _Optional[str] = ..., generation: _Optional[int] = ..., step_id: _Optional[int] = ..., free_request_ids: _Optional[_Iterable[str]] = ..., growths: _Optional[_Iterable[_Union[Growth, _Mapping]]] = ..., admissions: _Optional[_Iterable[_Union[Admission, _Mapping]]] = ..., growth_columns: _Optional[_Union[GrowthColumns, _Mapping]] = ..., batch: _Optional[_Union[Batch, _Mapping]] = ...) -> None: ...
+    grants_in_columns: bool
+    def __init__(self, client_id: _Optional[str] = ..., generation: _Optional[int] = ..., step_id: _Optional[int] = ..., free_request_ids: _Optional[_Iterable[str]] = ..., growths: _Optional[_Iterable[_Union[Growth, _Mapping]]] = ..., admissions: _Optional[_Iterable[_Union[Admission, _Mapping]]] = ..., growth_columns: _Optional[_Union[GrowthColumns, _Mapping]] = ..., batch: _Optional[_Union[Batch, _Mapping]] = ..., grants_in_columns: _Optional[bool] = ...) -> None: ...
 
 class AllocationResult(_message.Message):
     __slots__ = ("request_id", "status", "num_cached_tokens", "new_page_ids", "hit_page_ids", "reason")
@@ -426,7 +428,7 @@ class AllocationResult(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., status: _Optional[_Union[AllocationStatus, str]] = ..., num_cached_tokens: _Optional[int] = ..., new_page_ids: _Optional[_Iterable[bytes]] = ..., hit_page_ids: _Optional[_Iterable[bytes]] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("step_id", "results", "is_published", "published_slot", "unscheduled_request_ids", "num_free_pages", "last_event_seq", "publish_error", "is_retry")
+    __slots__ = ("step_id", "results", "is_published", "published_slot", "unscheduled_request_ids", "num_free_pages", "last_event_seq", "publish_error", "is_retry", "grants")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     IS_PUBLISHED_FIELD_NUMBER: _ClassVar[int]
@@ -436,6 +438,7 @@ class StepResponse(_message.Message):
     LAST_EVENT_SEQ_FIELD_NUMBER: _ClassVar[int]
     PUBLISH_ERROR_FIELD_NUMBER: _ClassVar[int]
     IS_RETRY_FIELD_NUMBER: _ClassVar[int]
+    GRANTS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     results: _containers.RepeatedCompositeFieldContainer[AllocationResult]
     is_published: bool
@@ -445,7 +448,18 @@ class StepResponse(_message.Message):
     last_event_seq: int
     publish_error: str
     is_retry: bool
-    def __init__(self, step_id: _Optional[int] = ..., results: _Optional[_Iterable[_Union[AllocationResult, _Mapping]]] = ..., is_published: _Optional[bool] = ..., published_slot: _Optional[int] = ..., unscheduled_request_ids: _Optional[_Iterable[str]] = ..., num_free_pages: _Optional[int] = ..., last_event_seq: _Optional[int] = ..., publish_error: _Optional[str] = ..., is_retry: _Optional[bool] = ...) -> None: ...
+    grants: GrowthGrants
+    def __init__(self, step_id: _Optional[int] = ..., results: _Optional[_Iterable[_Union[AllocationResult, _Mapping]]] = ..., is_published: _Optional[bool] = ..., published_slot: _Optional[int] = ..., unscheduled_request_ids: _Optional[_Iterable[str]] = ..., num_free_pages: _Optional[int] = ..., last_event_seq: _Optional[int] = ..., publish_error: _Optional[str] = ..., is_retry: _Optional[bool] = ..., grants: _Optional[_Union[GrowthGrants, _Mapping]] = ...) -> None: ...
+
+class GrowthGrants(_message.Message):
+    __slots__ = ("growth_index", "num_pages", "page_ids")
+    GROWTH_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
+    growth_index: bytes
+    num_pages: bytes
+    page_ids: bytes
+    def __init__(self, growth_index: _Optional[bytes] = ..., num_pages: _Optional[bytes] = ..., page_ids: _Optional[bytes] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("token_ids", "extra_keys", "page_hashes")
