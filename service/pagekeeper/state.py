@@ -342,8 +342,12 @@ STATE_SNAPSHOT_VERSION = 1
 # -- results -------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class AllocationOutcome:
+    """One growth's or admission's answer. Not frozen (a frozen dataclass's ``__init__``
+    costs 3-4x more, and a step where every decode takes a page builds hundreds); never
+    changed once built."""
+
     request_id: str
     status: AllocationStatus
     num_cached_tokens: int = 0
@@ -1136,12 +1140,13 @@ class ServiceState:
                             record = requests[rid]
                             record.num_tokens += k
                             record.num_computed_tokens += k
+                    ok = AllocationStatus.OK
                     for rid, allocation in answers.items():
                         if allocation is None:
                             left_out.add(rid)
                             outcomes.append(AllocationOutcome(rid, AllocationStatus.NO_CAPACITY))
-                        else:
-                            outcomes.append(_outcome(allocation))
+                        else:  # a decode's pages (no cached tokens, no hits)
+                            outcomes.append(AllocationOutcome(rid, ok, 0, allocation.new_page_ids))
                     continue
             for i in range(start, stop):
                 outcome = self._apply_growth(cols.growth(i, offsets))
