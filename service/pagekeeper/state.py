@@ -1140,13 +1140,12 @@ class ServiceState:
                             record = requests[rid]
                             record.num_tokens += k
                             record.num_computed_tokens += k
-                    ok = AllocationStatus.OK
                     for rid, allocation in answers.items():
                         if allocation is None:
                             left_out.add(rid)
                             outcomes.append(AllocationOutcome(rid, AllocationStatus.NO_CAPACITY))
-                        else:  # a decode's pages (no cached tokens, no hits)
-                            outcomes.append(AllocationOutcome(rid, ok, 0, allocation.new_page_ids))
+                        else:
+                            outcomes.append(_outcome(allocation))
                     continue
             for i in range(start, stop):
                 outcome = self._apply_growth(cols.growth(i, offsets))
@@ -1655,12 +1654,13 @@ def _validate_extra_keys(extra: ExtraKeys | None, rid: str, num_tokens: int) -> 
 
 
 def _outcome(allocation: Allocation) -> AllocationOutcome:
+    # Positional: hundreds per step when many decodes cross into a page.
     return AllocationOutcome(
-        request_id=allocation.request_id,
-        status=AllocationStatus.OK,
-        num_cached_tokens=allocation.num_cached_tokens,
-        new_page_ids=allocation.new_page_ids,
-        hit_page_ids=allocation.hit_page_ids,
+        allocation.request_id,
+        AllocationStatus.OK,
+        allocation.num_cached_tokens,
+        allocation.new_page_ids,
+        allocation.hit_page_ids,
     )
 
 

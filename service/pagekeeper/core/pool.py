@@ -154,6 +154,14 @@ class PagePool:
         counts: npt.NDArray[np.int32] = (raw >> 1).astype(np.int32)
         return counts
 
+    def load_states(
+        self, ref_counts: npt.NDArray[np.integer], cached: npt.NDArray[np.uint8]
+    ) -> None:
+        """Set every page's ref count and cache flag (group id + 1; 0: not cached) from a
+        snapshot's arrays; the free queue and index are the caller's to restore."""
+        self._cached_np[:] = cached
+        self._state = (ref_counts.astype(np.int64) * 2 + (cached != 0)).tolist()
+
     def count_free(self, pages: Sequence[int]) -> int:
         """How many of ``pages`` sit in the free queue (the null page is never counted)."""
         states = list(map(self._state.__getitem__, pages))
@@ -192,10 +200,7 @@ class PagePool:
         if self._head < k:
             self._recenter()
         start = self._head - k
-        if k <= _SMALL:
-            _INT32S[k].pack_into(self._buf, 4 * start, *pages)
-        else:
-            self._buf_np[start : self._head] = np.asarray(pages, dtype=np.int32)
+        self._write_cells(start, pages)
         self._head = start
         self._num_free += k
 
@@ -205,19 +210,27 @@ class PagePool:
         if self._tail + k > len(self._buf):
             self._recenter()
         start = self._tail
+        self._write_cells(start, pages)
         if k <= _SMALL:
-            _INT32S[k].pack_into(self._buf, 4 * start, *pages)
             pos = self._pos
             cell = start
             for page in pages:
                 pos[page] = cell
                 cell += 1
         else:
-            ids = np.asarray(pages, dtype=np.int32)
-            self._buf_np[start : start + k] = ids
-            self._pos_np[ids] = np.arange(start, start + k, dtype=np.int32)
+            self._pos_np[self._buf_np[start : start + k]] = np.arange(
+                start, start + k, dtype=np.int32
+            )
         self._tail = start + k
         self._num_free += k
+
+    def _write_cells(self, start: int, pages: Sequence[int]) -> None:
+        """Write a run of page ids into the queue buffer from cell ``start`` on."""
+        k = len(pages)
+        if k <= _SMALL:
+            _INT32S[k].pack_into(self._buf, 4 * start, *pages)
+        else:
+            self._buf_np[start : start + k] = np.asarray(pages, dtype=np.int32)
 
     # -- allocation ----------------------------------------------------------------------
     def allocate(self, num: int) -> list[int]:
@@ -416,10 +429,7 @@ class PagePool:
             if num_cached == k:
                 # Every page reached 0 and is cached (a released prefix hit): one run after
                 # the tail, positions already written.
-                if k <= _SMALL:
-                    _INT32S[k].pack_into(buf, 4 * start, *pages)
-                else:
-                    self._buf_np[start:cell] = pages
+                self._write_cells(start, pages)
                 self._tail = cell
                 self._num_free += k
             elif num_zero == k and not num_cached:
@@ -430,8 +440,9 @@ class PagePool:
                 head_run: list[int] = []
                 tail_run: list[int] = []
                 for page in pages:
-                    if state[page] < 2 and page != NULL_PAGE:
-                        (tail_run if state[page] else head_run).append(page)
+                    s = state[page]
+                    if s < 2 and page != NULL_PAGE:
+                        (tail_run if s else head_run).append(page)
                 if len(head_run) + len(tail_run) != num_zero:
                     # A page listed as often as it was held: queue it once.
                     head_run = list(dict.fromkeys(head_run))
@@ -666,8 +677,9 @@ class PagePool:
             problems.append(f"free-queue membership != (ref_count == 0) for pages {bad}")
         if (state < 0).any():
             problems.append(f"negative ref counts at {np.flatnonzero(state < 0)[:10].tolist()}")
-        if ((state & 1) != (self._cached_np != 0)).any():
-            bad = np.flatnonzero((state & 1) != (self._cached_np != 0))[:10].tolist()
+        wrong_bit = (state & 1) != (self._cached_np != 0)
+        if wrong_bit.any():
+            bad = np.flatnonzero(wrong_bit)[:10].tolist()
             problems.append(f"cached bit of the state != is_cached for pages {bad}")
         # Cached pages are queued after uncached ones: cached pages only ever join at the
         # tail, uncached ones at the head (touch relies on it).

@@ -350,8 +350,7 @@ def _restore_pool(manager: Any, pt: Tree) -> None:
         raise InvalidArgument("snapshot per-page arrays have the wrong length")
     if (ref < 0).any():
         raise InvalidArgument("snapshot has negative ref counts")
-    pool._cached_np[:] = cached
-    pool._state = (ref.astype(np.int64) * 2 + (cached != 0)).tolist()
+    pool.load_states(ref, cached)
     # The queue buffer may have grown to another capacity; rebuild it at the recorded one.
     from array import array
 
