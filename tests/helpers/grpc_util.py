@@ -27,12 +27,15 @@ def from_i64(data: bytes) -> list[int]:
 class Scheduler:
     """A registered scheduler with its own step counter."""
 
-    def __init__(self, server: RunningServer, name: str = "test") -> None:
+    def __init__(self, server: RunningServer, name: str = "test", lease_ttl_ms: int = 0) -> None:
         self.server = server
         self.stub = server.stub()
         self.md = server.metadata
         reply = self.stub.RegisterClient(
-            pb.RegisterClientRequest(role=pb.CLIENT_ROLE_SCHEDULER, name=name), metadata=self.md
+            pb.RegisterClientRequest(
+                role=pb.CLIENT_ROLE_SCHEDULER, name=name, lease_ttl_ms=lease_ttl_ms
+            ),
+            metadata=self.md,
         )
         self.client_id = reply.client_id
         self.generation = reply.generation
