@@ -240,8 +240,55 @@ def test_check_invariants_reports_a_lost_position():
     pages = pool.allocate(2)
     cache(pool, pages)
     pool.free(pages[::-1])
+    pool._index_positions()  # (a hit would: freeing leaves positions to the first hit)
     pool._pos[pages[0]] = pool._head  # corrupt: the cached free page points elsewhere
     assert any("position" in p for p in pool.check_invariants())
+
+
+def test_positions_are_written_when_a_hit_needs_them_and_stale_ones_are_caught():
+    """Freeing leaves cached pages' positions unwritten (from ``indexed`` to the tail);
+    a hit that needs one writes the stretch. A position left from an earlier stay in the
+    queue may point at a cell that now holds another page: the hit must not trust it."""
+    pool = make(16)
+    a = pool.allocate(2)  # 1, 2
+    b = pool.allocate(2)  # 3, 4
+    cache(pool, a)
+    cache(pool, b, tag=b"b")
+    tail = pool._tail
+    pool.free(a[::-1])  # ... 2 1 at cells tail, tail+1; positions not written
+    assert pool._indexed == tail < pool._tail and pool.check_invariants() == []
+    pool.touch(a)  # a run at the tail: indexes, then the queue ends before it
+    assert pool._tail == tail and pool._indexed == tail and pool.ref_count(1) == 1
+    pool.free(b[::-1])  # b takes a's old cells: pos[2] still says ``tail``, which holds 4
+    pool.free(a[::-1])  # a goes after b
+    assert pool._buf[tail] == 4 and pool._pos[2] == tail
+    pool.touch(a)  # the stale position is caught, the stretch indexed, a taken
+    assert [pool.ref_count(p) for p in (1, 2, 3, 4)] == [1, 1, 0, 0]
+    assert pool.free_queue()[-2:] == [4, 3] and pool.check_invariants() == []
+    pool.free(a[::-1])
+    pool.touch([3])  # one page from the middle (page by page): b's cells are indexed
+    pool.touch([1])
+    assert [pool.ref_count(p) for p in (1, 2, 3, 4)] == [1, 0, 1, 0]
+    assert pool.free_queue()[-2:] == [4, 2] and pool.check_invariants() == []
+
+
+def test_free_of_cached_pages_held_once_undoes_its_pass_when_one_is_not():
+    """The one-run pass over a free sets each state as it goes; a page that breaks it (a
+    duplicate, a shared page, a page without a hash) sends the whole free down the general
+    path with every state as it was."""
+    pool = make(12)
+    a = pool.allocate(4)  # 1..4
+    cache(pool, a)
+    pool.touch([2])  # page 2 shared by another request
+    pool.free(a[::-1])  # 4 3 reach 0, 2 does not, 1 reaches 0
+    assert [pool.ref_count(p) for p in a] == [0, 1, 0, 0]
+    assert pool.free_queue()[-3:] == [4, 3, 1] and pool.check_invariants() == []
+    b = pool.allocate(3)
+    cache(pool, b, tag=b"b")
+    with pytest.raises(InvariantViolation, match="ref count 0"):
+        pool.free([b[2], b[1], b[2], b[0]])  # b[2] listed twice, held once
+    assert [pool.ref_count(p) for p in b] == [1, 0, 0]
+    assert pool.check_invariants() == []
 
 
 def test_touch_takes_a_run_freed_together_at_the_tail_or_in_the_middle():
@@ -326,3 +373,13 @@ def test_ref_count_array_small_and_large_counts():
     got = pool.ref_count_array()
     assert got.dtype == np.int32 and got.tolist() == [0, 2, 201, 1, 0, 0, 0, 0]
     assert pool.count_free([0, a[0], 4, 5]) == 2 and pool.check_invariants() == []
+
+
+def test_free_of_nothing_changes_nothing():
+    pool = make(8)
+    pool.allocate(2)
+    before = pool.free_queue()
+    pool.free([])
+    pool.free(np.array([], dtype=np.int32))
+    assert pool.free_queue() == before and pool.num_free_pages == 5
+    assert pool.check_invariants() == []

@@ -238,8 +238,8 @@ def test_snapshot_header_and_body_are_checked():
 KNOWN_ATTRIBUTES = {
     PagePool: {
         "num_pages", "enable_caching", "_state", "_pos", "_pos_np", "_cached",
-        "_cached_np", "_buf", "_buf_np", "_head", "_tail", "_num_free", "_index", "_dups",
-        "_page_hash", "_events", "_event_seq", "num_evictions", "num_allocated_total",
+        "_cached_np", "_buf", "_buf_np", "_head", "_tail", "_indexed", "_num_free", "_index",
+        "_dups", "_page_hash", "_events", "_event_seq", "num_evictions", "num_allocated_total",
         "num_freed_total",
     },
     PageRows: {

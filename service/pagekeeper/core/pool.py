@@ -5,7 +5,7 @@ Memory is a few small integers per page in flat arrays, never a Python object pe
 
     state      list   per page   2 x ref count + 1 while cached (8 bytes: a pointer to one
                                  of CPython's shared small ints; 0/1 = in the free queue)
-    position   int32  per page   its cell in the queue buffer (kept for cached free pages)
+    position   int32  per page   its cell in the queue buffer (cached free pages; lazily)
     is_cached  uint8  per page   group id + 1 while the page is in the prefix-cache index
     buffer     int32  2 x pages  the free queue, a double-ended run with holes
 
@@ -26,14 +26,19 @@ stay on fast scalar indexing.
 
 Only what a later operation reads is written. A page is free exactly when its ref count
 is 0 (the null page aside). Its ``position`` is needed only to take it out of the middle
-of the queue, which happens only to cached pages (prefix hits), so it is written when a
-cached page is queued and nowhere else; cells outside ``[head, tail)`` are never read, so
-taking pages from the head does not clear them. Allocating and freeing a page thus costs
-two or three array writes, not five.
+of the queue, which happens only to cached pages (prefix hits). Freeing does not write it:
+the cells from ``indexed`` to ``tail`` may hold pages whose positions are stale, and the
+first prefix hit that needs one writes the positions of that whole stretch in one go
+(a numpy scatter past a few dozen cells). Frees outnumber the hits that take pages from
+the queue, and a page freed again before any hit needed it is never indexed at all; a
+released prefix hit that goes back to the cells it came from keeps positions that are
+still right. Cells outside ``[head, tail)`` are never read, so taking pages from the head
+does not clear them. Allocating and freeing a page thus costs two array writes.
 """
 
 from __future__ import annotations
 
+import operator
 import struct
 import sys
 from array import array
@@ -86,6 +91,9 @@ class PagePool:
         self._buf_np[self._head : self._tail] = np.arange(1, num_pages, dtype=np.int32)
         self._pos_np[1:] = np.arange(self._head, self._tail, dtype=np.int32)
         self._num_free = num_pages - 1
+        # Cached pages queued in cells below this know their cell (``_pos``); from here to
+        # the tail they may not yet (see the module docstring). Never above the tail.
+        self._indexed = self._tail
         # Prefix-cache index, one per group: hash -> first page holding it; further pages
         # with the same hash (vLLM keeps duplicates) wait in ``_dups`` in insertion order.
         self._index: list[dict[bytes, int]] = []
@@ -191,7 +199,36 @@ class PagePool:
         self._buf_np[start : start + len(live)] = live
         self._pos_np[live] = np.arange(start, start + len(live), dtype=np.int32)
         self._head = start
-        self._tail = start + len(live)
+        self._tail = self._indexed = start + len(live)
+
+    def _index_positions(self) -> None:
+        """Write the position of every page queued from ``indexed`` to the tail."""
+        head, tail = self._head, self._tail
+        start = max(self._indexed, head)
+        if tail - start <= _SMALL:
+            buf, pos = self._buf, self._pos
+            for cell in range(start, tail):
+                page = buf[cell]
+                if page >= 0:
+                    pos[page] = cell
+        else:
+            seg = self._buf_np[start:tail]
+            live = np.flatnonzero(seg >= 0)
+            self._pos_np[seg[live]] = (live + start).astype(np.int32)
+        self._indexed = tail
+
+    def load_queue(self, capacity: int, head: int, tail: int, run: npt.NDArray[np.int32]) -> None:
+        """Rebuild the free queue from a snapshot: ``run`` (page ids and -1 holes) in cells
+        ``[head, tail)`` of a buffer of ``capacity`` cells. Counts are the caller's."""
+        if not 0 <= head <= tail <= capacity or run.shape != (tail - head,):
+            raise InvalidArgument("snapshot free queue does not fit its buffer")
+        self._buf, self._buf_np = _int32_array(capacity, -1)
+        self._buf_np[head:tail] = run
+        self._head, self._tail = head, tail
+        self._pos_np[:] = -1
+        live = np.flatnonzero(run >= 0)
+        self._pos_np[run[live]] = (live + head).astype(np.int32)
+        self._indexed = tail
 
     def _prepend(self, pages: Sequence[int]) -> None:
         """Queue uncached pages at the head (no position: nothing takes them out of the
@@ -205,22 +242,13 @@ class PagePool:
         self._num_free += k
 
     def _append(self, pages: Sequence[int]) -> None:
-        """Queue cached pages at the tail, with their positions (a hit may take them)."""
+        """Queue cached pages at the tail (their positions are written when a hit needs
+        one: ``_index_positions``)."""
         k = len(pages)
         if self._tail + k > len(self._buf):
             self._recenter()
         start = self._tail
         self._write_cells(start, pages)
-        if k <= _SMALL:
-            pos = self._pos
-            cell = start
-            for page in pages:
-                pos[page] = cell
-                cell += 1
-        else:
-            self._pos_np[self._buf_np[start : start + k]] = np.arange(
-                start, start + k, dtype=np.int32
-            )
         self._tail = start + k
         self._num_free += k
 
@@ -300,10 +328,14 @@ class PagePool:
             # pages or holes, never the null page or a page twice), then taken as a run.
             # The run starts at a cached page and cached pages follow uncached ones in the
             # queue (checked by check_invariants), so every page of it is cached: state 1.
-            cell = self._pos[pages[-1]]
+            first = pages[-1]
+            cell = self._pos[first]
+            head, tail = self._head, self._tail
+            if not (head <= cell < tail and buf[cell] == first) and self._indexed < tail:
+                self._index_positions()  # freed since the last hit: its position is stale
+                cell = self._pos[first]
             end = cell + k
-            tail = self._tail
-            if end <= tail and buf[cell:end].tolist() == pages[::-1]:
+            if head <= cell and end <= tail and buf[cell:end].tolist() == pages[::-1]:
                 for page in pages:
                     state[page] = 3
                 self._num_free -= k
@@ -311,6 +343,8 @@ class PagePool:
                     # The most recently freed run (the last turn of a conversation): the
                     # queue just ends before it, no holes left.
                     self._tail = cell
+                    if self._indexed > cell:
+                        self._indexed = cell
                     if buf[cell - 1] < 0:
                         self._trim_tail()
                 else:
@@ -326,6 +360,8 @@ class PagePool:
                 if page == NULL_PAGE:
                     continue  # never queued, never counted
                 if s:
+                    if self._indexed < self._tail:
+                        self._index_positions()
                     buf[pos[page]] = -1  # leave a hole: O(1) removal from the middle
                 else:
                     self._unqueue_uncached(page)
@@ -349,6 +385,8 @@ class PagePool:
         while tail > head and buf[tail - 1] < 0:
             tail -= 1
         self._tail = tail
+        if self._indexed > tail:
+            self._indexed = tail
 
     def _unqueue_uncached(self, page: int) -> None:
         """Take a free page without a hash out of the queue. Prefix hits only ever touch
@@ -383,7 +421,6 @@ class PagePool:
                         self._recenter()
                         tail = self._tail
                     self._buf[tail] = page
-                    self._pos[page] = tail
                     self._tail = tail + 1
                 else:
                     head = self._head
@@ -397,42 +434,50 @@ class PagePool:
         if type(pages) is not list:
             pages = pages.tolist() if isinstance(pages, np.ndarray) else [int(p) for p in pages]
         # First the states (list operations, the cheap part), counting the pages that reach
-        # 0; a cached one gets the cell it takes if every page joins the tail as one run
-        # (rewritten below otherwise). Then the queue, in as few writes as the case allows.
-        buf = self._buf
-        if self._tail + len(pages) > len(buf):
+        # 0, then the queue, in as few writes as the case allows.
+        k = len(pages)
+        if self._tail + k > len(self._buf):
             self._recenter()
-        pos = self._pos
-        cell = start = self._tail
-        num_zero = 0
+        # Every page held once and cached (a released prefix hit, a request that filled its
+        # last page): all join the tail as one run. A page listed twice reads 1 the second
+        # time and ends this pass like any other page (the general path below sorts it out).
+        if k and state[pages[0]] == 3:
+            pending = iter(pages)
+            for page in pending:
+                if state[page] != 3:
+                    done = k - 1 - operator.length_hint(pending)
+                    for taken in pages[:done]:
+                        state[taken] = 3  # undo: the general path starts from the states
+                    break
+                state[page] = 1
+            else:
+                start = self._tail
+                self._write_cells(start, pages)
+                self._tail = start + k
+                self._num_free += k
+                self.num_freed_total += k
+                return
+        num_zero = num_cached = 0
         bad = -1
-        for page in pages:
+        pending = iter(pages)
+        for page in pending:
             s = state[page] - 2
             if s < 2:
                 if s < 0:
                     if page == NULL_PAGE:
                         continue
                     bad = page
+                    # A caller bug (the manager checks ownership first): the pages before
+                    # it are queued consistently so the pool stays sound for
+                    # check_invariants to report.
+                    pages = pages[: k - 1 - operator.length_hint(pending)]
                     break
                 num_zero += 1
-                if s:
-                    pos[page] = cell
-                    cell += 1
+                num_cached += s
             state[page] = s
-        if bad >= 0:
-            # A caller bug (the manager checks ownership first): the pages before it are
-            # queued consistently so the pool stays sound for check_invariants to report.
-            pages = pages[: pages.index(bad)]
-        num_cached = cell - start
         if num_zero:
-            k = len(pages)
-            if num_cached == k:
-                # Every page reached 0 and is cached (a released prefix hit): one run after
-                # the tail, positions already written.
-                self._write_cells(start, pages)
-                self._tail = cell
-                self._num_free += k
-            elif num_zero == k and not num_cached:
+            # (Every page cached and reaching 0 took the run above.)
+            if num_zero == len(pages) and not num_cached:
                 # Every page reached 0 and has no hash (prefix caching off, or a request
                 # that completed no page): one run in front of the head.
                 self._prepend(pages)
@@ -448,7 +493,7 @@ class PagePool:
                     head_run = list(dict.fromkeys(head_run))
                     tail_run = list(dict.fromkeys(tail_run))
                 if tail_run:
-                    self._append(tail_run)  # (re)writes their positions
+                    self._append(tail_run)
                 if head_run:
                     # One run, in the order given: the request's last page ends up at the head.
                     self._prepend(head_run)
@@ -686,14 +731,13 @@ class PagePool:
         queued_cached = self._cached_np[queued] != 0
         if len(queued) > 1 and (queued_cached[:-1] > queued_cached[1:]).any():
             problems.append("an uncached page is queued after a cached one")
-        # Cached free pages (the ones a prefix hit can take from the middle) know their cell.
-        cached_free = queued[queued_cached]
-        cells = self._pos_np[cached_free].astype(np.int64)
-        if len(cells) and (
-            (cells < self._head).any()
-            or (cells >= self._tail).any()
-            or not np.array_equal(self._buf_np[np.clip(cells, 0, len(self._buf) - 1)], cached_free)
-        ):
+        # Cached free pages (the ones a prefix hit can take from the middle) know their cell,
+        # except in the stretch from ``indexed`` to the tail that no hit has needed yet.
+        if not self._indexed <= self._tail:
+            problems.append(f"positions indexed to {self._indexed}, past the tail {self._tail}")
+        cells = np.flatnonzero(run >= 0) + self._head
+        known = queued_cached & (cells < self._indexed)
+        if not np.array_equal(self._pos_np[queued[known]], cells[known]):
             problems.append("a cached free page's position does not point at its cell")
         if expected_refs is not None:
             diff = np.flatnonzero(expected_refs[1:] != ref[1:]) + 1

@@ -352,20 +352,8 @@ def _restore_pool(manager: Any, pt: Tree) -> None:
         raise InvalidArgument("snapshot has negative ref counts")
     pool.load_states(ref, cached)
     # The queue buffer may have grown to another capacity; rebuild it at the recorded one.
-    from array import array
-
-    capacity = int(pt["capacity"])
-    pool._buf = array("i", [-1]) * capacity
-    pool._buf_np = np.frombuffer(pool._buf, dtype=np.int32)
-    head, tail = int(pt["head"]), int(pt["tail"])
     run = np.asarray(pt["run"], dtype=np.int32)
-    if not 0 <= head <= tail <= capacity or run.shape != (tail - head,):
-        raise InvalidArgument("snapshot free queue does not fit its buffer")
-    pool._buf_np[head:tail] = run
-    pool._head, pool._tail = head, tail
-    pool._pos_np[:] = -1
-    live = np.flatnonzero(run >= 0)
-    pool._pos_np[run[live]] = (live + head).astype(np.int32)
+    pool.load_queue(int(pt["capacity"]), int(pt["head"]), int(pt["tail"]), run)
     pool._num_free = int(pt["num_free"])
     pool._index = []
     pool._dups = []
