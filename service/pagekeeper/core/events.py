@@ -8,7 +8,73 @@ assigned by the core in order (deterministic: a replay yields the same numbers).
 
 from __future__ import annotations
 
+from array import array
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import overload
+
+
+class TokenRun(Sequence[int]):
+    """The token ids of a ``stored`` event: an immutable sequence of ints kept packed, 8
+    bytes a token, instead of a tuple of int objects.
+
+    An admission stores ~1,000 tokens at once; boxing each into an int for a tuple cost more
+    than the rest of caching the pages. A run compares equal to any tuple, list or run of
+    the same ints and hashes like the equal tuple, so it stands wherever a tuple did.
+    """
+
+    __slots__ = ("_ids",)
+
+    def __init__(self, token_ids: Iterable[int] = ()) -> None:
+        self._ids = array("Q", token_ids)
+
+    @classmethod
+    def adopt(cls, token_ids: array[int]) -> TokenRun:
+        """Wrap an ``array('Q')`` the caller hands over (a fresh slice: never mutated
+        after), without copying it."""
+        run = cls.__new__(cls)
+        run._ids = token_ids
+        return run
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+    @overload
+    def __getitem__(self, index: slice) -> TokenRun: ...
+    def __getitem__(self, index: int | slice) -> int | TokenRun:
+        if isinstance(index, slice):
+            return TokenRun.adopt(self._ids[index])
+        return self._ids[index]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._ids)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, TokenRun):
+            return self._ids == other._ids
+        if isinstance(other, tuple):
+            return len(other) == len(self._ids) and tuple(self._ids) == other
+        if isinstance(other, list):
+            return len(other) == len(self._ids) and self._ids.tolist() == other
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self._ids))
+
+    def __repr__(self) -> str:
+        return f"TokenRun({self._ids.tolist()!r})"
+
+    def __reduce__(self) -> tuple[type[TokenRun], tuple[list[int]]]:
+        return TokenRun, (self._ids.tolist(),)
+
+    def tobytes(self) -> bytes:
+        """The ids as unsigned 64-bit ints in the machine's byte order (``array('Q')``)."""
+        return self._ids.tobytes()
+
+    def tolist(self) -> list[int]:
+        return self._ids.tolist()
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,7 +85,8 @@ class PageStored:
     group_id: int
     page_hashes: tuple[bytes, ...]
     parent_page_hash: bytes | None
-    token_ids: tuple[int, ...]
+    token_ids: Sequence[int]
+    """The pages' tokens in order: a :class:`TokenRun` from the core (equal to the tuple)."""
     page_size: int
     page_ids: tuple[int, ...]
     lora_name: str | None = None

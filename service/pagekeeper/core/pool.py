@@ -48,7 +48,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pagekeeper.core.errors import InvalidArgument, InvariantViolation
-from pagekeeper.core.events import AllCleared, KVEvent, PageRemoved, PageStored
+from pagekeeper.core.events import AllCleared, KVEvent, PageRemoved, PageStored, TokenRun
 
 NULL_PAGE = 0
 # Below this many pages, plain scalar loops beat numpy's per-call overhead.
@@ -612,7 +612,10 @@ class PagePool:
                 group_id=group_id,
                 page_hashes=tuple(hashes),
                 parent_page_hash=parent_hash,
-                token_ids=tuple(token_ids),
+                # The caller's slice of a request's ``array('Q')`` is a fresh copy: adopted.
+                token_ids=TokenRun.adopt(token_ids)
+                if type(token_ids) is array and token_ids.typecode == "Q"
+                else TokenRun(token_ids),
                 page_size=page_size,
                 page_ids=tuple(pages),
                 lora_name=lora_name,

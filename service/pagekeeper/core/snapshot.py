@@ -38,7 +38,7 @@ import numpy.typing as npt
 
 from pagekeeper.core.config import PoolConfig
 from pagekeeper.core.errors import InvalidArgument
-from pagekeeper.core.events import AllCleared, KVEvent, PageRemoved, PageStored
+from pagekeeper.core.events import AllCleared, KVEvent, PageRemoved, PageStored, TokenRun
 from pagekeeper.core.types import ExtraKeys, MultiModalKey
 
 SNAPSHOT_VERSION = 1
@@ -163,7 +163,7 @@ def events_from_tree(tree: Tree) -> list[KVEvent]:
                     group_id=groups[p],
                     page_hashes=tuple(hashes[h0:h1]),
                     parent_page_hash=parents[s] or None,
-                    token_ids=tuple(tokens[t0:t1]),
+                    token_ids=TokenRun(tokens[t0:t1]),
                     page_size=page_sizes[s],
                     page_ids=tuple(pages[g0:g1]),
                     lora_name=loras[s],

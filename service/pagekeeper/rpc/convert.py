@@ -15,7 +15,7 @@ import numpy as np
 
 from pagekeeper.core.config import GroupKind, PoolConfig
 from pagekeeper.core.errors import InvalidArgument
-from pagekeeper.core.events import AllCleared, KVEvent, PageRemoved, PageStored
+from pagekeeper.core.events import AllCleared, KVEvent, PageRemoved, PageStored, TokenRun
 from pagekeeper.core.types import BatchTables, ExtraKeys, Int32Array, MultiModalKey, PoolStats
 from pagekeeper.publish.api import RingDescriptor
 from pagekeeper.state import (
@@ -89,6 +89,13 @@ def encode_i32(values: Sequence[int] | np.ndarray) -> bytes:
         # The page ids of one growth: array.array is several times cheaper than numpy.
         return array.array("i", values).tobytes()
     return np.array(values, dtype=I32).tobytes()
+
+
+def _token_run_i32(token_ids: Sequence[int]) -> bytes:
+    """A stored event's tokens as wire int32 (a core ``TokenRun`` converts at C speed)."""
+    if isinstance(token_ids, TokenRun):
+        return np.frombuffer(token_ids.tobytes(), dtype=np.uint64).astype(I32).tobytes()
+    return encode_i32(token_ids)
 
 
 def encode_i64(values: np.ndarray) -> bytes:
@@ -400,7 +407,7 @@ def event_to_pb(event: KVEvent) -> pb.KVEvent:
         stored = pb.PageStored(
             group_id=event.group_id,
             page_hashes=list(event.page_hashes),
-            token_ids=encode_i32(event.token_ids),
+            token_ids=_token_run_i32(event.token_ids),
             page_size=event.page_size,
             page_ids=encode_i32(event.page_ids),
         )
