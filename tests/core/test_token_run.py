@@ -10,8 +10,8 @@ from pagekeeper.core.events import PageStored, TokenRun
 
 def test_a_run_equals_and_hashes_like_the_tuple_of_its_ints():
     run = TokenRun([5, 6, 7])
-    assert run == (5, 6, 7) and (5, 6, 7) == run
-    assert run == [5, 6, 7] and [5, 6, 7] == run
+    assert run == (5, 6, 7) and (5, 6, 7) == run  # noqa: SIM300 (the reflected side)
+    assert run == [5, 6, 7] and [5, 6, 7] == run  # noqa: SIM300
     assert run == TokenRun((5, 6, 7)) and hash(run) == hash((5, 6, 7))
     assert run != (5, 6) and run != (5, 6, 8) and run != "567" and run != [5, 6, 7, 8]
     assert len(run) == 3 and list(run) == [5, 6, 7] and run[1] == 6 and run[-1] == 7
