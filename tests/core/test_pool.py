@@ -383,3 +383,25 @@ def test_free_of_nothing_changes_nothing():
     pool.free(np.array([], dtype=np.int32))
     assert pool.free_queue() == before and pool.num_free_pages == 5
     assert pool.check_invariants() == []
+
+
+def test_a_mixed_free_writes_positions_at_once_and_keeps_the_index_at_the_tail():
+    """The general free path (a partial last page, or pages others still hold) writes the
+    cached pages' positions as it queues them; with nothing unindexed before them, no hit
+    has to index anything."""
+    pool = make(12)
+    a = pool.allocate(3)  # 1, 2, 3: page 3 stays uncached (a partial page)
+    cache(pool, a[:2])
+    pool.free(a[::-1])  # 3 to the head; 2 1 to the tail, positions written
+    assert pool._indexed == pool._tail
+    assert pool._pos[2] == pool._tail - 2 and pool._pos[1] == pool._tail - 1
+    b = pool.allocate(2)  # the head: 3, then 4
+    cache(pool, b, tag=b"b")
+    pool.free(b[::-1])  # all cached: queued without positions
+    assert pool._indexed == pool._tail - 2
+    c = pool.allocate(2)  # 5, 6
+    cache(pool, c[:1], tag=b"c")
+    pool.free(c[::-1])  # mixed again, after an unindexed run: the index mark stays put
+    assert pool._indexed == pool._tail - 3 and pool.check_invariants() == []
+    pool.touch([1])  # from the middle: indexes the stretch
+    assert pool._indexed == pool._tail and pool.check_invariants() == []

@@ -26,13 +26,14 @@ stay on fast scalar indexing.
 
 Only what a later operation reads is written. A page is free exactly when its ref count
 is 0 (the null page aside). Its ``position`` is needed only to take it out of the middle
-of the queue, which happens only to cached pages (prefix hits). Freeing does not write it:
-the cells from ``indexed`` to ``tail`` may hold pages whose positions are stale, and the
-first prefix hit that needs one writes the positions of that whole stretch in one go
-(a numpy scatter past a few dozen cells). Frees outnumber the hits that take pages from
-the queue, and a page freed again before any hit needed it is never indexed at all; a
-released prefix hit that goes back to the cells it came from keeps positions that are
-still right. Cells outside ``[head, tail)`` are never read, so taking pages from the head
+of the queue, which happens only to cached pages (prefix hits). A free whose pages are
+all cached and reach 0 together (a released prefix hit, a request that ended on a page
+boundary) queues them as one run without writing positions: the cells from ``indexed``
+to ``tail`` may hold pages whose positions are stale, and the first hit that needs one
+writes that whole stretch in one go (a numpy scatter past a few dozen cells). A hit on
+exactly that run usually finds it in place anyway (the position is checked against the
+cell before it is trusted). The general free path writes positions as it queues.
+Cells outside ``[head, tail)`` are never read, so taking pages from the head
 does not clear them. Allocating and freeing a page thus costs two array writes.
 """
 
@@ -242,13 +243,25 @@ class PagePool:
         self._num_free += k
 
     def _append(self, pages: Sequence[int]) -> None:
-        """Queue cached pages at the tail (their positions are written when a hit needs
-        one: ``_index_positions``)."""
+        """Queue cached pages at the tail with their positions (the general free path: a
+        request's pages minus its partial last page and pages others still hold)."""
         k = len(pages)
         if self._tail + k > len(self._buf):
             self._recenter()
         start = self._tail
         self._write_cells(start, pages)
+        if k <= _SMALL:
+            pos = self._pos
+            cell = start
+            for page in pages:
+                pos[page] = cell
+                cell += 1
+        else:
+            self._pos_np[self._buf_np[start : start + k]] = np.arange(
+                start, start + k, dtype=np.int32
+            )
+        if self._indexed == start:
+            self._indexed = start + k  # nothing unindexed before them
         self._tail = start + k
         self._num_free += k
 
@@ -352,6 +365,8 @@ class PagePool:
                     if cell == self._head:
                         self._skip_holes()
                 return
+        if self._indexed < self._tail and 1 in map(state.__getitem__, pages):
+            self._index_positions()  # a cached free page is taken: positions needed
         pos = self._pos
         removed = 0
         for page in pages:
@@ -360,8 +375,6 @@ class PagePool:
                 if page == NULL_PAGE:
                     continue  # never queued, never counted
                 if s:
-                    if self._indexed < self._tail:
-                        self._index_positions()
                     buf[pos[page]] = -1  # leave a hole: O(1) removal from the middle
                 else:
                     self._unqueue_uncached(page)
