@@ -405,3 +405,15 @@ def test_a_mixed_free_writes_positions_at_once_and_keeps_the_index_at_the_tail()
     assert pool._indexed == pool._tail - 3 and pool.check_invariants() == []
     pool.touch([1])  # from the middle: indexes the stretch
     assert pool._indexed == pool._tail and pool.check_invariants() == []
+
+
+def test_free_of_uncached_pages_with_one_listed_twice_or_shared():
+    pool = make(10)
+    a = pool.allocate(3)  # 1, 2, 3, uncached
+    pool.touch([a[1]])  # page 2 held twice
+    pool.free([a[1], a[1]])  # as often as held: queued once, at the head
+    assert pool.free_queue()[:1] == [2] and pool.ref_count(2) == 0
+    with pytest.raises(InvariantViolation, match="ref count 0"):
+        pool.free([a[2], a[0], a[2]])  # 3 listed twice, held once
+    assert pool.ref_count(1) == 0 and pool.ref_count(3) == 0
+    assert pool.free_queue()[:3] == [3, 1, 2] and pool.check_invariants() == []

@@ -451,66 +451,60 @@ class PagePool:
         k = len(pages)
         if self._tail + k > len(self._buf):
             self._recenter()
-        # Every page held once and cached (a released prefix hit, a request that filled its
-        # last page): all join the tail as one run. A page listed twice reads 1 the second
-        # time and ends this pass like any other page (the general path below sorts it out).
-        if k and state[pages[0]] == 3:
+        # Every page held once and all cached (a released prefix hit, a request that filled
+        # its last page: state 3) or all uncached (prefix caching off: state 2): one pass
+        # sets the states and the pages join the tail, or the head, as one run. A page that
+        # breaks the pass (another state; a page listed twice reads its new state the
+        # second time) undoes it, and the general path below takes over.
+        same = state[pages[0]] if k else 0
+        if same == 3 or same == 2:
+            now = same - 2
             pending = iter(pages)
             for page in pending:
-                if state[page] != 3:
+                if state[page] != same:
                     done = k - 1 - operator.length_hint(pending)
                     for taken in pages[:done]:
-                        state[taken] = 3  # undo: the general path starts from the states
+                        state[taken] = same  # undo: the general path starts from the states
                     break
-                state[page] = 1
+                state[page] = now
             else:
-                start = self._tail
-                self._write_cells(start, pages)
-                self._tail = start + k
-                self._num_free += k
+                if now:
+                    start = self._tail
+                    self._write_cells(start, pages)  # positions: when a hit needs them
+                    self._tail = start + k
+                    self._num_free += k
+                else:
+                    self._prepend(pages)
                 self.num_freed_total += k
                 return
-        num_zero = num_cached = 0
+        # The general path: each page that reaches 0 joins its run as it does (so a page
+        # listed as often as it was held is queued once, when its last reference goes).
+        head_run: list[int] = []
+        tail_run: list[int] = []
+        to_head, to_tail = head_run.append, tail_run.append
         bad = -1
-        pending = iter(pages)
-        for page in pending:
+        for page in pages:
             s = state[page] - 2
             if s < 2:
                 if s < 0:
                     if page == NULL_PAGE:
                         continue
-                    bad = page
                     # A caller bug (the manager checks ownership first): the pages before
                     # it are queued consistently so the pool stays sound for
                     # check_invariants to report.
-                    pages = pages[: k - 1 - operator.length_hint(pending)]
+                    bad = page
                     break
-                num_zero += 1
-                num_cached += s
+                if s:
+                    to_tail(page)
+                else:
+                    to_head(page)
             state[page] = s
-        if num_zero:
-            # (Every page cached and reaching 0 took the run above.)
-            if num_zero == len(pages) and not num_cached:
-                # Every page reached 0 and has no hash (prefix caching off, or a request
-                # that completed no page): one run in front of the head.
-                self._prepend(pages)
-            else:
-                head_run: list[int] = []
-                tail_run: list[int] = []
-                for page in pages:
-                    s = state[page]
-                    if s < 2 and page != NULL_PAGE:
-                        (tail_run if s else head_run).append(page)
-                if len(head_run) + len(tail_run) != num_zero:
-                    # A page listed as often as it was held: queue it once.
-                    head_run = list(dict.fromkeys(head_run))
-                    tail_run = list(dict.fromkeys(tail_run))
-                if tail_run:
-                    self._append(tail_run)
-                if head_run:
-                    # One run, in the order given: the request's last page ends up at the head.
-                    self._prepend(head_run)
-            self.num_freed_total += num_zero
+        if tail_run:
+            self._append(tail_run)
+        if head_run:
+            # One run, in the order given: the request's last page ends up at the head.
+            self._prepend(head_run)
+        self.num_freed_total += len(head_run) + len(tail_run)
         if bad >= 0:
             raise InvariantViolation(f"page {bad} freed with ref count 0")
 
