@@ -20,7 +20,9 @@ Rows:
 * ``decode B=N new page``: every row crosses into a new page this step (unmeasured filler
   steps bring the rows to a page boundary between samples);
 * ``admit 8x2000``: 8 new 2,000-token prompts (no cache hit: hashing + allocation), freed
-  again by an unmeasured step;
+  again by an unmeasured step; ``same, hashes sent``: with each prompt's page hashes
+  computed before the step (where vLLM computes them: when the request arrives) and sent
+  with it, so the service checks and uses them instead of hashing;
 * ``sched step``: the core benchmark's scheduling step — 256 decodes (staggered lengths:
   about 16 cross into a new page) + 4 admissions of 2,000 tokens sharing a 1,024-token
   prefix (hashed by the service) + 4 frees — in one ``Step``.
@@ -55,6 +57,7 @@ for _sub in ("client", "service"):
     if str(REPO_ROOT / _sub) not in sys.path:
         sys.path.insert(0, str(REPO_ROOT / _sub))
 
+from pagekeeper.core.hashing import hash_pages  # noqa: E402
 from pagekeeper_client._proto.pagekeeper.v1 import pagekeeper_pb2 as pb  # noqa: E402
 
 STEP_METHOD = "/pagekeeper.v1.PagekeeperService/Step"
@@ -405,6 +408,23 @@ async def run(samples: int, workdir: Path) -> list[tuple[str, float, float, floa
             await driver.step(free_request_ids=list(admitted))
 
         await measure("admit 8x2000", make_admissions, free_admitted)
+
+        # The same with each prompt's page hashes computed before the step, where vLLM
+        # computes them (when the request arrives): the service checks and uses them.
+        def make_hashed_admissions() -> pb.StepRequest:
+            ids = driver.new_ids(8)
+            admitted[:] = ids
+            prompts = [driver.prompt(2000) for _ in ids]
+            return driver.request(
+                admissions=[
+                    pb.Admission(
+                        request_id=r, token_ids=i32(p), page_hashes=hash_pages(p, PAGE_SIZE)
+                    )
+                    for r, p in zip(ids, prompts, strict=True)
+                ]
+            )
+
+        await measure("  same, hashes sent", make_hashed_admissions, free_admitted)
 
         # The scheduling step of the core benchmark: 256 running requests of staggered
         # lengths (about 16 cross into a new page each step), 4 admissions, 4 frees.

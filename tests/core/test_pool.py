@@ -417,3 +417,36 @@ def test_free_of_uncached_pages_with_one_listed_twice_or_shared():
         pool.free([a[2], a[0], a[2]])  # 3 listed twice, held once
     assert pool.ref_count(1) == 0 and pool.ref_count(3) == 0
     assert pool.free_queue()[:3] == [3, 1, 2] and pool.check_invariants() == []
+
+
+def test_eviction_of_a_run_with_and_without_duplicate_hashes_in_its_group():
+    """A run of one group whose hashes have no duplicates anywhere in the group is evicted
+    in bulk; while the group holds a duplicate hash, page by page (the waiting duplicate is
+    promoted). Both give one removed event per run, in allocation order."""
+    pool = make(10)
+    a = pool.allocate(3)  # 1, 2, 3
+    cache(pool, a)
+    pool.free(a[::-1])  # tail: 3 2 1
+    pool.take_events()
+    pool.allocate(6)  # 4..9: uncached, nothing evicted
+    got = pool.allocate(2)  # 3, 2: the bulk path
+    assert got == [3, 2] and pool.lookup(0, b"h\x03") is None and pool.lookup(0, b"h\x01") == 1
+    (removed,) = pool.take_events()
+    assert isinstance(removed, PageRemoved)
+    assert removed.page_ids == (3, 2) and removed.page_hashes == (b"h\x03", b"h\x02")
+    assert pool.check_invariants() == []
+
+    pool = make(10)
+    a = pool.allocate(3)  # 1, 2, 3
+    cache(pool, a)
+    b = pool.allocate(1)  # 4, held, caches page 2's hash too: a duplicate
+    pool.cache(0, b, [b"h\x02"], parent_hash=None, token_ids=[], page_size=1, lora_name=None)
+    pool.free(a[::-1])  # tail: 3 2 1
+    pool.take_events()
+    pool.allocate(5)  # 5..9
+    assert pool.allocate(3) == [3, 2, 1]  # page by page: page 4 takes over h2
+    assert pool.lookup(0, b"h\x02") == 4 and pool.lookup(0, b"h\x01") is None
+    (removed,) = pool.take_events()
+    assert isinstance(removed, PageRemoved) and removed.page_ids == (3, 2, 1)
+    assert removed.page_hashes == (b"h\x03", b"h\x02", b"h\x01")
+    assert pool.check_invariants() == []
