@@ -447,8 +447,6 @@ class PagePool:
             return
         if type(pages) is not list:
             pages = pages.tolist() if isinstance(pages, np.ndarray) else [int(p) for p in pages]
-        # First the states (list operations, the cheap part), counting the pages that reach
-        # 0, then the queue, in as few writes as the case allows.
         k = len(pages)
         if self._tail + k > len(self._buf):
             self._recenter()
