@@ -450,3 +450,21 @@ def test_eviction_of_a_run_with_and_without_duplicate_hashes_in_its_group():
     assert isinstance(removed, PageRemoved) and removed.page_ids == (3, 2, 1)
     assert removed.page_hashes == (b"h\x03", b"h\x02", b"h\x01")
     assert pool.check_invariants() == []
+
+
+def test_lifetime_counters_count_allocations_and_frees():
+    pool = make(10)
+    a = pool.allocate(3)
+    cache(pool, a)
+    pool.free(a[::-1])  # 3 freed
+    pool.touch(a[:2])  # 2 taken back by a hit: not allocations
+    pool.free([a[1]])
+    assert (pool.num_allocated_total, pool.num_freed_total) == (3, 4)
+    b = pool.allocate(2)
+    pool.touch([b[0]])  # held twice: a hit on a held page takes nothing from the queue
+    pool.free([b[0], b[0], b[1]])
+    assert (pool.num_allocated_total, pool.num_freed_total) == (5, 6)
+    twin = make(10)
+    twin.allocate(1)
+    twin.restore_totals(pool.num_allocated_total, pool.num_freed_total)
+    assert (twin.num_allocated_total, twin.num_freed_total) == (5, 6)

@@ -106,7 +106,9 @@ class PagePool:
         self._event_seq = 0
         self.num_evictions = 0
         self.num_allocated_total = 0
-        self.num_freed_total = 0
+        # Pages prefix hits took out of the free queue. With the allocations and the pages
+        # in use it gives the frees (``num_freed_total``), so the free paths count nothing.
+        self._num_taken_by_hits = 0
 
     # -- counters ------------------------------------------------------------------------
     @property
@@ -126,6 +128,17 @@ class PagePool:
     def num_free_cached_pages(self) -> int:
         """Cached pages in the free queue (a hit can still take them; eviction reuses them)."""
         return int(np.count_nonzero(self._cached_np[self._queued()]))
+
+    @property
+    def num_freed_total(self) -> int:
+        """Pages that went back to the free queue (their last reference dropped), ever:
+        every page that left the queue (allocated, or taken by a hit) and is not in use."""
+        return self.num_allocated_total + self._num_taken_by_hits - self.num_used_pages
+
+    def restore_totals(self, num_allocated_total: int, num_freed_total: int) -> None:
+        """Set the lifetime counters from a snapshot (after the free queue is restored)."""
+        self.num_allocated_total = num_allocated_total
+        self._num_taken_by_hits = num_freed_total - num_allocated_total + self.num_used_pages
 
     def usage(self) -> float:
         """Fraction of the allocatable pages in use (the null page excluded), as vLLM."""
@@ -353,6 +366,7 @@ class PagePool:
                 for page in pages:
                     state[page] = 3
                 self._num_free -= k
+                self._num_taken_by_hits += k
                 if end == tail:
                     # The most recently freed run (the last turn of a conversation): the
                     # queue just ends before it, no holes left.
@@ -383,6 +397,7 @@ class PagePool:
             state[page] = s + 2
         if removed:
             self._num_free -= removed
+            self._num_taken_by_hits += removed
             self._skip_holes()
             self._trim_tail()
 
@@ -417,9 +432,7 @@ class PagePool:
         cached ones to the tail, both in the given order."""
         state = self._state
         if len(pages) == 1:
-            page = pages[0]
-            if type(page) is not int:
-                page = int(page)
+            page = pages[0]  # a numpy int indexes the list and the buffer alike
             s = state[page] - 2
             if s < 0:
                 if page == NULL_PAGE:
@@ -427,7 +440,6 @@ class PagePool:
                 raise InvariantViolation(f"page {page} freed with ref count 0")
             state[page] = s
             if s < 2:
-                self.num_freed_total += 1
                 self._num_free += 1
                 if s:
                     tail = self._tail
@@ -474,7 +486,6 @@ class PagePool:
                     self._num_free += k
                 else:
                     self._prepend(pages)
-                self.num_freed_total += k
                 return
         # The general path: each page that reaches 0 joins its run as it does (so a page
         # listed as often as it was held is queued once, when its last reference goes).
@@ -503,7 +514,6 @@ class PagePool:
         if head_run:
             # One run, in the order given: the request's last page ends up at the head.
             self._prepend(head_run)
-        self.num_freed_total += len(head_run) + len(tail_run)
         if bad >= 0:
             raise InvariantViolation(f"page {bad} freed with ref count 0")
 

@@ -373,8 +373,7 @@ def _restore_pool(manager: Any, pt: Tree) -> None:
     pool._events = events_from_tree(pt["events"])
     pool._event_seq = int(pt["event_seq"])
     pool.num_evictions = int(pt["num_evictions"])
-    pool.num_allocated_total = int(pt["num_allocated_total"])
-    pool.num_freed_total = int(pt["num_freed_total"])
+    pool.restore_totals(int(pt["num_allocated_total"]), int(pt["num_freed_total"]))
 
 
 def _restore_group(g: Any, gt: Tree) -> None:
