@@ -21,7 +21,10 @@ and including hashing the prompt (vLLM's ``Request`` construction vs pagekeeper 
 
 The two sides run interleaved, A B B A A B …, each sample a batch of operations; the table
 shows the median time per operation and ``ratio`` = vLLM / pagekeeper (> 1: pagekeeper is
-faster). Only ratios mean anything: these machines drift ±30-50% between runs.
+faster). Only ratios mean anything: these machines drift ±30-50% between runs. Each row
+starts from a collected heap and freezes the state both sides built for it (as servers
+freeze their start-up heap), so no row pays for garbage collections over an earlier row's
+leftovers.
 
 Run with the project venv (pagekeeper rows only)::
 
@@ -840,8 +843,16 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Row] = []
     for key in keys:
         name, target, make = spec[key]
+        # Each row starts from a clean heap and freezes what it built (both sides' pools,
+        # managers, workloads), as a server freezes its start-up heap (vLLM's EngineCore,
+        # pagekeeper serve): otherwise the collections a row's allocations trigger walk the
+        # leftovers of earlier rows (vLLM's blocks form reference cycles and linger until a
+        # full collection), which charges one side or the other at random.
+        gc.collect()
         pk, vl = make()
+        gc.freeze()
         a, b = interleave(pk, vl, rounds)
+        gc.unfreeze()
         row = Row(
             name,
             "s",
