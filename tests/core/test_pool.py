@@ -468,3 +468,27 @@ def test_lifetime_counters_count_allocations_and_frees():
     twin.allocate(1)
     twin.restore_totals(pool.num_allocated_total, pool.num_freed_total)
     assert (twin.num_allocated_total, twin.num_freed_total) == (5, 6)
+
+
+def test_hits_after_a_recentre_find_their_pages_again():
+    """Re-centring moves every queued page and writes no position: the next hit that needs
+    one indexes the run, whether it takes a run or one page from the middle."""
+    pool = make(10)
+    capacity = len(pool._buf)
+    recentres = []
+    recentre = pool._recenter
+    pool._recenter = lambda: (recentres.append(1), recentre())[1]  # type: ignore[method-assign]
+    runs = []
+    for step in range(capacity):  # each round queues 3 cached cells at the tail
+        pages = pool.allocate(3)
+        cache(pool, pages, tag=b"r" + step.to_bytes(2, "big"))
+        pool.free(pages[::-1])
+        runs.append(pages)
+    assert recentres and pool._indexed < pool._tail  # re-centred: positions unknown
+    assert pool.check_invariants() == []
+    last = runs[-1]
+    pool.touch(last[:2])  # a run (in the queue as 3 2 1 of the last round)
+    middle = pool.free_queue()[len(pool.free_queue()) // 2]
+    pool.touch([middle])  # one page from the middle
+    assert [pool.ref_count(p) for p in (*last[:2], middle)] == [1, 1, 1]
+    assert pool._indexed == pool._tail and pool.check_invariants() == []

@@ -210,11 +210,11 @@ class PagePool:
         live = run[run >= 0].copy()
         capacity = len(self._buf)
         start = (capacity - len(live)) // 2
-        # Cells outside the run are never read: only the run itself is rewritten.
+        # Cells outside the run are never read: only the run itself is rewritten. Every
+        # page moved, so no position is known: the next hit that needs one indexes the run.
         self._buf_np[start : start + len(live)] = live
-        self._pos_np[live] = np.arange(start, start + len(live), dtype=np.int32)
-        self._head = start
-        self._tail = self._indexed = start + len(live)
+        self._head = self._indexed = start
+        self._tail = start + len(live)
 
     def _index_positions(self) -> None:
         """Write the position of every page queued from ``indexed`` to the tail."""
@@ -239,11 +239,9 @@ class PagePool:
             raise InvalidArgument("snapshot free queue does not fit its buffer")
         self._buf, self._buf_np = _int32_array(capacity, -1)
         self._buf_np[head:tail] = run
-        self._head, self._tail = head, tail
-        self._pos_np[:] = -1
-        live = np.flatnonzero(run >= 0)
-        self._pos_np[run[live]] = (live + head).astype(np.int32)
-        self._indexed = tail
+        # No position is known: the first hit that needs one indexes the run.
+        self._head = self._indexed = head
+        self._tail = tail
 
     def _prepend(self, pages: Sequence[int]) -> None:
         """Queue uncached pages at the head (no position: nothing takes them out of the
