@@ -257,7 +257,9 @@ def vllm_available() -> bool:
 class Server:
     """``pagekeeper serve`` on ephemeral loopback ports."""
 
-    def __init__(self, durability: str | None = None, unix: bool = False) -> None:
+    def __init__(
+        self, durability: str | None = None, unix: bool = False, local: bool = False
+    ) -> None:
         self.workdir = Path(tempfile.mkdtemp(prefix="pk-bench-e2e-"))
         grpc_address = f"unix:{self.workdir / 'grpc.sock'}" if unix else "127.0.0.1:0"
         ready = self.workdir / "ready.json"
@@ -277,6 +279,7 @@ class Server:
                 "--lease-ttl-s", "300",
                 "--log-level", "warning",
                 *(["--durability", durability] if durability else []),
+                *(["--local-socket", str(self.workdir / "step.sock")] if local else []),
             ],
             stdout=self.log,
             stderr=subprocess.STDOUT,
@@ -409,6 +412,11 @@ def main(argv: list[str] | None = None) -> int:
         "--unix", action="store_true", help="gRPC over a unix socket (same-node schedulers)"
     )
     parser.add_argument(
+        "--local",
+        action="store_true",
+        help="the service's same-node socket (the client's unary calls skip gRPC)",
+    )
+    parser.add_argument(
         "--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}"
     )
     parser.add_argument("--json", help="write the raw medians here")
@@ -427,13 +435,21 @@ def main(argv: list[str] | None = None) -> int:
     modes = [m for m in args.modes.split(",") if m]
     if not modes or set(modes) - set(MODES):
         parser.error(f"--modes: choose from {','.join(MODES)}")
-    works = {mode: Workload.make(args.seed + k, total) for k, mode in enumerate(MODES)}
-    hashes = {mode: [hash_pages(p, PAGE) for p in w.prompts] for mode, w in works.items()}
+    # With --local every mode runs twice in the same run, over gRPC and over the socket.
+    keys = [
+        (f"{m}@{t}", m, t) for m in modes for t in (("grpc", "local") if args.local else ("grpc",))
+    ]
+    seeds = {m: args.seed + k for k, m in enumerate(MODES)}
+    works = {
+        key: Workload.make(seeds[mode] + (len(MODES) if transport == "local" else 0), total)
+        for key, mode, transport in keys
+    }
+    hashes = {key: [hash_pages(p, PAGE) for p in w.prompts] for key, w in works.items()}
     _freeze_inputs()
     have_vllm = not args.no_vllm and vllm_available()
     flavours = [False, True] if args.with_hashing else [False]
 
-    server = Server(args.durability, args.unix)
+    server = Server(args.durability, args.unix, args.local)
     clients: list[Any] = []
     results: dict[str, Any] = {}
     try:
@@ -443,21 +459,24 @@ def main(argv: list[str] | None = None) -> int:
             sides = {}
             for client in clients:  # the previous flavour's requests leave the pool
                 client.close()
-            for mode in modes:
+            for key, mode, transport in keys:
                 client = PagekeeperClient(
                     server.address,
                     timeout=60,
                     defer_page_ids=mode == "deferred",
                     hold_decodes=mode != "decodes_sent",
+                    local_socket="auto" if transport == "local" else None,
                 )
                 clients.append(client)
-                client.register("scheduler", name=f"bench-{mode}")
-                side = PkSide(client, works[mode], mode, with_hashing, hashes[mode])
-                side.setup(f"{mode}{int(with_hashing)}")
-                sides[mode] = side
-            samples: dict[str, list[float]] = {mode: [] for mode in (*modes, "vllm")}
+                client.register("scheduler", name=f"bench-{mode}-{transport}")
+                assert client.transport == transport, (client.transport, transport)
+                side = PkSide(client, works[key], mode, with_hashing, hashes[key])
+                side.setup(f"{mode}{transport}{int(with_hashing)}")
+                sides[key] = side
+            samples: dict[str, list[float]] = {key: [] for key, _, _ in keys}
+            samples["vllm"] = []
             for r in range(total):
-                order = [*modes, "vllm"]
+                order = [key for key, _, _ in keys] + ["vllm"]
                 if r % 2:
                     order.reverse()  # A B C C B A: drift hits every side alike
                 for name in order:
@@ -471,10 +490,14 @@ def main(argv: list[str] | None = None) -> int:
             cut = args.warmup
             suffix = " + hashing" if with_hashing else ""
             vl = samples["vllm"][cut:] or None
-            for mode in modes:
-                rows.append((MODE_NAMES[mode] + suffix, samples[mode][cut:], vl, sides[mode]))
-        floor_client = clients[-1]
-        floor = [empty_step_sample(floor_client)() for _ in range(args.steps)]
+            for key, mode, transport in keys:
+                label = f" ({'same-node socket' if transport == 'local' else 'gRPC'})"
+                name = MODE_NAMES[mode] + suffix + (label if args.local else "")
+                rows.append((name, samples[key][cut:], vl, sides[key]))
+        floors = {}
+        for client in clients[-len(keys) :]:
+            if client.transport not in floors:
+                floors[client.transport] = [empty_step_sample(client)() for _ in range(args.steps)]
     finally:
         for client in clients:
             client.close()
@@ -484,8 +507,12 @@ def main(argv: list[str] | None = None) -> int:
         f"One scheduling step: {RUNNING} decodes + {NEW_PER_STEP} admissions of {PROMPT_LEN} "
         f"tokens ({PREFIX_LEN} cached) + {NEW_PER_STEP} frees; pool {POOL_PAGES:,} pages of "
         f"{PAGE}; medians of {args.steps} interleaved steps; service durability: "
-        f"{args.durability or 'default (process)'}; gRPC over "
-        f"{'a unix socket' if args.unix else 'TCP loopback'}.\n"
+        f"{args.durability or 'default (process)'}; "
+        + (
+            "steps over the same-node socket (`--local-socket`).\n"
+            if args.local
+            else f"gRPC over {'a unix socket' if args.unix else 'TCP loopback'}.\n"
+        )
     )
     print("| pagekeeper mode | pagekeeper e2e | RPCs / step | vLLM in-process | ratio (vLLM/pk) |")
     print("|---|---:|---:|---:|---:|")
@@ -503,9 +530,11 @@ def main(argv: list[str] | None = None) -> int:
             "rpcs_per_step": rpcs,
             "crossings_per_step": statistics.mean(side.crossings[args.warmup :]) if side else 0,
         }
-    floor_med = statistics.median(floor)
-    print(f"| empty step (transport floor) | {fmt(floor_med)} | 1.0 | — | — |")
-    results["empty_step_s"] = floor_med
+    for transport, floor in floors.items():
+        floor_med = statistics.median(floor)
+        label = "same-node socket" if transport == "local" else "gRPC"
+        print(f"| empty step (transport floor, {label}) | {fmt(floor_med)} | 1.0 | — | — |")
+        results[f"empty_step_s_{transport}"] = floor_med
     crossings = results[rows[0][0]]["crossings_per_step"]
     print(
         f"\nDecodes crossing into a new page per step: {crossings:.1f} of {RUNNING} "

@@ -71,6 +71,7 @@ from pagekeeper_client._proto.pagekeeper.v1 import pagekeeper_pb2 as pb
 from pagekeeper_client._proto.pagekeeper.v1 import pagekeeper_pb2_grpc as pb_grpc
 from pagekeeper_client.errors import (
     AlreadyExistsError,
+    DeadlineExceededError,
     FailedPreconditionError,
     InternalError,
     InvalidArgumentError,
@@ -78,8 +79,10 @@ from pagekeeper_client.errors import (
     NotRegisteredError,
     PagekeeperError,
     PermissionDeniedError,
+    UnavailableError,
     error_from_rpc,
 )
+from pagekeeper_client.local import LocalChannel
 from pagekeeper_client.ring import RingDescriptor, RingGeometry, StepTables, TableArrays
 from pagekeeper_client.types import (
     EMPTY_PAGES,
@@ -123,6 +126,16 @@ DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_RETRY_S = 10.0
 """How long a step keeps retrying while the service is UNAVAILABLE."""
 _RETRY_CODES = frozenset({grpc.StatusCode.UNAVAILABLE})
+# What travels over the same-node socket when there is one: the calls a scheduler waits on.
+# Registration, heartbeats (another thread) and streams stay on gRPC.
+_RESPONSES: dict[str, Any] = {
+    "Step": pb.StepResponse,
+    "Lookup": pb.LookupResponse,
+    "GetBlockTable": pb.GetBlockTableResponse,
+    "GetPoolInfo": pb.GetPoolInfoResponse,
+}
+_LOCAL_METHODS = frozenset(_RESPONSES)
+_LOCAL_RETRY_S = 2.0
 
 T = TypeVar("T")
 
@@ -325,6 +338,7 @@ def registration_from_pb(msg: pb.RegisterClientResponse) -> Registration:
             k.kernel_block_size for k in sorted(msg.kernel_block_sizes, key=lambda k: k.group_id)
         ),
         ring=ring_from_pb(msg.ring) if msg.HasField("ring") else None,
+        local_socket=msg.local_socket,
     )
 
 
@@ -1445,6 +1459,15 @@ class PagekeeperClient:
 
     ``hold_decodes``: hold back plain decodes that need nothing from the service (see the
     module docstring); off: every decode travels in the next step.
+
+    ``local_socket``: where Step, Lookup, GetBlockTable and GetPoolInfo go when the service
+    runs on the same host (:mod:`pagekeeper_client.local`: the same messages and answers
+    over a unix socket, without gRPC's per-call cost). ``"auto"`` (the default) uses the
+    socket the service advertises at registration if this process can connect to it, and
+    gRPC otherwise; a path must connect (``register`` raises UnavailableError if not);
+    ``None``: gRPC only (also what ``"auto"`` means when ``interceptors`` are given: they
+    see gRPC calls only). A broken socket falls back to gRPC (a step is resent with the same
+    id, so nothing is applied twice) and is reopened a few seconds later.
     """
 
     def __init__(
@@ -1460,6 +1483,7 @@ class PagekeeperClient:
         options: Sequence[tuple[str, Any]] = (),
         defer_page_ids: bool = False,
         hold_decodes: bool = True,
+        local_socket: str | None = "auto",
     ) -> None:
         self.address = resolve_address(address)
         self._token = token if token is not None else os.environ.get(TOKEN_ENV) or None
@@ -1493,12 +1517,73 @@ class PagekeeperClient:
         self.lease_error: PagekeeperError | None = None
         """The last error of the background lease renewal (None while healthy)."""
         self._is_closed = False
+        if local_socket not in (None, "", "auto") and not isinstance(local_socket, str):
+            raise TypeError("local_socket must be 'auto', a path or None")
+        # Interceptors see gRPC calls only: a client that installs some stays on gRPC unless
+        # it names a socket itself.
+        self._local_mode = (
+            None if (interceptors and local_socket == "auto") else local_socket or None
+        )
+        self._local_path = "" if local_socket in (None, "", "auto") else str(local_socket)
+        self._local: LocalChannel | None = None
+        self._local_retry_at = 0.0
+        self._max_message_bytes = max_message_bytes
+
+    # -- the same-node socket -------------------------------------------------------------
+    @property
+    def transport(self) -> str:
+        """``"local"`` while steps go over the service's same-node socket, else ``"grpc"``."""
+        local = self._local
+        return "local" if local is not None and local.is_open else "grpc"
+
+    def _connect_local(self, *, required: bool) -> None:
+        """Open the same-node socket if there is one to open (``required``: an explicit path
+        that must work). A failure leaves gRPC in charge and is tried again later."""
+        path = self._local_path
+        if not path or self._is_closed:
+            return
+        try:
+            channel = LocalChannel(
+                path,
+                token=self._token,
+                timeout=self.timeout,
+                max_message_bytes=self._max_message_bytes,
+            )
+        except PagekeeperError as exc:
+            if required:
+                raise
+            log.info("staying on gRPC: %s", exc)
+            self._local_retry_at = time.monotonic() + _LOCAL_RETRY_S
+            return
+        old, self._local = self._local, channel
+        if old is not None:
+            old.close()
+
+    def _local_channel(self, method: str) -> LocalChannel | None:
+        """The open same-node channel for ``method``, reconnecting a dropped one at most
+        every few seconds; None: use gRPC."""
+        if method not in _LOCAL_METHODS:
+            return None
+        local = self._local
+        if local is not None and local.is_open:
+            return local
+        if self._local_path and time.monotonic() >= self._local_retry_at:
+            self._local_retry_at = time.monotonic() + _LOCAL_RETRY_S
+            self._connect_local(required=False)
+            local = self._local
+            if local is not None and local.is_open:
+                return local
+        return None
 
     # -- plumbing -----------------------------------------------------------------------
     def _call(self, method: str, request: Any, *, timeout: float | None = None) -> Any:
         stats = self.stats
         stats.num_rpcs += 1
         stats.by_method[method] = stats.by_method.get(method, 0) + 1
+        local = self._local_channel(method)
+        if local is not None:
+            stats.num_local_calls += 1
+            return local.call(method, request, _RESPONSES[method], timeout or self.timeout)
         try:
             return getattr(self._stub, method)(
                 request, metadata=self._metadata, timeout=timeout or self.timeout
@@ -1561,6 +1646,9 @@ class PagekeeperClient:
             self._accept_registration(registration)
             if role is ClientRole.SCHEDULER:
                 self._state = SchedulerState(registration.pool, hold_decodes=self.hold_decodes)
+        if self._local_mode == "auto":
+            self._local_path = registration.local_socket
+        self._connect_local(required=self._local_mode not in (None, "auto"))
         if renew:
             self._start_heartbeat()
         return registration
@@ -1648,6 +1736,9 @@ class PagekeeperClient:
         fresh = registration_from_pb(self._call("RegisterClient", request))
         with self._lock:
             self._accept_registration(fresh)
+        if self._local_mode == "auto" and fresh.local_socket != self._local_path:
+            self._local_path = fresh.local_socket
+            self._connect_local(required=False)
         self.stats.num_reregistrations += 1
         return fresh
 
@@ -2028,13 +2119,20 @@ class PagekeeperClient:
             stats.num_rpcs += 1
             stats.by_method["Step"] = stats.by_method.get("Step", 0) + 1
             try:
+                local = self._local_channel("Step")
+                if local is not None:
+                    stats.num_local_calls += 1
+                    return local.call("Step", request, pb.StepResponse, self.timeout)  # type: ignore[no-any-return]
                 response: pb.StepResponse = self._stub.Step(
                     request, metadata=self._metadata, timeout=self.timeout
                 )
                 return response
-            except grpc.RpcError as exc:
-                error = error_from_rpc(exc, "Step")
-                if exc.code() not in _RETRY_CODES or self._is_closed:
+            except (grpc.RpcError, UnavailableError, DeadlineExceededError) as exc:
+                if isinstance(exc, grpc.RpcError):
+                    error = error_from_rpc(exc, "Step")
+                else:
+                    error = exc  # the same-node socket broke (it is closed now)
+                if error.code not in _RETRY_CODES or self._is_closed:
                     raise error from None
                 if time.monotonic() + delay > deadline:
                     raise error from None
@@ -2092,6 +2190,9 @@ class PagekeeperClient:
         thread = self._heartbeat_thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=5)
+        local, self._local = self._local, None
+        if local is not None:
+            local.close()
         self._raw_channel.close()
 
     def __enter__(self) -> PagekeeperClient:

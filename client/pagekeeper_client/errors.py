@@ -36,6 +36,8 @@ __all__ = [
     "UnimplementedError",
     "UnknownError",
     "error_from_rpc",
+    "error_from_status",
+    "status_code",
 ]
 
 
@@ -177,6 +179,20 @@ def error_from_rpc(exc: Any, method: str = "") -> PagekeeperError:
     details = details_fn() if callable(details_fn) else None
     if not isinstance(code, grpc.StatusCode):
         code = grpc.StatusCode.UNKNOWN
+    return error_from_status(code, details, method)
+
+
+_CODE_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def status_code(number: int) -> grpc.StatusCode:
+    """The status code with this wire number (UNKNOWN for a number gRPC does not define)."""
+    return _CODE_BY_NUMBER.get(number, grpc.StatusCode.UNKNOWN)
+
+
+def error_from_status(
+    code: grpc.StatusCode, reason: str | None, method: str = ""
+) -> PagekeeperError:
+    """The typed exception for a status code and the server's reason (any transport)."""
     cls = _BY_CODE.get(code, UnknownError)
-    reason = details or code.name.lower().replace("_", " ")
-    return cls(str(reason), method=method, code=code)
+    return cls(str(reason or code.name.lower().replace("_", " ")), method=method, code=code)

@@ -221,6 +221,8 @@ class Registration:
     """Workers: the chosen kernel block size per group."""
     ring: RingDescriptor | None = None
     """Workers: where published tables land (None: nothing is published)."""
+    local_socket: str = ""
+    """The service's same-node socket ("": none), see :mod:`pagekeeper_client.local`."""
 
 
 # -- step inputs ----------------------------------------------------------------------------
@@ -468,6 +470,8 @@ class ClientStats:
     """``allocate_slots(sync=True)`` calls that needed a page, answered without a call from
     the capacity bound (``defer_page_ids``)."""
     num_retries: int = 0
+    num_local_calls: int = 0
+    """Unary calls that went over the same-node socket (counted in ``num_rpcs`` too)."""
     num_heartbeats: int = 0
     num_reregistrations: int = 0
     by_method: dict[str, int] = field(default_factory=dict)

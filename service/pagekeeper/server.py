@@ -30,6 +30,7 @@ import uvicorn
 
 from pagekeeper.core.errors import PagekeeperError
 from pagekeeper.rest.app import create_app
+from pagekeeper.rpc.local import LocalServer
 from pagekeeper.rpc.server import GrpcServer
 from pagekeeper.runtime import Runtime, build_runtime
 from pagekeeper.settings import Settings, split_address
@@ -136,6 +137,7 @@ async def serve(
 
     grpc_server = GrpcServer(runtime)
     grpc_address = await grpc_server.start(settings.grpc_address)
+    local_server: LocalServer | None = None
     http_socket = bind_http_socket(settings.http_address)
     http_address = _socket_address(http_socket, settings.http_address)
     config = uvicorn.Config(
@@ -168,6 +170,10 @@ async def serve(
         gc.freeze()
         gc.set_threshold(50_000, 20, 100)
         runtime.is_ready = True
+        if settings.local_socket:
+            local_server = LocalServer(grpc_server.servicer)
+            path = await local_server.start(os.path.abspath(settings.local_socket))
+            grpc_server.servicer.local_socket = path
         await grpc_server.set_serving(True)
         info = {
             "pid": os.getpid(),
@@ -175,10 +181,16 @@ async def serve(
             "http_address": http_address,
             "grpc_port": _port(grpc_address),
             "http_port": _port(http_address),
+            "local_socket": grpc_server.servicer.local_socket or None,
         }
         if ready_file:
             write_ready_file(ready_file, info)
-        log.info("gRPC on %s, HTTP on %s", grpc_address, http_address)
+        log.info(
+            "gRPC on %s, HTTP on %s%s",
+            grpc_address,
+            http_address,
+            f", local socket {local_server.path}" if local_server is not None else "",
+        )
         print(f"{READY_LINE_PREFIX} {json.dumps(info)}", flush=True)
 
         await stop.wait()
@@ -189,6 +201,8 @@ async def serve(
         runtime.begin_shutdown()
         for task in housekeeping:
             task.cancel()
+        if local_server is not None:
+            await local_server.stop()
         await grpc_server.stop(settings.shutdown_grace_s)
         http_server.should_exit = True
         with contextlib.suppress(asyncio.CancelledError):

@@ -150,7 +150,8 @@ class GrpcServer:
         settings = runtime.settings
         interceptors = [BearerTokenInterceptor(settings.token)] if settings.token else []
         self.server = grpc.aio.server(interceptors=interceptors, options=grpc_options(settings))
-        add_servicer(PagekeeperServicer(runtime), self.server)
+        self.servicer = PagekeeperServicer(runtime)
+        add_servicer(self.servicer, self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(

@@ -80,6 +80,8 @@ class PagekeeperServicer(pb_grpc.PagekeeperServiceServicer):  # type: ignore[mis
         settings = runtime.settings
         self._pool_pb = convert.pool_config_to_pb(settings.pool)
         self._limits_pb = convert.limits_to_pb(self.state.limits, settings.max_message_bytes)
+        self.local_socket = ""
+        """The same-node socket's absolute path once it listens (advertised at registration)."""
 
     # -- pool ---------------------------------------------------------------------------
     @_unary
@@ -123,6 +125,7 @@ class PagekeeperServicer(pb_grpc.PagekeeperServiceServicer):  # type: ignore[mis
             limits=self._limits_pb,
             last_step_id=result.last_step_id,
             last_published_step_seq=result.last_published_step_seq,
+            local_socket=self.local_socket,
         )
         if result.ring is not None:
             response.ring.CopyFrom(convert.ring_to_pb(result.ring))

@@ -1,0 +1,247 @@
+"""The same-node socket: the servicer's unary calls over a unix socket, without gRPC.
+
+The framing is :mod:`pagekeeper_client.local`'s (defined once, beside the stubs). Each
+frame is handled where it arrives, in the event loop, by the same handler body the gRPC
+servicer runs, with no ``await`` in between: a step is as atomic here as over gRPC, and its
+answer, journal record, step-id deduplication and error status are the same. The socket
+file is created owner-only (0600); with a bearer token configured, the hello must carry it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import os
+import socket
+import stat
+import time
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from pagekeeper import __version__
+from pagekeeper.core.errors import PagekeeperError
+from pagekeeper.errors_map import grpc_status
+from pagekeeper.rpc.servicer import PagekeeperServicer
+from pagekeeper_client._proto.pagekeeper.v1 import pagekeeper_pb2 as pb
+from pagekeeper_client.local import HEADER, HELLO, MAGIC, METHODS
+
+log = logging.getLogger(__name__)
+
+_CODE_NAMES = {code.value[0]: str(code.name) for code in grpc.StatusCode}
+_OK = grpc.StatusCode.OK.value[0]
+_INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+_RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+_UNIMPLEMENTED = grpc.StatusCode.UNIMPLEMENTED.value[0]
+_INTERNAL = grpc.StatusCode.INTERNAL.value[0]
+_UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
+_UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED.value[0]
+
+Handler = tuple[str, Any, Callable[[PagekeeperServicer, Any, Any], Any]]
+
+
+def _handlers() -> dict[int, Handler]:
+    """Method number -> (name, request class, the servicer's synchronous body)."""
+    service = pb.DESCRIPTOR.services_by_name["PagekeeperService"]
+    by_name = {m.name: m for m in service.methods}
+    table: dict[int, Handler] = {}
+    for number, name in enumerate(METHODS, start=1):
+        body = getattr(PagekeeperServicer, name).__wrapped__  # what @_unary wraps
+        table[number] = (name, getattr(pb, by_name[name].input_type.name), body)
+    return table
+
+
+class _Connection(asyncio.Protocol):
+    def __init__(self, server: LocalServer) -> None:
+        self.server = server
+        self.transport: asyncio.Transport | None = None
+        self.buf = bytearray()
+        self.greeted = False
+        self.closing = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        self.server.connections.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.server.connections.discard(self)
+
+    def data_received(self, data: bytes) -> None:
+        buf = self.buf
+        if not buf and len(data) >= HEADER.size:
+            # The usual case: the whole frame came in one read; parse it in place.
+            length, code = HEADER.unpack_from(data)
+            if len(data) == HEADER.size + length:
+                self._frame(code, memoryview(data)[HEADER.size :])
+                return
+        buf += data
+        limit = self.server.max_frame_bytes
+        while len(buf) >= HEADER.size and not self.closing:
+            length, code = HEADER.unpack_from(buf)
+            if length > limit:
+                self._fail(
+                    _RESOURCE_EXHAUSTED,
+                    f"frame of {length} bytes exceeds max_message_bytes {limit}",
+                )
+                return
+            end = HEADER.size + length
+            if len(buf) < end:
+                return
+            payload = bytes(buf[HEADER.size : end])
+            del buf[:end]
+            self._frame(code, memoryview(payload))
+
+    def _frame(self, code: int, payload: memoryview) -> None:
+        if self.closing:
+            return
+        server = self.server
+        if len(payload) > server.max_frame_bytes:
+            self._fail(
+                _RESOURCE_EXHAUSTED,
+                f"frame of {len(payload)} bytes exceeds max_message_bytes {server.max_frame_bytes}",
+            )
+            return
+        if code == HELLO:
+            self._hello(bytes(payload))
+            return
+        if not self.greeted:
+            self._fail(_UNAUTHENTICATED, "the connection must open with a hello")
+            return
+        if server.runtime.is_stopping:
+            self._answer(_UNAVAILABLE, b"the service is shutting down")
+            return
+        handler = server.handlers.get(code)
+        if handler is None:
+            self._answer(_UNIMPLEMENTED, f"no unary method number {code}".encode())
+            return
+        name, request_class, body = handler
+        started = time.perf_counter()
+        status = _OK
+        try:
+            try:
+                request = request_class.FromString(payload)
+            except DecodeError as exc:
+                status = _INVALID_ARGUMENT
+                full_name = request_class.DESCRIPTOR.full_name
+                self._answer(
+                    status, f"malformed {full_name} ({len(payload)} bytes): {exc}".encode()
+                )
+                return
+            try:
+                answer = body(server.servicer, request, None).SerializeToString()
+            except PagekeeperError as exc:
+                code_, reason = grpc_status(exc)
+                status = code_.value[0]
+                self._answer(status, reason.encode())
+                return
+            except Exception:
+                status = _INTERNAL
+                log.exception("%s failed (local socket)", name)
+                self._answer(status, f"internal error in {name}".encode())
+                return
+            self._answer(_OK, answer)
+        finally:
+            server.rpc_seconds.labels(name, _CODE_NAMES.get(status, "UNKNOWN")).observe(
+                time.perf_counter() - started
+            )
+
+    def _hello(self, payload: bytes) -> None:
+        if not payload.startswith(MAGIC):
+            self._fail(_INVALID_ARGUMENT, "not a pagekeeper-local/1 hello")
+            return
+        token = self.server.token
+        given = payload[len(MAGIC) :]
+        if token is not None and not hmac.compare_digest(given, token.encode()):
+            self._fail(_UNAUTHENTICATED, "missing or wrong bearer token")
+            return
+        self.greeted = True
+        self._answer(_OK, __version__.encode())
+
+    def _answer(self, status: int, body: bytes) -> None:
+        transport = self.transport
+        if transport is not None and not self.closing:
+            transport.writelines((HEADER.pack(len(body), status), body))
+
+    def _fail(self, status: int, reason: str) -> None:
+        """Answer with an error and close: the stream cannot go on."""
+        self._answer(status, reason.encode())
+        self.closing = True
+        self.buf.clear()
+        if self.transport is not None:
+            self.transport.close()  # after the answer is written
+
+
+class LocalServer:
+    """The listening socket and its connections."""
+
+    def __init__(self, servicer: PagekeeperServicer) -> None:
+        runtime = servicer.runtime
+        self.runtime = runtime
+        self.servicer = servicer
+        self.handlers = _handlers()
+        self.token = runtime.settings.token
+        self.max_frame_bytes = runtime.settings.max_message_bytes
+        self.rpc_seconds = runtime.metrics.rpc_seconds
+        self.connections: set[_Connection] = set()
+        self.path: str | None = None
+        self._server: asyncio.AbstractServer | None = None
+
+    async def start(self, path: str) -> str:
+        """Listen on ``path`` (a stale socket file left by a dead service is replaced; a
+        live one is an error: two services must not share a path)."""
+        _clear_stale(path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(path)
+            os.chmod(path, 0o600)
+            sock.listen(64)
+            sock.setblocking(False)
+            loop = asyncio.get_running_loop()
+            self._server = await loop.create_unix_server(lambda: _Connection(self), sock=sock)
+        except BaseException:
+            sock.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            raise
+        self.path = path
+        return path
+
+    async def stop(self) -> None:
+        """Stop listening, remove the socket file, close every connection (each call is
+        answered before its handler returns, so closing loses none; buffered answers are
+        written first)."""
+        server, self._server = self._server, None
+        if server is None:
+            return
+        server.close()
+        if self.path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+        for conn in list(self.connections):
+            if conn.transport is not None:
+                conn.transport.close()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(server.wait_closed(), 2.0)
+
+
+def _clear_stale(path: str) -> None:
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise OSError(f"local socket path {path} exists and is not a socket")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        os.unlink(path)  # nobody listens: left behind by a service that died
+        return
+    finally:
+        probe.close()
+    raise OSError(f"another service listens on the local socket {path}")

@@ -1,0 +1,374 @@
+"""The same-node socket (``--local-socket``): the unary calls over plain frames on a unix
+socket, against a real server process.
+
+Equivalence with gRPC is checked by driving two servers (one with the socket, one without)
+through the same client calls and comparing every answer and the final state; the frame
+protocol's edge cases (no hello, a wrong token, an unknown method, bad bytes, an oversized
+frame, split and pipelined frames) each get a clear status and change nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import stat
+import struct
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from pagekeeper_client import PagekeeperClient
+from pagekeeper_client._proto.pagekeeper.v1 import pagekeeper_pb2 as pb
+from pagekeeper_client.errors import NotFoundError, UnavailableError
+from pagekeeper_client.local import HEADER, MAGIC, METHOD_NUMBERS
+from tests.helpers.grpc_util import i32, state_digest
+from tests.helpers.server import ServerStartError, clean_env, launch
+
+TOKEN = "local-token"
+
+
+@pytest.fixture
+def sockdir() -> Iterator[Path]:
+    """A short directory for socket files (a unix socket path holds at most 107 bytes;
+    pytest's tmp paths can be longer)."""
+    path = Path(tempfile.mkdtemp(prefix="pk-local-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def local_server(server_factory, sockdir):
+    return server_factory(
+        "--num-pages", "256", "--max-model-len", "2048", "--local-socket", str(sockdir / "pk.sock"),
+        "--max-message-bytes", "65536", "--durability", "none",
+        token=TOKEN,
+    )  # fmt: skip
+
+
+class Raw:
+    """A bare connection speaking the frame protocol."""
+
+    def __init__(self, path: str) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(10)
+        self.sock.connect(path)
+
+    def send(self, code: int, payload: bytes) -> None:
+        self.sock.sendall(HEADER.pack(len(payload), code) + payload)
+
+    def hello(self, token: str = TOKEN) -> None:
+        self.send(0, MAGIC + token.encode())
+        status, body = self.answer()
+        assert status == 0, body
+
+    def answer(self) -> tuple[int, bytes]:
+        header = self._exactly(HEADER.size)
+        length, status = HEADER.unpack(header)
+        return status, self._exactly(length)
+
+    def call(self, method: str, request: object) -> tuple[int, bytes]:
+        self.send(METHOD_NUMBERS[method], request.SerializeToString())  # type: ignore[attr-defined]
+        return self.answer()
+
+    def is_closed(self) -> bool:
+        try:
+            return self.sock.recv(1) == b""
+        except ConnectionResetError:
+            return True
+
+    def _exactly(self, n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk = self.sock.recv(n - len(data))
+            if not chunk:
+                raise ConnectionError("closed")
+            data += chunk
+        return data
+
+
+def _code(status: int) -> grpc.StatusCode:
+    return next(c for c in grpc.StatusCode if c.value[0] == status)
+
+
+def test_listens_owner_only_advertises_and_goes_away(local_server, sockdir):
+    path = sockdir / "pk.sock"
+    assert local_server.info["local_socket"] == str(path)
+    mode = os.stat(path).st_mode
+    assert stat.S_ISSOCK(mode) and stat.S_IMODE(mode) == 0o600
+    client = PagekeeperClient(local_server.grpc_address, token=TOKEN)
+    client.register("scheduler")
+    assert client.registration.local_socket == str(path)
+    assert client.transport == "local"
+    client.admit("adv-1", list(range(40)))
+    client.flush()
+    assert client.stats.num_local_calls == 1
+    client.close()
+    local_server.stop()
+    assert not path.exists()
+
+
+def _drive(client: PagekeeperClient) -> list[object]:
+    """A fixed session of calls; returns every answer in comparable form."""
+    rng = np.random.default_rng(3)
+    shared = rng.integers(0, 20_000, 64).tolist()
+    out: list[object] = []
+    ids = [f"eq-{i}" for i in range(6)]
+    for i, rid in enumerate(ids):
+        tokens = shared + rng.integers(0, 20_000, 20 + 7 * i).tolist()
+        result = client.admit(rid, tokens)
+        out.append((result.status, result.num_cached_tokens))
+    out.append(repr(client.flush()))
+    for _ in range(40):
+        crossing = client.allocate_decodes(ids, rng.integers(0, 20_000, len(ids)).tolist())
+        out.append(sorted(crossing))
+        step = client.step(batch=ids)
+        out.append(repr(step))
+    for rid in ids:
+        out.append([p.tolist() for p in client.page_ids(rid)])
+    lookup = client.lookup(shared + [1, 2, 3])
+    out.append((lookup.num_hit_tokens, [p.tolist() for p in lookup.page_ids]))
+    table = client.block_table(ids[2], kernel_block_size=8)
+    out.append((table.page_ids.tolist(), table.kernel_block_ids.tolist()))
+    client.free(*ids[:3])
+    out.append(client.pool_info().counters)
+    return out
+
+
+def test_answers_and_state_match_grpc(server_factory, sockdir):
+    flags = ("--num-pages", "512", "--max-model-len", "2048", "--durability", "none")
+    plain = server_factory(*flags)
+    local = server_factory(*flags, "--local-socket", str(sockdir / "eq.sock"))
+    answers = []
+    for server, transport in ((plain, "grpc"), (local, "local")):
+        client = PagekeeperClient(server.grpc_address)
+        client.register("scheduler", name="eq")
+        assert client.transport == transport
+        answers.append(_drive(client))
+        if transport == "local":
+            assert client.stats.num_local_calls > 40
+        digest = state_digest(server)
+        answers[-1].append(digest["pages"])
+        answers[-1].append(digest["requests"])
+        client.close()
+    assert answers[0] == answers[1]
+
+
+def test_errors_are_grpc_statuses_and_change_nothing(local_server):
+    client = PagekeeperClient(local_server.grpc_address, token=TOKEN)
+    client.register("scheduler")
+    client.admit("err-1", list(range(50)))
+    client.flush()
+    before = state_digest(local_server)
+    owner = client.registration
+    raw = Raw(local_server.info["local_socket"])
+    raw.hello()
+    # An unknown request: NOT_FOUND with the reason gRPC gives.
+    request = pb.StepRequest(
+        client_id=owner.client_id,
+        generation=owner.generation,
+        step_id=99,
+        free_request_ids=["no-such-request"],
+    )
+    status, reason = raw.call("Step", request)
+    assert _code(status) is grpc.StatusCode.NOT_FOUND and b"no-such-request" in reason
+    stub_error = None
+    try:
+        local_server.stub().Step(request, metadata=local_server.metadata)
+    except grpc.RpcError as exc:
+        stub_error = exc
+    assert stub_error is not None and stub_error.details().encode() == reason
+    # Bytes that are no StepRequest.
+    status, reason = raw.call("Step", pb.StepRequest())
+    assert _code(status) is not grpc.StatusCode.OK
+    raw.send(METHOD_NUMBERS["Step"], b"\xff\xff\xff")
+    status, reason = raw.answer()
+    assert _code(status) is grpc.StatusCode.INVALID_ARGUMENT
+    assert b"malformed pagekeeper.v1.StepRequest" in reason
+    # An unknown method number: UNIMPLEMENTED, and the connection goes on.
+    raw.send(200, b"")
+    status, reason = raw.answer()
+    assert _code(status) is grpc.StatusCode.UNIMPLEMENTED
+    status, body = raw.call("GetPoolInfo", pb.GetPoolInfoRequest())
+    assert status == 0 and pb.GetPoolInfoResponse.FromString(body).server_version
+    # The typed exception on the client side.
+    with pytest.raises(NotFoundError, match="no-such"):
+        client.block_table("no-such-request")
+    assert state_digest(local_server) == before
+    client.close()
+
+
+def test_hello_and_token(local_server):
+    path = local_server.info["local_socket"]
+    raw = Raw(path)
+    status, body = raw.call("GetPoolInfo", pb.GetPoolInfoRequest())  # no hello first
+    assert _code(status) is grpc.StatusCode.UNAUTHENTICATED and b"hello" in body
+    assert raw.is_closed()
+    raw = Raw(path)
+    raw.send(0, MAGIC + b"wrong")
+    status, body = raw.answer()
+    assert _code(status) is grpc.StatusCode.UNAUTHENTICATED and b"token" in body
+    assert raw.is_closed()
+    raw = Raw(path)
+    raw.send(0, b"HTTP/1.1 GET /")
+    status, body = raw.answer()
+    assert _code(status) is grpc.StatusCode.INVALID_ARGUMENT
+    assert raw.is_closed()
+    raw = Raw(path)
+    raw.hello()
+    assert raw.call("GetPoolInfo", pb.GetPoolInfoRequest())[0] == 0
+
+
+def test_oversized_frame_is_refused_and_changes_nothing(local_server):
+    client = PagekeeperClient(local_server.grpc_address, token=TOKEN)
+    client.register("scheduler")
+    before = state_digest(local_server)
+    raw = Raw(local_server.info["local_socket"])
+    raw.hello()
+    raw.sock.sendall(struct.pack("<IB", 10_000_000, METHOD_NUMBERS["Step"]) + b"\0" * 100)
+    status, body = raw.answer()
+    assert _code(status) is grpc.StatusCode.RESOURCE_EXHAUSTED and b"65536" in body
+    assert raw.is_closed()
+    assert state_digest(local_server) == before
+    client.close()
+
+
+def test_split_and_pipelined_frames(local_server):
+    client = PagekeeperClient(local_server.grpc_address, token=TOKEN)
+    registration = client.register("scheduler")
+    raw = Raw(local_server.info["local_socket"])
+    raw.hello()
+    steps = [
+        pb.StepRequest(
+            client_id=registration.client_id,
+            generation=registration.generation,
+            step_id=k + 1,
+            admissions=[pb.Admission(request_id=f"split-{k}", token_ids=i32(range(k, k + 33)))],
+        )
+        for k in range(3)
+    ]
+    frames = b"".join(
+        HEADER.pack(len(data), METHOD_NUMBERS["Step"]) + data
+        for data in (s.SerializeToString() for s in steps)
+    )
+    # The first frame a byte at a time, the other two in one write.
+    first = len(HEADER.pack(0, 0)) + len(steps[0].SerializeToString())
+    for i in range(first):
+        raw.sock.sendall(frames[i : i + 1])
+    raw.sock.sendall(frames[first:])
+    for k in range(3):
+        status, body = raw.answer()
+        assert status == 0, body
+        result = pb.StepResponse.FromString(body).results[0]
+        assert result.request_id == f"split-{k}" and result.status == pb.ALLOCATION_STATUS_OK
+    # A step id answered again from memory, not applied twice (as over gRPC).
+    status, body = raw.call("Step", steps[2])
+    assert status == 0
+    assert pb.StepResponse.FromString(body).results[0].request_id == "split-2"
+    pool = pb.GetPoolInfoResponse.FromString(raw.call("GetPoolInfo", pb.GetPoolInfoRequest())[1])
+    assert pool.counters.num_requests == 3
+    client.close()
+
+
+def test_broken_socket_is_reopened_or_left_for_grpc_with_the_same_step_id(local_server):
+    client = PagekeeperClient(local_server.grpc_address, token=TOKEN)
+    client.register("scheduler")
+    client.admit("fb-1", list(range(30)))
+    client.flush()
+    assert client.transport == "local"
+    # The connection dies under the client: the step is resent with the same id over a
+    # fresh connection.
+    first = client._local
+    assert first is not None
+    first._sock.shutdown(socket.SHUT_RDWR)  # type: ignore[union-attr]
+    client.admit("fb-2", list(range(100, 130)))
+    client.flush()
+    assert client.stats.num_retries == 1
+    assert client.transport == "local" and client._local is not first
+    # Dies again and the socket is gone: the resend goes over gRPC.
+    client._local._sock.shutdown(socket.SHUT_RDWR)  # type: ignore[union-attr]
+    os.unlink(local_server.info["local_socket"])
+    client.admit("fb-3", list(range(200, 230)))
+    client.flush()
+    assert client.stats.num_retries == 2
+    assert client.transport == "grpc"
+    assert set(client.request_ids()) == {"fb-1", "fb-2", "fb-3"}
+    http = local_server.http()
+    served = {r["request_id"] for r in http.get("/v1/requests").json()["items"]}
+    assert served == {"fb-1", "fb-2", "fb-3"}
+    client.close()
+
+
+def test_auto_without_reach_stays_on_grpc_and_a_named_path_must_connect(local_server, sockdir):
+    # The advertised path is not reachable from here (removed): auto falls back.
+    os.unlink(local_server.info["local_socket"])
+    client = PagekeeperClient(local_server.grpc_address, token=TOKEN)
+    client.register("scheduler")
+    assert client.transport == "grpc"
+    assert client.admit("auto-1", list(range(20))).status.value == "ok"
+    assert client.stats.num_local_calls == 0 and client.stats.num_steps == 1
+    client.close()
+    named = PagekeeperClient(
+        local_server.grpc_address, token=TOKEN, local_socket=str(sockdir / "missing.sock")
+    )
+    with pytest.raises(UnavailableError, match=r"missing\.sock"):
+        named.register("scheduler")
+    named.close(unregister=False)
+
+
+def test_metrics_count_local_calls(local_server):
+    client = PagekeeperClient(local_server.grpc_address, token=TOKEN)
+    client.register("scheduler")
+    for k in range(3):
+        client.admit(f"m-{k}", list(range(k, k + 20)))
+        client.flush()
+    text = local_server.http().get("/metrics").text
+    line = next(
+        ln
+        for ln in text.splitlines()
+        if ln.startswith("pagekeeper_rpc_duration_seconds_count")
+        and 'method="Step"' in ln
+        and 'code="OK"' in ln
+    )
+    assert float(line.rsplit(" ", 1)[1]) >= 3
+    client.close()
+
+
+def test_stale_file_replaced_live_socket_and_other_files_refused(server_factory, sockdir):
+    stale = sockdir / "stale.sock"
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    dead.bind(str(stale))
+    dead.close()  # the file stays, nobody listens
+    server = server_factory("--local-socket", str(stale), "--durability", "none")
+    assert server.info["local_socket"] == str(stale)
+    # A second service on the same path: refused at start, the first keeps it.
+    with pytest.raises(ServerStartError, match="another service listens"):
+        launch(sockdir / "second", "--local-socket", str(stale), "--durability", "none")
+    raw = Raw(str(stale))
+    raw.hello("")
+    assert raw.call("GetPoolInfo", pb.GetPoolInfoRequest())[0] == 0
+    regular = sockdir / "file.sock"
+    regular.write_text("not a socket")
+    with pytest.raises(ServerStartError, match="not a socket"):
+        launch(sockdir / "third", "--local-socket", str(regular), "--durability", "none")
+    assert regular.read_text() == "not a socket"
+
+
+def test_bad_path_is_one_config_line():
+    long_path = "/tmp/" + "x" * 200 + ".sock"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pagekeeper", "config", "--local-socket", long_path],
+        capture_output=True,
+        text=True,
+        env=clean_env(),
+        timeout=60,
+    )
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "server.local_socket" in lines[0] and "107" in lines[0]
