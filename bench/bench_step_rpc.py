@@ -30,9 +30,14 @@ Rows:
 ``ratio`` = step p50 / echo p50 (goal: <= 1.5). ``in-proc`` is the server's own work for
 the same Step (parse, convert, apply, convert back, serialize) measured on an in-process
 ``ServiceState`` that mirrors the service's (every request is applied to both), so
-``transport`` = step p50 - in-proc is what the process boundary costs. Run::
+``transport`` = step p50 - in-proc is what the process boundary costs.
 
-    .venv/bin/python bench/bench_step_rpc.py [--samples 200] [--quick]
+``local p50``: the same steps sent over the service's same-node socket
+(``--local-socket``; what ``PagekeeperClient`` uses on the service's host) instead of gRPC:
+the samples of a row alternate in pairs between the two transports (G G L L ...), each
+beside its own echo, so a row takes twice the samples. ``--no-local`` leaves it out. Run::
+
+    .venv/bin/python bench/bench_step_rpc.py [--samples 200] [--quick] [--no-local]
 """
 
 from __future__ import annotations
@@ -103,7 +108,9 @@ def _wait_file(path: Path, process: subprocess.Popen[bytes], what: str) -> str:
     return path.read_text()
 
 
-def start_processes(workdir: Path) -> tuple[list[subprocess.Popen[bytes]], str, str]:
+def start_processes(
+    workdir: Path, local: bool
+) -> tuple[list[subprocess.Popen[bytes]], str, str, str | None]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEKEEPER_")}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT / "service"), str(REPO_ROOT / "client")])
     ready = workdir / "ready.json"
@@ -117,6 +124,7 @@ def start_processes(workdir: Path) -> tuple[list[subprocess.Popen[bytes]], str, 
             "--num-pages", str(NUM_PAGES), "--max-model-len", str(MAX_MODEL_LEN),
             "--page-size", str(PAGE_SIZE), "--lease-ttl-s", "600", "--max-lease-ttl-s", "600",
             "--log-level", "warning",
+            *(["--local-socket", str(workdir / "step.sock")] if local else []),
         ],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
@@ -127,7 +135,7 @@ def start_processes(workdir: Path) -> tuple[list[subprocess.Popen[bytes]], str, 
     )  # fmt: skip
     info = json.loads(_wait_file(ready, service, "the service"))
     echo_port = _wait_file(port_file, echo, "the echo server")
-    return [service, echo], info["grpc_address"], f"127.0.0.1:{echo_port}"
+    return [service, echo], info["grpc_address"], f"127.0.0.1:{echo_port}", info["local_socket"]
 
 
 # -- scenarios ----------------------------------------------------------------------------
@@ -309,9 +317,15 @@ def summary(values: list[float]) -> tuple[float, float]:
     return statistics.median(ms), ms[int(0.9 * (len(ms) - 1))]
 
 
-async def run(samples: int, workdir: Path) -> list[tuple[str, float, float, float, float]]:
-    processes, service_address, echo_address = start_processes(workdir)
-    rows = []
+Row = tuple[str, int, float, float, float, float, float | None]
+
+
+async def run(samples: int, workdir: Path, use_local: bool) -> list[Row]:
+    from pagekeeper_client.local import LocalChannel
+
+    processes, service_address, echo_address, local_path = start_processes(workdir, use_local)
+    local = LocalChannel(local_path, timeout=60) if local_path else None
+    rows: list[Row] = []
     try:
         service = grpc.aio.insecure_channel(service_address, options=CHANNEL_OPTIONS)
         echo = grpc.aio.insecure_channel(echo_address, options=CHANNEL_OPTIONS)
@@ -336,9 +350,15 @@ async def run(samples: int, workdir: Path) -> list[tuple[str, float, float, floa
 
         async def service_step(request: pb.StepRequest) -> pb.StepResponse:
             mirror.apply(request)
+            if local is not None:
+                return await local_call(request)
             return await step_call(request)
 
         driver = Driver(service_step, reg.client_id, reg.generation)
+
+        async def local_call(request: pb.StepRequest) -> pb.StepResponse:
+            assert local is not None
+            return local.call("Step", request, pb.StepResponse, 60.0)
 
         async def measure(
             name: str,
@@ -346,29 +366,34 @@ async def run(samples: int, workdir: Path) -> list[tuple[str, float, float, floa
             between: Callable[[], object] | None = None,
             count: int = samples,
         ) -> None:
-            for _ in range(10):  # warm-up both paths
+            for k in range(10):  # warm-up every path
                 request = make()
-                await service_step(request)
+                mirror.apply(request)
+                await (local_call if local is not None and k % 2 else step_call)(request)
                 await echo_call(request)
                 if between is not None:
                     await between()
             step_times, echo_times, mirror_times = [], [], []
-            for i in range(count):
+            local_times: list[float] = []
+            for i in range(count * 2 if local is not None else count):
                 request = make()
                 mirror_times.append(mirror.apply(request))
+                over_local = local is not None and (i // 2) % 2 == 1
+                call, times = (local_call, local_times) if over_local else (step_call, step_times)
                 if i % 2:
                     echo_times.append(await timed(echo_call, request))
-                    step_times.append(await timed(step_call, request))
+                    times.append(await timed(call, request))
                 else:
-                    step_times.append(await timed(step_call, request))
+                    times.append(await timed(call, request))
                     echo_times.append(await timed(echo_call, request))
                 if between is not None:
                     await between()
             step_p50, step_p90 = summary(step_times)
             echo_p50, _ = summary(echo_times)
+            local_p50 = summary(local_times)[0] if local_times else None
             size = request.ByteSize()
             in_proc = summary(mirror_times)[0]
-            rows.append((name, size, step_p50, step_p90, echo_p50, in_proc))
+            rows.append((name, size, step_p50, step_p90, echo_p50, in_proc, local_p50))
             print(f"  {name}: step {step_p50:.3f} ms, echo {echo_p50:.3f} ms", file=sys.stderr)
 
         prompt_len = 33  # 3 pages; the 34th token's slot is in the third page
@@ -464,6 +489,8 @@ async def run(samples: int, workdir: Path) -> list[tuple[str, float, float, floa
             process.terminate()
         for process in processes:
             process.wait(10)
+        if local is not None:
+            local.close()
     return rows
 
 
@@ -471,6 +498,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=200)
     parser.add_argument("--quick", action="store_true", help="40 samples per row")
+    parser.add_argument(
+        "--no-local", action="store_true", help="leave out the same-node socket column"
+    )
     parser.add_argument("--echo-server", metavar="PORT_FILE", help=argparse.SUPPRESS)
     ns = parser.parse_args()
     if ns.echo_server:
@@ -478,21 +508,25 @@ def main() -> int:
         return 0
     samples = 40 if ns.quick else ns.samples
     with tempfile.TemporaryDirectory(prefix="pk-bench-") as tmp:
-        rows = asyncio.run(run(samples, Path(tmp)))
+        rows = asyncio.run(run(samples, Path(tmp), not ns.no_local))
     print(f"Step round trip vs bare grpc.aio echo of the same request bytes ({samples} samples)")
     print(
         f"{'row':<22} {'req KB':>6} {'step p50':>9} {'step p90':>9} {'echo p50':>9} "
-        f"{'ratio':>6} {'in-proc':>9} {'transport':>9}"
+        f"{'ratio':>6} {'in-proc':>9} {'transport':>9} {'local p50':>9} {'ratio':>6}"
     )
-    for name, size, p50, p90, echo_p50, in_proc in rows:
+    for name, size, p50, p90, echo_p50, in_proc, local_p50 in rows:
+        local_cols = (
+            f" {local_p50:>7.3f}ms {local_p50 / echo_p50:>6.2f}" if local_p50 is not None else ""
+        )
         print(
             f"{name:<22} {size / 1024:>6.1f} {p50:>7.3f}ms {p90:>7.3f}ms {echo_p50:>7.3f}ms "
-            f"{p50 / echo_p50:>6.2f} {in_proc:>7.3f}ms {p50 - in_proc:>7.3f}ms"
+            f"{p50 / echo_p50:>6.2f} {in_proc:>7.3f}ms {p50 - in_proc:>7.3f}ms{local_cols}"
         )
     print(
         "ratio = step p50 / echo p50 (goal <= 1.5); in-proc = the server's own work per Step "
         "(parse, convert, apply, convert, serialize) measured on an identical in-process "
-        "state; transport = step p50 - in-proc."
+        "state; transport = step p50 - in-proc; local p50 = the same steps over the "
+        "same-node socket, its ratio against the same gRPC echo."
     )
     return 0
 
