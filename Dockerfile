@@ -72,11 +72,14 @@ RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
 RUN groupadd --system --gid 10001 pagekeeper \
     && useradd --system --uid 10001 --gid pagekeeper --no-create-home \
         --home-dir /var/lib/pagekeeper --shell /usr/sbin/nologin pagekeeper \
-    && install -d -o pagekeeper -g pagekeeper -m 0750 /var/lib/pagekeeper
+    && install -d -o pagekeeper -g pagekeeper -m 0750 /var/lib/pagekeeper \
+    && install -d -o pagekeeper -g pagekeeper -m 0750 /run/pagekeeper
 
 # Listen on every interface inside the container (compose publishes the ports it wants);
 # durable state under /var/lib/pagekeeper (a named volume in docker-compose.yml: a new volume
-# starts with this directory's owner, so the non-root service can write it).
+# starts with this directory's owner, so the non-root service can write it); /run/pagekeeper
+# is where compose puts the same-node socket (PAGEKEEPER_LOCAL_SOCKET, a volume shared with
+# the scheduler's container), created the same way.
 ENV PAGEKEEPER_GRPC_ADDRESS=0.0.0.0:50051 \
     PAGEKEEPER_HTTP_ADDRESS=0.0.0.0:8000 \
     PAGEKEEPER_DATA_DIR=/var/lib/pagekeeper

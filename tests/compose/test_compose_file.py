@@ -163,7 +163,7 @@ def test_gpu_profile_reserves_nvidia_devices_and_picks_one_each(compose: Compose
 
 def test_durable_state_lives_on_a_named_volume(compose: ComposeFile) -> None:
     service = compose.services["pagekeeper"]
-    (mount,) = service.mounts
+    (mount,) = [m for m in service.mounts if m.source == "pagekeeper-data"]
     assert mount.is_named_volume and mount.source in compose.volumes
     assert service.environment["PAGEKEEPER_DATA_DIR"] == mount.target
     # The image creates (and gives the non-root user) that directory, so a new volume
@@ -171,6 +171,21 @@ def test_durable_state_lives_on_a_named_volume(compose: ComposeFile) -> None:
     image = parse_dockerfile(ROOT / "Dockerfile").stage("service").config
     assert image.env["PAGEKEEPER_DATA_DIR"] == mount.target
     assert image.workdir == mount.target
+
+
+def test_the_scheduler_reaches_the_same_node_socket(compose: ComposeFile) -> None:
+    """The service's local socket lies on a volume the scheduler mounts at the same path
+    (the path the service advertises), created by the image for the non-root user."""
+    service, scheduler = compose.services["pagekeeper"], compose.services["scheduler"]
+    path = service.environment["PAGEKEEPER_LOCAL_SOCKET"]
+    assert path is not None
+    directory = path.rsplit("/", 1)[0]
+    (served,) = [m for m in service.mounts if m.target == directory]
+    (shared,) = [m for m in scheduler.mounts if m.target == directory]
+    assert served.is_named_volume and served.source == shared.source in compose.volumes
+    assert "install -d -o pagekeeper -g pagekeeper -m 0750 " + directory in (
+        ROOT / "Dockerfile"
+    ).read_text()
 
 
 def test_the_service_environment_is_configuration_the_service_reads(

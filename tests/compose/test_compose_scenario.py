@@ -125,6 +125,8 @@ def test_compose_stack_runs_the_scenario_and_leaves_nothing_behind(tmp_path: Pat
     assert scheduler["steps"] == NUM_STEPS
     assert scheduler["published"] == NUM_STEPS
     assert scheduler["worker_failures"] == []
+    # Its steps went over the service's same-node socket (a volume both mount).
+    assert scheduler["transport"] == "local"
     num_rows = round(scheduler["mean_batch"] * scheduler["steps"])
     results = {name: _read_json(summaries / f"{name}.json") for name in WORKERS}
     for name, result in results.items():

@@ -95,6 +95,7 @@ class Summary:
     published: int = 0
     worker_failures: list[dict[str, Any]] = field(default_factory=list)
     prefix_hit_rate: float = 0.0
+    transport: str = "grpc"
 
     def as_dict(self) -> dict[str, Any]:
         steps = max(self.steps, 1)
@@ -119,6 +120,7 @@ class Summary:
             "step_ms_p50": 1e3 * times[len(times) // 2],
             "step_ms_p99": 1e3 * times[min(len(times) - 1, int(len(times) * 0.99))],
             "prefix_hit_rate": self.prefix_hit_rate,
+            "transport": self.transport,
             "worker_failures": self.worker_failures,
         }
 
@@ -387,10 +389,13 @@ def main(argv: list[str] | None = None) -> int:
         registration = client.register("scheduler", name=f"example-scheduler:{os.getpid()}")
         scheduler = ExampleScheduler(client, args, stop)
         log.info(
-            "registered %s; pool of %d pages, page sizes %s",
+            "registered %s; pool of %d pages, page sizes %s; steps over %s",
             registration.client_id,
             registration.pool.num_pages,
             list(registration.pool.page_sizes),
+            f"the same-node socket {registration.local_socket}"
+            if client.transport == "local"
+            else "gRPC",
         )
         if args.feed_address:
             feed = FeedServer(args.feed_address)
@@ -415,6 +420,7 @@ def main(argv: list[str] | None = None) -> int:
         summary.sync_steps = client.stats.num_sync_steps
         summary.deferred_answers = client.stats.num_deferred_answers
         summary.ordering_flushes = client.stats.num_ordering_flushes
+        summary.transport = client.transport
         counters = client.pool_info().counters
         summary.prefix_hit_rate = counters.prefix_hit_rate
         if feed is not None:
