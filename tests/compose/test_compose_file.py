@@ -183,9 +183,10 @@ def test_the_scheduler_reaches_the_same_node_socket(compose: ComposeFile) -> Non
     (served,) = [m for m in service.mounts if m.target == directory]
     (shared,) = [m for m in scheduler.mounts if m.target == directory]
     assert served.is_named_volume and served.source == shared.source in compose.volumes
-    assert "install -d -o pagekeeper -g pagekeeper -m 0750 " + directory in (
-        ROOT / "Dockerfile"
-    ).read_text()
+    assert (
+        "install -d -o pagekeeper -g pagekeeper -m 0750 " + directory
+        in (ROOT / "Dockerfile").read_text()
+    )
 
 
 def test_the_service_environment_is_configuration_the_service_reads(
