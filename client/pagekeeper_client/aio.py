@@ -30,6 +30,9 @@ import numpy as np
 from pagekeeper_client._proto.pagekeeper.v1 import pagekeeper_pb2 as pb
 from pagekeeper_client._proto.pagekeeper.v1 import pagekeeper_pb2_grpc as pb_grpc
 from pagekeeper_client.client import (
+    _LOCAL_METHODS,
+    _LOCAL_RETRY_S,
+    _RESPONSES,
     _RETRY_CODES,
     DEFAULT_KEEPALIVE_S,
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -57,13 +60,16 @@ from pagekeeper_client.client import (
 )
 from pagekeeper_client.errors import (
     AlreadyExistsError,
+    DeadlineExceededError,
     FailedPreconditionError,
     NotFoundError,
     NotRegisteredError,
     PagekeeperError,
     PermissionDeniedError,
+    UnavailableError,
     error_from_rpc,
 )
+from pagekeeper_client.local import AsyncLocalChannel
 from pagekeeper_client.ring import RingDescriptor
 from pagekeeper_client.types import (
     Admission,
@@ -122,7 +128,8 @@ class AsyncEventStream:
 
 class AsyncPagekeeperClient:
     """Asyncio client of a pagekeeper service; see :class:`PagekeeperClient` for every
-    method's contract (the names and arguments are the same, the calls are awaited)."""
+    method's contract (the names and arguments are the same, the calls are awaited),
+    ``local_socket`` included (the same-node socket, over asyncio streams)."""
 
     def __init__(
         self,
@@ -137,6 +144,7 @@ class AsyncPagekeeperClient:
         options: Sequence[tuple[str, Any]] = (),
         defer_page_ids: bool = False,
         hold_decodes: bool = True,
+        local_socket: str | None = "auto",
     ) -> None:
         self.address = resolve_address(address)
         self._token = token if token is not None else os.environ.get(TOKEN_ENV) or None
@@ -166,12 +174,68 @@ class AsyncPagekeeperClient:
         self._step_lock = asyncio.Lock()
         self.lease_error: PagekeeperError | None = None
         self._is_closed = False
+        # The same-node socket, as PagekeeperClient uses it (see its ``local_socket``).
+        if local_socket not in (None, "", "auto") and not isinstance(local_socket, str):
+            raise TypeError("local_socket must be 'auto', a path or None")
+        self._local_mode = (
+            None if (interceptors and local_socket == "auto") else local_socket or None
+        )
+        self._local_path = "" if local_socket in (None, "", "auto") else str(local_socket)
+        self._local: AsyncLocalChannel | None = None
+        self._local_retry_at = 0.0
+        self._max_message_bytes = max_message_bytes
+
+    # -- the same-node socket -------------------------------------------------------------
+    @property
+    def transport(self) -> str:
+        """``"local"`` while steps go over the service's same-node socket, else ``"grpc"``."""
+        local = self._local
+        return "local" if local is not None and local.is_open else "grpc"
+
+    async def _connect_local(self, *, required: bool) -> None:
+        path = self._local_path
+        if not path or self._is_closed:
+            return
+        try:
+            channel = await AsyncLocalChannel.connect(
+                path,
+                token=self._token,
+                timeout=self.timeout,
+                max_message_bytes=self._max_message_bytes,
+            )
+        except PagekeeperError as exc:
+            if required:
+                raise
+            log.info("staying on gRPC: %s", exc)
+            self._local_retry_at = time.monotonic() + _LOCAL_RETRY_S
+            return
+        old, self._local = self._local, channel
+        if old is not None:
+            old.close()
+
+    async def _local_channel(self, method: str) -> AsyncLocalChannel | None:
+        if method not in _LOCAL_METHODS:
+            return None
+        local = self._local
+        if local is not None and local.is_open:
+            return local
+        if self._local_path and time.monotonic() >= self._local_retry_at:
+            self._local_retry_at = time.monotonic() + _LOCAL_RETRY_S
+            await self._connect_local(required=False)
+            local = self._local
+            if local is not None and local.is_open:
+                return local
+        return None
 
     # -- plumbing -----------------------------------------------------------------------
     async def _call(self, method: str, request: Any) -> Any:
         stats = self.stats
         stats.num_rpcs += 1
         stats.by_method[method] = stats.by_method.get(method, 0) + 1
+        local = await self._local_channel(method)
+        if local is not None:
+            stats.num_local_calls += 1
+            return await local.call(method, request, _RESPONSES[method], self.timeout)
         try:
             return await getattr(self._stub, method)(
                 request, metadata=self._metadata, timeout=self.timeout
@@ -224,6 +288,9 @@ class AsyncPagekeeperClient:
         self._accept_registration(registration)
         if role is ClientRole.SCHEDULER:
             self._state = SchedulerState(registration.pool, hold_decodes=self.hold_decodes)
+        if self._local_mode == "auto":
+            self._local_path = registration.local_socket
+        await self._connect_local(required=self._local_mode not in (None, "auto"))
         if renew:
             self._heartbeat_task = asyncio.create_task(
                 self._heartbeat_loop(), name="pagekeeper-lease"
@@ -304,6 +371,9 @@ class AsyncPagekeeperClient:
         )
         fresh = registration_from_pb(await self._call("RegisterClient", request))
         self._accept_registration(fresh)
+        if self._local_mode == "auto" and fresh.local_socket != self._local_path:
+            self._local_path = fresh.local_socket
+            await self._connect_local(required=False)
         self.stats.num_reregistrations += 1
         return fresh
 
@@ -608,13 +678,20 @@ class AsyncPagekeeperClient:
             stats.num_rpcs += 1
             stats.by_method["Step"] = stats.by_method.get("Step", 0) + 1
             try:
+                local = await self._local_channel("Step")
+                if local is not None:
+                    stats.num_local_calls += 1
+                    return await local.call("Step", request, pb.StepResponse, self.timeout)  # type: ignore[no-any-return]
                 response: pb.StepResponse = await self._stub.Step(
                     request, metadata=self._metadata, timeout=self.timeout
                 )
                 return response
-            except grpc.RpcError as exc:
-                error = error_from_rpc(exc, "Step")
-                if exc.code() not in _RETRY_CODES or self._is_closed:
+            except (grpc.RpcError, UnavailableError, DeadlineExceededError) as exc:
+                if isinstance(exc, grpc.RpcError):
+                    error = error_from_rpc(exc, "Step")
+                else:
+                    error = exc  # the same-node socket broke (it is closed now)
+                if error.code not in _RETRY_CODES or self._is_closed:
                     raise error from None
                 if time.monotonic() + delay > deadline:
                     raise error from None
@@ -663,6 +740,9 @@ class AsyncPagekeeperClient:
             except PagekeeperError as exc:
                 log.info("unregister on close failed: %s", exc)
         self._is_closed = True
+        local, self._local = self._local, None
+        if local is not None:
+            local.close()
         await self._channel.close()
 
     async def __aenter__(self) -> AsyncPagekeeperClient:

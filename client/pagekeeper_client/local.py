@@ -27,6 +27,7 @@ resynchronise), and no streams (``WatchEvents`` and ``WatchTables`` stay on gRPC
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import struct
 import threading
@@ -42,7 +43,15 @@ from pagekeeper_client.errors import (
     status_code,
 )
 
-__all__ = ["HEADER", "HELLO", "MAGIC", "METHODS", "METHOD_NUMBERS", "LocalChannel"]
+__all__ = [
+    "HEADER",
+    "HELLO",
+    "MAGIC",
+    "METHODS",
+    "METHOD_NUMBERS",
+    "AsyncLocalChannel",
+    "LocalChannel",
+]
 
 HEADER = struct.Struct("<IB")
 """A frame's header: payload length, then the method number (requests) or status (answers)."""
@@ -114,12 +123,7 @@ class LocalChannel:
             sock.close()
 
     def _roundtrip(self, number: int, payload: bytes, method: str, timeout: float) -> memoryview:
-        if len(payload) > self.max_message_bytes:
-            raise ResourceExhaustedError(
-                f"request of {len(payload)} bytes exceeds max_message_bytes "
-                f"{self.max_message_bytes}",
-                method=method,
-            )
+        _check_size(payload, self.max_message_bytes, method)
         with self._lock:
             sock = self._sock
             if sock is None:
@@ -143,10 +147,7 @@ class LocalChannel:
                 return body
             if number == HELLO:
                 self._drop()  # the service closes it too
-            error: PagekeeperError = error_from_status(
-                status_code(status), bytes(body).decode(errors="replace"), method
-            )
-            raise error
+            raise _error(status, body, method)
 
     def _receive(self, sock: socket.socket) -> tuple[int, memoryview]:
         """Read one answer frame. The body is a view of the channel's buffer, valid until
@@ -169,6 +170,102 @@ class LocalChannel:
                     view = memoryview(buf)
         length, status = HEADER.unpack_from(buf)
         return status, view[size : size + length]
+
+
+def _error(status: int, body: bytes | memoryview, method: str) -> PagekeeperError:
+    return error_from_status(status_code(status), bytes(body).decode(errors="replace"), method)
+
+
+def _check_size(payload: bytes, limit: int, method: str) -> None:
+    if len(payload) > limit:
+        raise ResourceExhaustedError(
+            f"request of {len(payload)} bytes exceeds max_message_bytes {limit}", method=method
+        )
+
+
+class AsyncLocalChannel:
+    """The asyncio twin of :class:`LocalChannel` (``await AsyncLocalChannel.connect(...)``);
+    calls on one channel take turns."""
+
+    def __init__(
+        self,
+        path: str,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        max_message_bytes: int,
+    ) -> None:
+        self.path = path
+        self.max_message_bytes = max_message_bytes
+        self.server_version = ""
+        self._reader = reader
+        self._writer: asyncio.StreamWriter | None = writer
+        self._lock = asyncio.Lock()
+
+    @classmethod
+    async def connect(
+        cls,
+        path: str,
+        *,
+        token: str | None = None,
+        timeout: float = 30.0,
+        max_message_bytes: int = 64 * 1024 * 1024,
+    ) -> AsyncLocalChannel:
+        try:
+            async with asyncio.timeout(timeout):
+                reader, writer = await asyncio.open_unix_connection(
+                    path, limit=max_message_bytes + HEADER.size
+                )
+        except (OSError, TimeoutError) as exc:
+            raise UnavailableError(
+                f"cannot connect to the local socket {path}: {exc or 'timed out'}",
+                method="local",
+            ) from None
+        channel = cls(path, reader, writer, max_message_bytes)
+        hello = MAGIC + (token or "").encode()
+        channel.server_version = (await channel._roundtrip(HELLO, hello, "hello", timeout)).decode()
+        return channel
+
+    @property
+    def is_open(self) -> bool:
+        return self._writer is not None
+
+    async def call(self, method: str, request: Any, response_class: Any, timeout: float) -> Any:
+        payload = request.SerializeToString()
+        body = await self._roundtrip(METHOD_NUMBERS[method], payload, method, timeout)
+        return response_class.FromString(body)
+
+    def close(self) -> None:
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.close()
+
+    async def _roundtrip(self, number: int, payload: bytes, method: str, timeout: float) -> bytes:
+        _check_size(payload, self.max_message_bytes, method)
+        async with self._lock:
+            writer = self._writer
+            if writer is None:
+                raise UnavailableError("the local connection is closed", method=method)
+            try:
+                async with asyncio.timeout(timeout):
+                    writer.writelines((HEADER.pack(len(payload), number), payload))
+                    header = await self._reader.readexactly(HEADER.size)
+                    length, status = HEADER.unpack(header)
+                    body = await self._reader.readexactly(length)
+            except TimeoutError:
+                self.close()
+                raise DeadlineExceededError(
+                    f"no answer on the local socket within {timeout:g} s", method=method
+                ) from None
+            except (OSError, asyncio.IncompleteReadError) as exc:
+                self.close()
+                raise UnavailableError(
+                    f"the local connection broke: {exc or type(exc).__name__}", method=method
+                ) from None
+            if status == 0:
+                return body
+            if number == HELLO:
+                self.close()
+            raise _error(status, body, method)
 
 
 def _send(sock: socket.socket, header: bytes, payload: bytes) -> None:

@@ -372,3 +372,66 @@ def test_bad_path_is_one_config_line():
     assert proc.returncode != 0
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "server.local_socket" in lines[0] and "107" in lines[0]
+
+
+def test_async_client_steps_over_the_socket_and_matches_the_sync_one(server_factory, sockdir):
+    """The asyncio client on the same socket gives the answers the sync client gives (two
+    servers, the same session)."""
+    import asyncio
+
+    from pagekeeper_client import AsyncPagekeeperClient
+
+    flags = ("--num-pages", "256", "--max-model-len", "2048", "--durability", "none")
+    first = server_factory(*flags, "--local-socket", str(sockdir / "a.sock"))
+    second = server_factory(*flags, "--local-socket", str(sockdir / "b.sock"))
+
+    def session(admit, decodes, step, lookup):
+        rng = np.random.default_rng(11)
+        ids = [f"as-{i}" for i in range(4)]
+        out = []
+        for i, rid in enumerate(ids):
+            out.append(admit(rid, rng.integers(0, 9_000, 30 + 9 * i).tolist()))
+        for _ in range(20):
+            out.append(sorted(decodes(ids, rng.integers(0, 9_000, 4).tolist())))
+            out.append(step(ids))
+        out.append(lookup)
+        return ids, out
+
+    sync_client = PagekeeperClient(first.grpc_address)
+    sync_client.register("scheduler", name="same")
+    ids, sync_out = session(
+        lambda r, t: sync_client.admit(r, t).num_cached_tokens,
+        sync_client.allocate_decodes,
+        lambda ids: repr(sync_client.step(batch=ids)),
+        None,
+    )
+    sync_pages = [[p.tolist() for p in sync_client.page_ids(r)] for r in ids]
+    assert sync_client.transport == "local"
+    sync_client.close()
+
+    async def main() -> tuple[list[object], list[object], int]:
+        async with AsyncPagekeeperClient(second.grpc_address) as client:
+            await client.register("scheduler", name="same")
+            assert client.transport == "local"
+            loop_out: list[object] = []
+            rng = np.random.default_rng(11)
+            names = [f"as-{i}" for i in range(4)]
+            for i, rid in enumerate(names):
+                got = await client.admit(rid, rng.integers(0, 9_000, 30 + 9 * i).tolist())
+                loop_out.append(got.num_cached_tokens)
+            for _ in range(20):
+                crossing = await client.allocate_decodes(names, rng.integers(0, 9_000, 4).tolist())
+                loop_out.append(sorted(crossing))
+                loop_out.append(repr(await client.step(batch=names)))
+            loop_out.append(None)
+            pages = [[p.tolist() for p in client.page_ids(r)] for r in names]
+            # The broken socket: the step is resent over a new connection.
+            assert client._local is not None
+            client._local._writer.transport.abort()  # type: ignore[union-attr]
+            await client.admit("as-x", list(range(40)))
+            return loop_out, pages, client.stats.num_retries
+
+    async_out, async_pages, retries = asyncio.run(main())
+    assert async_out == sync_out
+    assert async_pages == sync_pages
+    assert retries == 1
