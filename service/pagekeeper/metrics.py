@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -93,7 +93,8 @@ class Metrics:
         self.registry.register(StateCollector(state))
         self.rpc_seconds = Histogram(
             "pagekeeper_rpc_duration_seconds",
-            "gRPC call latency inside the server, by method and status code.",
+            "Unary call latency inside the server (gRPC or the same-node socket), by method "
+            "and status code.",
             ["method", "code"],
             buckets=_BUCKETS,
             registry=self.registry,
@@ -103,6 +104,11 @@ class Metrics:
             "HTTP request latency inside the server, by route and status.",
             ["method", "route", "status"],
             buckets=_BUCKETS,
+            registry=self.registry,
+        )
+        self.local_connections = Gauge(
+            "pagekeeper_local_connections",
+            "Open connections on the same-node socket (0 when it is off).",
             registry=self.registry,
         )
         self.step_apply_seconds = Histogram(

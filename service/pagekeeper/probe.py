@@ -5,8 +5,11 @@ run. It checks, each within ``--timeout`` seconds:
 
 1. gRPC: ``grpc.health.v1.Health/Check`` of ``pagekeeper.v1.PagekeeperService`` answers
    ``SERVING`` (health checks need no token: the server exempts them);
-2. HTTP: ``GET /readyz`` answers 200 (the pool exists and both servers listen);
-3. optionally, ``GET /v1/clients`` lists a live client named ``NAME`` (``--expect-client``,
+2. the same-node socket, when the service has one (``server.local_socket``): a connection
+   opens (with the token, if one is set) and answers ``GetPoolInfo`` (``--no-local`` skips it;
+   a worker's container, which does not mount the socket, has nothing configured to check);
+3. HTTP: ``GET /readyz`` answers 200 (the pool exists and both servers listen);
+4. optionally, ``GET /v1/clients`` lists a live client named ``NAME`` (``--expect-client``,
    repeatable) or at least one client of a role (``--expect-role``): how a worker's
    container tells that *its* worker registered.
 
@@ -66,6 +69,8 @@ class ProbeTargets:
     http_address: str | None
     """``HOST:PORT`` or ``unix:PATH``; None skips the HTTP checks."""
     token: str | None = None
+    local_socket: str | None = None
+    """The same-node socket's path; None skips its check."""
     expect_clients: tuple[str, ...] = ()
     expect_roles: tuple[str, ...] = ()
     timeout_s: float = DEFAULT_TIMEOUT_S
@@ -151,6 +156,28 @@ def http_get(
         conn.close()
 
 
+def check_local(path: str, timeout_s: float, token: str | None) -> CheckResult:
+    """The same-node socket accepts a connection and answers ``GetPoolInfo``."""
+    from pagekeeper_client._proto.pagekeeper.v1 import pagekeeper_pb2 as pb
+    from pagekeeper_client.errors import PagekeeperError
+    from pagekeeper_client.local import LocalChannel
+
+    name = f"local socket {path}"
+    started = time.perf_counter()
+    try:
+        channel = LocalChannel(path, token=token, timeout=timeout_s)
+        try:
+            info = channel.call(
+                "GetPoolInfo", pb.GetPoolInfoRequest(), pb.GetPoolInfoResponse, timeout_s
+            )
+        finally:
+            channel.close()
+    except PagekeeperError as exc:
+        return CheckResult(name, False, exc.reason, time.perf_counter() - started)
+    detail = f"answers (server {info.server_version}, {info.counters.num_free_pages} free pages)"
+    return CheckResult(name, True, detail, time.perf_counter() - started)
+
+
 def check_ready(address: str, timeout_s: float) -> CheckResult:
     """``GET /readyz`` must answer 200."""
     name = f"http {address} /readyz"
@@ -205,6 +232,10 @@ def run_checks(targets: ProbeTargets) -> list[CheckResult]:
     results: list[CheckResult] = []
     if targets.grpc_address is not None:
         results.append(check_grpc(connect_address(targets.grpc_address), targets.timeout_s))
+        if not results[-1].is_ok:
+            return results
+    if targets.local_socket is not None:
+        results.append(check_local(targets.local_socket, targets.timeout_s, targets.token))
         if not results[-1].is_ok:
             return results
     if targets.http_address is not None:
@@ -268,6 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--no-grpc", action="store_true", help="skip the gRPC health check")
     parser.add_argument("--no-http", action="store_true", help="skip the HTTP checks")
+    parser.add_argument("--no-local", action="store_true", help="skip the same-node socket check")
     parser.add_argument(
         "--expect-client",
         action="append",
@@ -318,6 +350,7 @@ def targets_from_args(
         grpc_address=None if ns.no_grpc else settings.grpc_address,
         http_address=None if ns.no_http else settings.http_address,
         token=settings.token,
+        local_socket=None if ns.no_local else settings.local_socket,
         expect_clients=tuple(ns.expect_client),
         expect_roles=tuple(ns.expect_role),
         timeout_s=ns.timeout,

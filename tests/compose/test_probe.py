@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -78,6 +80,33 @@ def test_http_over_a_unix_socket(
     result = probe("--grpc-address", server.grpc_address, "--http-address", f"unix:{sock}")
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"http unix:{sock} /readyz: 200" in result.stdout
+
+
+def test_the_same_node_socket_is_checked_when_configured(
+    server_factory: Callable[..., RunningServer],
+) -> None:
+    sockdir = Path(tempfile.mkdtemp(prefix="pk-probe-"))
+    try:
+        path = sockdir / "step.sock"
+        server = server_factory("--local-socket", str(path), token=TOKEN)
+        env = {
+            "PAGEKEEPER_GRPC_ADDRESS": server.grpc_address,
+            "PAGEKEEPER_HTTP_ADDRESS": server.http_address,
+            "PAGEKEEPER_LOCAL_SOCKET": str(path),
+            "PAGEKEEPER_TOKEN": TOKEN,
+        }
+        result = probe(env=env)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert f"ok local socket {path}: answers" in result.stdout
+        # A wrong token is refused at the hello; a socket that is gone is unhealthy.
+        wrong = probe(env={**env, "PAGEKEEPER_TOKEN": "not-it"})
+        assert wrong.returncode == 1 and "wrong bearer token" in wrong.stdout
+        path.unlink()
+        gone = probe(env=env)
+        assert gone.returncode == 1 and f"FAIL local socket {path}" in gone.stdout
+        assert probe("--no-local", env=env).returncode == 0
+    finally:
+        shutil.rmtree(sockdir, ignore_errors=True)
 
 
 def test_wait_until_the_service_comes_up(

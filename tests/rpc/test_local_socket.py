@@ -337,6 +337,8 @@ def test_metrics_count_local_calls(local_server):
         and 'code="OK"' in ln
     )
     assert float(line.rsplit(" ", 1)[1]) >= 3
+    gauge = next(ln for ln in text.splitlines() if ln.startswith("pagekeeper_local_connections "))
+    assert float(gauge.rsplit(" ", 1)[1]) == 1  # this client's connection
     client.close()
 
 

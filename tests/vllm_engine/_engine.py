@@ -238,6 +238,8 @@ def run_engine(
                 k: getattr(pk.stats, k) for k in pk.stats.__slots__ if k != "rpcs_at_start"
             }
             result.manager_stats["by_method"] = dict(pk.client.stats.by_method)
+            result.manager_stats["num_local_calls"] = pk.client.stats.num_local_calls
+            result.manager_stats["transport"] = pk.client.transport
         for _ in range(replays):
             if not llm.reset_prefix_cache():
                 raise AssertionError("reset_prefix_cache refused between passes")

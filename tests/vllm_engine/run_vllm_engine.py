@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import statistics
 import subprocess
@@ -60,6 +61,12 @@ class Case:
     kernel_block_size: int
     """The engine's block size in run b (its attention kernel's block)."""
     enable_prefix_caching: bool
+
+    @property
+    def local_socket(self) -> bool:
+        """Whether the service also listens on its same-node socket (the scheduler then
+        steps over it): the caching-on cases do, the others stay on gRPC."""
+        return self.enable_prefix_caching
 
     @property
     def ratio(self) -> int:
@@ -149,6 +156,11 @@ def pagekeeper_service(case: Case, workdir: Path) -> Iterator[str]:
         "--log-level",
         "warning",
     ]
+    sockdir = None
+    if case.local_socket:
+        # A short directory: a unix socket path holds at most 107 bytes.
+        sockdir = tempfile.mkdtemp(prefix="pk-vllm-")
+        command += ["--local-socket", os.path.join(sockdir, "step.sock")]
     env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEKEEPER_")}
     env["PAGEKEEPER_DATA_DIR"] = str(workdir / "data")
     log_path = workdir / "service.log"
@@ -172,6 +184,8 @@ def pagekeeper_service(case: Case, workdir: Path) -> Iterator[str]:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait(5)
+        if sockdir is not None:
+            shutil.rmtree(sockdir, ignore_errors=True)
 
 
 # -- comparison ------------------------------------------------------------------------------
@@ -224,6 +238,10 @@ def run_case(case: Case, model_dir: str, workdir: Path) -> dict[str, Any]:
             address=address,
         )
     problems = compare(a, b)
+    transport = b.manager_stats.get("transport")
+    expected = "local" if case.local_socket else "grpc"
+    if transport != expected:
+        problems.append(f"the scheduler stepped over {transport}, not {expected}")
     return {
         "case": asdict(case),
         "problems": problems,

@@ -188,6 +188,7 @@ class LocalServer:
         self.max_frame_bytes = runtime.settings.max_message_bytes
         self.rpc_seconds = runtime.metrics.rpc_seconds
         self.connections: set[_Connection] = set()
+        runtime.metrics.local_connections.set_function(lambda: len(self.connections))
         self.path: str | None = None
         self._server: asyncio.AbstractServer | None = None
 
