@@ -29,6 +29,10 @@ pagekeeper rows (``PagekeeperClient`` + ``pagekeeper serve`` subprocess on loopb
   bound and its page ids come with the step: 1 + admissions round trips.
 * ``empty step``: a bare ``Step`` round trip (the transport floor).
 
+``--local``: the service also listens on its same-node socket, and every mode runs twice in
+the same run, over gRPC and over the socket (``PagekeeperClient``'s default when the
+service advertises one), each with its own workload, all interleaved with vLLM.
+
 vLLM runs in a subprocess of its side virtualenv (``/opt/vllm-anchor``, see
 shared/VLLM_ANCHOR.md) driven over a pipe, one step per request, interleaved A B B A with
 the pagekeeper samples so machine drift hits both alike. Medians; ratio = vLLM / pagekeeper
@@ -39,7 +43,7 @@ before it is answered) unless ``--durability none`` is given (no journal, like v
 in-process manager).
 
     .venv/bin/python bench/bench_e2e_step.py [--steps 60] [--with-hashing] [--no-vllm]
-                                             [--durability none|process|fsync]
+                                             [--durability none|process|fsync] [--local]
 """
 
 from __future__ import annotations
@@ -509,7 +513,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{PAGE}; medians of {args.steps} interleaved steps; service durability: "
         f"{args.durability or 'default (process)'}; "
         + (
-            "steps over the same-node socket (`--local-socket`).\n"
+            "each mode over gRPC (TCP loopback) and over the same-node socket "
+            "(`--local-socket`), interleaved.\n"
             if args.local
             else f"gRPC over {'a unix socket' if args.unix else 'TCP loopback'}.\n"
         )
