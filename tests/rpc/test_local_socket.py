@@ -17,6 +17,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -437,3 +438,34 @@ def test_async_client_steps_over_the_socket_and_matches_the_sync_one(server_fact
     assert async_out == sync_out
     assert async_pages == sync_pages
     assert retries == 1
+
+
+def test_many_pipelined_calls_are_all_answered_in_order(local_server):
+    """A peer that writes far ahead of reading is paused (flow control), not buffered without
+    bound, and every call is still answered, in order."""
+    import threading
+
+    raw = Raw(local_server.info["local_socket"])
+    raw.hello()
+    count = 5000  # ~200-byte answers: ~1 MB unread, far past the write buffer's high mark
+    lookup = pb.LookupRequest(token_ids=i32(range(40))).SerializeToString()
+    frames = b"".join(
+        HEADER.pack(0, METHOD_NUMBERS["GetPoolInfo"])
+        if k % 2
+        else HEADER.pack(len(lookup), METHOD_NUMBERS["Lookup"]) + lookup
+        for k in range(count)
+    )
+    sender = threading.Thread(target=raw.sock.sendall, args=(frames,))
+    sender.start()
+    time.sleep(0.5)  # let the service fill its buffer and pause reading
+    for k in range(count):
+        status, body = raw.answer()
+        assert status == 0, (k, body)
+        if k % 2:
+            assert pb.GetPoolInfoResponse.FromString(body).counters.num_free_pages > 0
+        else:
+            assert pb.LookupResponse.FromString(body).num_hit_tokens == 0
+    sender.join(10)
+    assert not sender.is_alive()
+    status, body = raw.call("GetPoolInfo", pb.GetPoolInfoRequest())
+    assert status == 0

@@ -71,6 +71,16 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.connections.discard(self)
 
+    # Flow control: a peer that sends frames without reading the answers stops being read
+    # once its unread answers pass the transport's high-water mark.
+    def pause_writing(self) -> None:
+        if self.transport is not None:
+            self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.transport is not None and not self.closing:
+            self.transport.resume_reading()
+
     def data_received(self, data: bytes) -> None:
         buf = self.buf
         if not buf and len(data) >= HEADER.size:
@@ -92,7 +102,8 @@ class _Connection(asyncio.Protocol):
             end = HEADER.size + length
             if len(buf) < end:
                 return
-            payload = bytes(buf[HEADER.size : end])
+            with memoryview(buf) as view:
+                payload = bytes(view[HEADER.size : end])
             del buf[:end]
             self._frame(code, memoryview(payload))
 
