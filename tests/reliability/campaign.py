@@ -12,7 +12,8 @@ torn as a power loss leaves it), then CRASHES ``kill -9`` of the real service un
 (acknowledged steps present, tables equal to the schedulers' models, no page held twice,
 the workers' reference attention matching through the recovered tables). ``soak``: the load
 test for DURATION seconds. ``fuzz``: INPUTS random and mutated protobuf messages spread over
-every RPC, plus INPUTS damaged log records and snapshots fed to recovery's decoders.
+every RPC (over gRPC, then again in frames on the same-node socket), plus INPUTS damaged log
+records and snapshots fed to recovery's decoders.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
+import shutil
 import sys
 import tempfile
 import time
@@ -97,8 +100,11 @@ def _fuzz(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     from tests.reliability.fuzz import SERVICE, _mutate, run_rpc_fuzz
     from tests.reliability.workload import Workload, new_state
 
+    sockdir = tempfile.mkdtemp(prefix="pk-fuzz-")
     server = launch(
         workdir / "fuzz",
+        "--local-socket",
+        os.path.join(sockdir, "step.sock"),
         "--num-pages",
         "128",
         "--max-model-len",
@@ -120,9 +126,18 @@ def _fuzz(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         )
         per_rpc = max(1, args.inputs // len(SERVICE.methods))
         rpc = run_rpc_fuzz(server, worker, inputs_per_rpc=per_rpc, seed=args.seed, check_every=3)
+        local = run_rpc_fuzz(
+            server,
+            worker,
+            inputs_per_rpc=per_rpc,
+            seed=args.seed + 1,
+            check_every=3,
+            transport="local",
+        )
         assert server.is_running()
     finally:
         server.stop()
+        shutil.rmtree(sockdir, ignore_errors=True)
 
     # Recovery's decoders: damaged records and snapshots are refused as such, never crash.
     rng = np.random.default_rng(args.seed)
@@ -147,6 +162,9 @@ def _fuzz(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "rpc_inputs_tried": rpc["inputs_tried"],
         "rpc_refused": rpc["refused"],
         "rpc_codes": rpc["codes"],
+        "local_inputs_tried": local["inputs_tried"],
+        "local_refused": local["refused"],
+        "local_codes": local["codes"],
         "damaged_records_and_snapshots": args.inputs,
         "damaged_refused": refused,
         "damaged_still_decodable": decoded,

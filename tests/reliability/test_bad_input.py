@@ -12,6 +12,9 @@ with ``--debug-invariants``; schemathesis covers the REST API (tests/rest).
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import grpc
@@ -28,8 +31,11 @@ MAX_MESSAGE = 256 * 1024
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> RunningServer:
+    sockdir = tempfile.mkdtemp(prefix="pk-bad-")  # a unix socket path is short
     running = launch(
         tmp_path_factory.mktemp("bad-input"),
+        "--local-socket",
+        os.path.join(sockdir, "step.sock"),
         "--num-pages",
         "128",
         "--max-model-len",
@@ -50,6 +56,7 @@ def server(tmp_path_factory) -> RunningServer:
     )
     yield running
     running.stop()
+    shutil.rmtree(sockdir, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +78,17 @@ def test_random_and_mutated_bytes_to_every_rpc(server, setup):
     assert figures["refused"] > figures["inputs_tried"] // 2
     assert figures["codes"].get("INVALID_ARGUMENT", 0) > 50
     _record("fuzz_rpc", figures)
+
+
+def test_random_and_mutated_bytes_over_the_local_socket(server, setup):
+    """The same inputs in frames on the same-node socket: the same documented statuses,
+    and nothing changed by a refused one."""
+    _, _, worker = setup
+    figures = run_rpc_fuzz(server, worker, inputs_per_rpc=30, seed=4321, transport="local")
+    assert figures["refused"] > figures["inputs_tried"] // 2
+    assert figures["codes"].get("INVALID_ARGUMENT", 0) > 50
+    assert server.is_running()
+    _record("fuzz_local", figures)
 
 
 def _refused(server, call, request, code, *, match: str = "") -> None:
