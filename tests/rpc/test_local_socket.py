@@ -469,3 +469,61 @@ def test_many_pipelined_calls_are_all_answered_in_order(local_server):
     assert not sender.is_alive()
     status, body = raw.call("GetPoolInfo", pb.GetPoolInfoRequest())
     assert status == 0
+
+
+def test_a_killed_service_restarted_on_the_same_socket_loses_no_acknowledged_step(
+    tmp_path, sockdir
+):
+    """kill -9 the service while a client steps over its socket; restart it on the same
+    data directory, gRPC port and socket path (the dead one's file is stale and replaced).
+    The step in flight is resent with its id until the service is back; the client's pages
+    equal the service's afterwards, and it returns to the socket."""
+    import signal
+    import threading
+
+    path = str(sockdir / "kill.sock")
+    args = ("--local-socket", path, "--durability", "process", "--num-pages", "256")
+    server = launch(tmp_path / "svc", *args)
+    port = server.info["grpc_port"]
+    client = PagekeeperClient(server.grpc_address, retry_s=60)
+    restarted: list = []
+    try:
+        client.register("scheduler", lease_ttl=60)
+        rng = np.random.default_rng(5)
+        ids = [f"k-{i}" for i in range(6)]
+        for rid in ids:
+            client.admit(rid, rng.integers(0, 9_000, 40).tolist())
+        for _ in range(10):
+            client.allocate_decodes(ids, rng.integers(0, 9_000, len(ids)).tolist())
+            client.step(batch=ids)
+        assert client.transport == "local"
+        retries = client.stats.num_retries
+        server.process.send_signal(signal.SIGKILL)
+        server.process.wait(10)
+
+        def restart() -> None:
+            time.sleep(0.5)
+            restarted.append(launch(tmp_path / "svc", *args, "--grpc-address", f"127.0.0.1:{port}"))
+
+        thread = threading.Thread(target=restart)
+        thread.start()
+        for _ in range(5):
+            client.allocate_decodes(ids, rng.integers(0, 9_000, len(ids)).tolist())
+            client.step(batch=ids)  # the first one waits for the restart
+        thread.join(60)
+        assert restarted, "the service did not restart"
+        assert client.stats.num_retries > retries
+        http = restarted[0].http()
+        for rid in ids:
+            served = http.get(f"/v1/requests/{rid}").json()
+            assert served["page_ids"][0] == client.page_ids(rid).tolist()
+        time.sleep(2.1)  # the client retries the socket at most every 2 s
+        client.allocate_decodes(ids, rng.integers(0, 9_000, len(ids)).tolist())
+        client.step(batch=ids)
+        assert client.transport == "local"
+    finally:
+        client.close()
+        for running in restarted:
+            running.stop()
+        if server.process.poll() is None:
+            server.stop()
