@@ -527,3 +527,13 @@ def test_a_killed_service_restarted_on_the_same_socket_loses_no_acknowledged_ste
             running.stop()
         if server.process.poll() is None:
             server.stop()
+
+
+def test_a_missing_directory_is_created_owner_only(server_factory, sockdir):
+    path = sockdir / "made" / "here.sock"
+    server = server_factory("--local-socket", str(path), "--durability", "none")
+    assert server.info["local_socket"] == str(path)
+    assert stat.S_IMODE(os.stat(path.parent).st_mode) == 0o700
+    raw = Raw(str(path))
+    raw.hello("")
+    assert raw.call("GetPoolInfo", pb.GetPoolInfoRequest())[0] == 0

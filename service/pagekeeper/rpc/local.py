@@ -204,8 +204,19 @@ class LocalServer:
         self._server: asyncio.AbstractServer | None = None
 
     async def start(self, path: str) -> str:
-        """Listen on ``path`` (a stale socket file left by a dead service is replaced; a
-        live one is an error: two services must not share a path)."""
+        """Listen on ``path`` (its directory is created, owner-only, if missing; a stale
+        socket file left by a dead service is replaced; a live one is an error: two services
+        must not share a path)."""
+        directory = os.path.dirname(path) or "."
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        mode = os.stat(directory).st_mode
+        if mode & stat.S_IWOTH and not mode & stat.S_ISVTX:
+            log.warning(
+                "the local socket's directory %s is world-writable without the sticky bit: "
+                "another user could replace the socket; prefer a directory only this user "
+                "can write",
+                directory,
+            )
         _clear_stale(path)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
