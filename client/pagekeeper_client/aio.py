@@ -282,6 +282,8 @@ class AsyncPagekeeperClient:
             "kernel_support": kernel_support,
         }
         request = register_request(role, client_id=client_id, **args)
+        if self._local_mode not in (None, "auto"):
+            await self._connect_local(required=True)  # a named socket: before registering
         registration = registration_from_pb(await self._call("RegisterClient", request))
         self._register_args = args
         self._role = role
@@ -290,7 +292,7 @@ class AsyncPagekeeperClient:
             self._state = SchedulerState(registration.pool, hold_decodes=self.hold_decodes)
         if self._local_mode == "auto":
             self._local_path = registration.local_socket
-        await self._connect_local(required=self._local_mode not in (None, "auto"))
+            await self._connect_local(required=False)
         if renew:
             self._heartbeat_task = asyncio.create_task(
                 self._heartbeat_loop(), name="pagekeeper-lease"

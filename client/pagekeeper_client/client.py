@@ -1464,10 +1464,11 @@ class PagekeeperClient:
     runs on the same host (:mod:`pagekeeper_client.local`: the same messages and answers
     over a unix socket, without gRPC's per-call cost). ``"auto"`` (the default) uses the
     socket the service advertises at registration if this process can connect to it, and
-    gRPC otherwise; a path must connect (``register`` raises UnavailableError if not);
-    ``None``: gRPC only (also what ``"auto"`` means when ``interceptors`` are given: they
-    see gRPC calls only). A broken socket falls back to gRPC (a step is resent with the same
-    id, so nothing is applied twice) and is reopened a few seconds later.
+    gRPC otherwise; a path must connect (``register`` raises UnavailableError, before
+    registering, if not); ``None``: gRPC only (also what ``"auto"`` means when
+    ``interceptors`` are given: they see gRPC calls only). A broken socket falls back to
+    gRPC (a step is resent with the same id, so nothing is applied twice) and is reopened a
+    few seconds later.
     """
 
     def __init__(
@@ -1639,6 +1640,8 @@ class PagekeeperClient:
             "kernel_support": kernel_support,
         }
         request = register_request(role, client_id=client_id, **args)
+        if self._local_mode not in (None, "auto"):
+            self._connect_local(required=True)  # a named socket: before registering
         registration = registration_from_pb(self._call("RegisterClient", request))
         with self._lock:
             self._register_args = args
@@ -1648,7 +1651,7 @@ class PagekeeperClient:
                 self._state = SchedulerState(registration.pool, hold_decodes=self.hold_decodes)
         if self._local_mode == "auto":
             self._local_path = registration.local_socket
-        self._connect_local(required=self._local_mode not in (None, "auto"))
+            self._connect_local(required=False)
         if renew:
             self._start_heartbeat()
         return registration

@@ -318,9 +318,13 @@ def test_auto_without_reach_stays_on_grpc_and_a_named_path_must_connect(local_se
     named = PagekeeperClient(
         local_server.grpc_address, token=TOKEN, local_socket=str(sockdir / "missing.sock")
     )
+    before = {c["client_id"] for c in local_server.http().get("/v1/clients").json()}
     with pytest.raises(UnavailableError, match=r"missing\.sock"):
         named.register("scheduler")
-    named.close(unregister=False)
+    named.close()
+    # Refused before registering: no registration left behind.
+    after = {c["client_id"] for c in local_server.http().get("/v1/clients").json()}
+    assert after == before
 
 
 def test_metrics_count_local_calls(local_server):
