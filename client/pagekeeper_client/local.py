@@ -31,6 +31,7 @@ import asyncio
 import socket
 import struct
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from pagekeeper_client._proto.pagekeeper.v1 import pagekeeper_pb2 as pb
@@ -99,7 +100,7 @@ class LocalChannel:
             ) from None
         self._sock: socket.socket | None = sock
         hello = MAGIC + (token or "").encode()
-        self.server_version = bytes(self._roundtrip(HELLO, hello, "hello", timeout)).decode()
+        self.server_version = self._roundtrip(HELLO, hello, "hello", timeout, bytes).decode()
 
     @property
     def is_open(self) -> bool:
@@ -109,8 +110,8 @@ class LocalChannel:
         """One unary call: ``request`` (a message of the method's request type) in, the
         parsed response message out."""
         payload = request.SerializeToString()
-        return response_class.FromString(
-            self._roundtrip(METHOD_NUMBERS[method], payload, method, timeout)
+        return self._roundtrip(
+            METHOD_NUMBERS[method], payload, method, timeout, response_class.FromString
         )
 
     def close(self) -> None:
@@ -122,7 +123,16 @@ class LocalChannel:
         if sock is not None:
             sock.close()
 
-    def _roundtrip(self, number: int, payload: bytes, method: str, timeout: float) -> memoryview:
+    def _roundtrip(
+        self,
+        number: int,
+        payload: bytes,
+        method: str,
+        timeout: float,
+        parse: Callable[[memoryview], Any],
+    ) -> Any:
+        """Send a frame, read the answer and ``parse`` its body under the lock (the body is
+        a view of the channel's buffer, which the next call reuses)."""
         _check_size(payload, self.max_message_bytes, method)
         with self._lock:
             sock = self._sock
@@ -144,14 +154,13 @@ class LocalChannel:
                     f"the local connection broke: {exc or type(exc).__name__}", method=method
                 ) from None
             if status == 0:
-                return body
+                return parse(body)
             if number == HELLO:
                 self._drop()  # the service closes it too
             raise _error(status, body, method)
 
     def _receive(self, sock: socket.socket) -> tuple[int, memoryview]:
-        """Read one answer frame. The body is a view of the channel's buffer, valid until
-        the next call (the caller parses it at once, under the lock)."""
+        """Read one answer frame; its body is a view of the channel's buffer."""
         buf = self._buf
         view = memoryview(buf)
         got = 0

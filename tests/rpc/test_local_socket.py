@@ -541,3 +541,31 @@ def test_a_missing_directory_is_created_owner_only(server_factory, sockdir):
     raw = Raw(str(path))
     raw.hello("")
     assert raw.call("GetPoolInfo", pb.GetPoolInfoRequest())[0] == 0
+
+
+def test_threads_share_one_socket_and_each_gets_its_own_answer(local_server):
+    import threading
+
+    client = PagekeeperClient(local_server.grpc_address, token=TOKEN)
+    client.register("scheduler")
+    prompts = {k: [1000 * k + i for i in range(16 * k)] for k in range(1, 5)}
+    for k, tokens in prompts.items():
+        client.admit(f"th-{k}", tokens + [7])
+    errors: list[str] = []
+
+    def look(k: int) -> None:
+        for _ in range(200):
+            got = client.lookup(prompts[k] + [1])
+            if got.num_hit_tokens != 16 * k or len(got.page_ids[0]) != k:
+                errors.append(f"{k}: {got.num_hit_tokens}")
+
+    threads = [threading.Thread(target=look, args=(k,)) for k in prompts]
+    for t in threads:
+        t.start()
+    for _ in range(50):
+        client.step(batch=[f"th-{k}" for k in prompts])
+    for t in threads:
+        t.join(60)
+    assert not errors, errors[:5]
+    assert client.transport == "local" and client.stats.num_local_calls >= 850
+    client.close()
