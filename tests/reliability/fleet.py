@@ -117,8 +117,13 @@ class SimScheduler:
         max_running: int = 6,
         max_tokens: int = 160,
         metadata: tuple[tuple[str, str], ...] = (),
+        local_socket: str | None = None,
     ) -> None:
+        """``local_socket``: send steps in frames on the service's same-node socket
+        (everything else stays on gRPC)."""
         self.rng = np.random.default_rng(seed)
+        self.local_socket = local_socket
+        self._local: Any = None
         self.counter = counter
         self.name = name
         self.max_running = max_running
@@ -144,6 +149,8 @@ class SimScheduler:
 
     def close(self) -> None:
         self.channel.close()
+        if self._local is not None:
+            self._local.close()
 
     def register(self) -> pb.RegisterClientResponse:
         """Register, or take our id over after a restart (keeps our requests)."""
@@ -202,6 +209,13 @@ class SimScheduler:
         return self.pending
 
     def send(self, pending: Pending) -> pb.StepResponse:
+        if self.local_socket is not None:
+            from pagekeeper_client.local import LocalChannel
+
+            if self._local is None or not self._local.is_open:
+                token = dict(self.metadata).get("authorization", "").removeprefix("Bearer ")
+                self._local = LocalChannel(self.local_socket, token=token or None, timeout=10)
+            return self._local.call("Step", pending.request, pb.StepResponse, 10)  # type: ignore[no-any-return]
         return self.stub.Step(pending.request, metadata=self.metadata, timeout=10)
 
     def acknowledge(self, pending: Pending, reply: pb.StepResponse) -> list[Scheduled]:

@@ -14,6 +14,8 @@ ring file gone.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -32,6 +34,7 @@ NUM_PAGES = 1024
 class LoadResult:
     seconds: float = 0.0
     steps: int = 0
+    steps_over_local_socket: int = 0
     table_reads: int = 0
     step_p50_ms: float = 0.0
     step_p99_ms: float = 0.0
@@ -69,8 +72,13 @@ def run_load(
     seed: int = 0,
     durability: str = "process",
 ) -> LoadResult:
+    # Half the schedulers step over the same-node socket, half over gRPC.
+    sockdir = tempfile.mkdtemp(prefix="pk-load-")
+    local_socket = os.path.join(sockdir, "step.sock")
     server: RunningServer = launch(
         workdir,
+        "--local-socket",
+        local_socket,
         "--num-pages",
         str(NUM_PAGES),
         "--max-model-len",
@@ -101,6 +109,7 @@ def run_load(
             name=f"load{i}",
             max_running=8,
             max_tokens=400,
+            local_socket=local_socket if i % 2 else None,
         )
         for i in range(num_schedulers)
     ]
@@ -164,6 +173,7 @@ def run_load(
             thread.join(30)
         result.seconds = time.monotonic() - started
         result.steps = sum(len(x) for x in latencies)
+        result.steps_over_local_socket = sum(len(x) for x in latencies[1::2])
         result.table_reads = sum(reads)
         all_latencies = np.array([x for lane in latencies for x in lane]) * 1000
         if all_latencies.size:
@@ -201,6 +211,9 @@ def run_load(
             worker.close()
         if server.is_running():
             server.stop()  # SIGTERM: a graceful stop also unlinks the ring
+        if os.path.exists(local_socket):
+            result.errors.append(f"local socket {local_socket} still exists after the stop")
+        shutil.rmtree(sockdir, ignore_errors=True)
     return result
 
 

@@ -16,6 +16,7 @@ def test_load_leaks_nothing(tmp_path):
     result = run_load(tmp_path / "load", duration=6.0, num_schedulers=3, num_workers=2)
     assert result.errors == []
     assert result.steps > 100 and result.table_reads > 10
+    assert result.steps_over_local_socket > 30  # scheduler 1 of 3 steps over the socket
     pages = result.pages_after
     assert pages["num_used_pages"] == 0
     assert pages["num_free_pages"] == pages["num_pages"] - 1
