@@ -51,6 +51,7 @@ from pagekeeper_client.client import (
     event_batch_from_pb,
     extra_keys_to_pb,
     limits_from_pb,
+    local_socket_choice,
     lookup_from_pb,
     pool_from_pb,
     register_request,
@@ -175,12 +176,7 @@ class AsyncPagekeeperClient:
         self.lease_error: PagekeeperError | None = None
         self._is_closed = False
         # The same-node socket, as PagekeeperClient uses it (see its ``local_socket``).
-        if local_socket not in (None, "", "auto") and not isinstance(local_socket, str):
-            raise TypeError("local_socket must be 'auto', a path or None")
-        self._local_mode = (
-            None if (interceptors and local_socket == "auto") else local_socket or None
-        )
-        self._local_path = "" if local_socket in (None, "", "auto") else str(local_socket)
+        self._local_mode, self._local_path = local_socket_choice(local_socket, interceptors)
         self._local: AsyncLocalChannel | None = None
         self._local_retry_at = 0.0
         self._max_message_bytes = max_message_bytes

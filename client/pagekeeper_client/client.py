@@ -140,6 +140,19 @@ _LOCAL_RETRY_S = 2.0
 T = TypeVar("T")
 
 
+def local_socket_choice(
+    local_socket: str | None, interceptors: Sequence[Any]
+) -> tuple[str | None, str]:
+    """A client's ``local_socket`` argument as (mode, path): mode ``"auto"`` (the path comes
+    with the registration), a named path, or None (gRPC only). Interceptors see gRPC calls
+    only, so a client that installs some stays on gRPC unless it names a socket itself."""
+    if local_socket is not None and not isinstance(local_socket, str):
+        raise TypeError("local_socket must be 'auto', a path or None")
+    if not local_socket or (local_socket == "auto" and interceptors):
+        return None, ""
+    return local_socket, "" if local_socket == "auto" else local_socket
+
+
 # ---------------------------------------------------------------------------------------------
 # Channel
 # ---------------------------------------------------------------------------------------------
@@ -1518,14 +1531,7 @@ class PagekeeperClient:
         self.lease_error: PagekeeperError | None = None
         """The last error of the background lease renewal (None while healthy)."""
         self._is_closed = False
-        if local_socket not in (None, "", "auto") and not isinstance(local_socket, str):
-            raise TypeError("local_socket must be 'auto', a path or None")
-        # Interceptors see gRPC calls only: a client that installs some stays on gRPC unless
-        # it names a socket itself.
-        self._local_mode = (
-            None if (interceptors and local_socket == "auto") else local_socket or None
-        )
-        self._local_path = "" if local_socket in (None, "", "auto") else str(local_socket)
+        self._local_mode, self._local_path = local_socket_choice(local_socket, interceptors)
         self._local: LocalChannel | None = None
         self._local_retry_at = 0.0
         self._max_message_bytes = max_message_bytes
