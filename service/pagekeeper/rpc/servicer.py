@@ -44,7 +44,10 @@ _STREAM_RECHECK_S = 1.0
 def _unary(
     method: Callable[[Any, Req, grpc.aio.ServicerContext], Resp],
 ) -> Callable[[Any, Req, grpc.aio.ServicerContext], Any]:
-    """Wrap a synchronous handler body: map domain errors to statuses, time the call."""
+    """Wrap a synchronous handler body: map domain errors to statuses, time the call.
+
+    The same-node socket (:mod:`pagekeeper.rpc.local`) calls the bodies themselves
+    (``__wrapped__``) with ``context=None``: a body must not use its gRPC context."""
     name = method.__name__
 
     @functools.wraps(method)
