@@ -277,7 +277,9 @@ class Server:
                 "--grpc-address", grpc_address,
                 "--http-address", "127.0.0.1:0",
                 "--ready-file", str(ready),
-                "--num-pages", str(POOL_PAGES),
+                # Every pagekeeper side keeps ~16K pages running in the one pool; --local
+                # doubles the sides, so the pool doubles (vLLM's holds one side: 131,072).
+                "--num-pages", str(POOL_PAGES * (2 if local else 1)),
                 "--max-model-len", str(MAX_MODEL_LEN),
                 "--publish-transport", "none",
                 "--lease-ttl-s", "300",
@@ -509,7 +511,8 @@ def main(argv: list[str] | None = None) -> int:
 
     print(
         f"One scheduling step: {RUNNING} decodes + {NEW_PER_STEP} admissions of {PROMPT_LEN} "
-        f"tokens ({PREFIX_LEN} cached) + {NEW_PER_STEP} frees; pool {POOL_PAGES:,} pages of "
+        f"tokens ({PREFIX_LEN} cached) + {NEW_PER_STEP} frees; pool "
+        f"{POOL_PAGES * (2 if args.local else 1):,} pages of "
         f"{PAGE}; medians of {args.steps} interleaved steps; service durability: "
         f"{args.durability or 'default (process)'}; "
         + (
