@@ -172,8 +172,7 @@ async def serve(
         runtime.is_ready = True
         if settings.local_socket:
             local_server = LocalServer(grpc_server.servicer)
-            path = await local_server.start(os.path.abspath(settings.local_socket))
-            grpc_server.servicer.local_socket = path
+            await local_server.start(os.path.abspath(settings.local_socket))
         await grpc_server.set_serving(True)
         info = {
             "pid": os.getpid(),
@@ -181,7 +180,7 @@ async def serve(
             "http_address": http_address,
             "grpc_port": _port(grpc_address),
             "http_port": _port(http_address),
-            "local_socket": grpc_server.servicer.local_socket or None,
+            "local_socket": local_server.path if local_server is not None else None,
         }
         if ready_file:
             write_ready_file(ready_file, info)

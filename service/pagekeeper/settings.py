@@ -107,11 +107,12 @@ class Settings:
             path = self.local_socket
             if not isinstance(path, str) or not path.strip():
                 raise ConfigError("server.local_socket", "must be a socket path when set")
-            if len(os.fsencode(os.path.abspath(path))) > _MAX_UNIX_PATH:
+            size = len(os.fsencode(os.path.abspath(path)))
+            if size > _MAX_UNIX_PATH:
                 raise ConfigError(
                     "server.local_socket",
                     f"the absolute path must be at most {_MAX_UNIX_PATH} bytes (a unix socket "
-                    f"address), got {len(os.fsencode(os.path.abspath(path)))}",
+                    f"address), got {size}",
                 )
         for name in ("token", "admin_token"):
             value = getattr(self, name)

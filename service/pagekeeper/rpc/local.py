@@ -16,7 +16,6 @@ import logging
 import os
 import socket
 import stat
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -24,20 +23,16 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from pagekeeper import __version__
-from pagekeeper.core.errors import PagekeeperError
-from pagekeeper.errors_map import grpc_status
-from pagekeeper.rpc.servicer import PagekeeperServicer
+from pagekeeper.rpc.servicer import PagekeeperServicer, run_unary
 from pagekeeper_client._proto.pagekeeper.v1 import pagekeeper_pb2 as pb
 from pagekeeper_client.local import HEADER, HELLO, MAGIC, METHODS
 
 log = logging.getLogger(__name__)
 
-_CODE_NAMES = {code.value[0]: str(code.name) for code in grpc.StatusCode}
 _OK = grpc.StatusCode.OK.value[0]
 _INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 _RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
 _UNIMPLEMENTED = grpc.StatusCode.UNIMPLEMENTED.value[0]
-_INTERNAL = grpc.StatusCode.INTERNAL.value[0]
 _UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
 _UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED.value[0]
 
@@ -83,14 +78,14 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         buf = self.buf
+        limit = self.server.max_frame_bytes
         if not buf and len(data) >= HEADER.size:
             # The usual case: the whole frame came in one read; parse it in place.
             length, code = HEADER.unpack_from(data)
-            if len(data) == HEADER.size + length:
+            if len(data) == HEADER.size + length and length <= limit:
                 self._frame(code, memoryview(data)[HEADER.size :])
                 return
         buf += data
-        limit = self.server.max_frame_bytes
         while len(buf) >= HEADER.size and not self.closing:
             length, code = HEADER.unpack_from(buf)
             if length > limit:
@@ -111,12 +106,6 @@ class _Connection(asyncio.Protocol):
         if self.closing:
             return
         server = self.server
-        if len(payload) > server.max_frame_bytes:
-            self._fail(
-                _RESOURCE_EXHAUSTED,
-                f"frame of {len(payload)} bytes exceeds max_message_bytes {server.max_frame_bytes}",
-            )
-            return
         if code == HELLO:
             self._hello(bytes(payload))
             return
@@ -131,35 +120,19 @@ class _Connection(asyncio.Protocol):
             self._answer(_UNIMPLEMENTED, f"no unary method number {code}".encode())
             return
         name, request_class, body = handler
-        started = time.perf_counter()
-        status = _OK
         try:
-            try:
-                request = request_class.FromString(payload)
-            except DecodeError as exc:
-                status = _INVALID_ARGUMENT
-                full_name = request_class.DESCRIPTOR.full_name
-                self._answer(
-                    status, f"malformed {full_name} ({len(payload)} bytes): {exc}".encode()
-                )
-                return
-            try:
-                answer = body(server.servicer, request, None).SerializeToString()
-            except PagekeeperError as exc:
-                code_, reason = grpc_status(exc)
-                status = code_.value[0]
-                self._answer(status, reason.encode())
-                return
-            except Exception:
-                status = _INTERNAL
-                log.exception("%s failed (local socket)", name)
-                self._answer(status, f"internal error in {name}".encode())
-                return
-            self._answer(_OK, answer)
-        finally:
-            server.rpc_seconds.labels(name, _CODE_NAMES.get(status, "UNKNOWN")).observe(
-                time.perf_counter() - started
-            )
+            request = request_class.FromString(payload)
+        except DecodeError as exc:
+            # Answered before the handler, as gRPC's parser does (not timed).
+            full_name = request_class.DESCRIPTOR.full_name
+            reason = f"malformed {full_name} ({len(payload)} bytes): {exc}"
+            self._answer(_INVALID_ARGUMENT, reason.encode())
+            return
+        response, status, reason = run_unary(server.servicer, name, body, request, None)
+        if status is grpc.StatusCode.OK:
+            self._answer(_OK, response.SerializeToString())
+        else:
+            self._answer(status.value[0], reason.encode())
 
     def _hello(self, payload: bytes) -> None:
         if not payload.startswith(MAGIC):
@@ -197,7 +170,6 @@ class LocalServer:
         self.handlers = _handlers()
         self.token = runtime.settings.token
         self.max_frame_bytes = runtime.settings.max_message_bytes
-        self.rpc_seconds = runtime.metrics.rpc_seconds
         self.connections: set[_Connection] = set()
         runtime.metrics.local_connections.set_function(lambda: len(self.connections))
         self.path: str | None = None
@@ -231,7 +203,7 @@ class LocalServer:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
             raise
-        self.path = path
+        self.path = self.servicer.local_socket = path  # advertised at registration
         return path
 
     async def stop(self) -> None:

@@ -41,12 +41,36 @@ MAX_EVENTS_PER_MESSAGE = 16384
 _STREAM_RECHECK_S = 1.0
 
 
+def run_unary(
+    servicer: PagekeeperServicer,
+    name: str,
+    body: Callable[[Any, Any, Any], Any],
+    request: Any,
+    context: Any,
+) -> tuple[Any, grpc.StatusCode, str]:
+    """Run a synchronous handler body for either transport (gRPC, the same-node socket):
+    ``(response, OK, "")``, or ``(None, status, reason)`` from the one status table (an
+    unexpected exception is logged and INTERNAL). Times the call by method and status."""
+    started = time.perf_counter()
+    status, reason, response = grpc.StatusCode.OK, "", None
+    try:
+        response = body(servicer, request, context)
+    except PagekeeperError as exc:
+        status, reason = grpc_status(exc)
+    except Exception:
+        status, reason = grpc.StatusCode.INTERNAL, f"internal error in {name}"
+        log.exception("%s failed", name)
+    servicer._rpc_seconds.labels(name, status.name).observe(time.perf_counter() - started)
+    return response, status, reason
+
+
 def _unary(
     method: Callable[[Any, Req, grpc.aio.ServicerContext], Resp],
 ) -> Callable[[Any, Req, grpc.aio.ServicerContext], Any]:
-    """Wrap a synchronous handler body: map domain errors to statuses, time the call.
+    """Wrap a synchronous handler body for gRPC (:func:`run_unary`, then abort with the
+    status if the body failed).
 
-    The same-node socket (:mod:`pagekeeper.rpc.local`) calls the bodies themselves
+    The same-node socket (:mod:`pagekeeper.rpc.local`) runs the bodies themselves
     (``__wrapped__``) with ``context=None``: a body must not use its gRPC context."""
     name = method.__name__
 
@@ -54,22 +78,10 @@ def _unary(
     async def handler(
         self: PagekeeperServicer, request: Req, context: grpc.aio.ServicerContext
     ) -> Resp:
-        started = time.perf_counter()
-        code = "OK"
-        try:
-            return method(self, request, context)
-        except PagekeeperError as exc:
-            status, reason = grpc_status(exc)
-            code = status.name
+        response, status, reason = run_unary(self, name, method, request, context)
+        if status is not grpc.StatusCode.OK:
             await context.abort(status, reason)
-            raise  # unreachable: abort raises
-        except Exception:
-            code = "INTERNAL"
-            log.exception("%s failed", name)
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {name}")
-            raise
-        finally:
-            self._rpc_seconds.labels(name, code).observe(time.perf_counter() - started)
+        return response  # type: ignore[no-any-return]
 
     return handler
 
