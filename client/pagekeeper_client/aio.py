@@ -216,8 +216,7 @@ class AsyncPagekeeperClient:
         if local is not None and local.is_open:
             return local
         if self._local_path and time.monotonic() >= self._local_retry_at:
-            self._local_retry_at = time.monotonic() + _LOCAL_RETRY_S
-            await self._connect_local(required=False)
+            await self._connect_local(required=False)  # a failure sets the next try's time
             local = self._local
             if local is not None and local.is_open:
                 return local

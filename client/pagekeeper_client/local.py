@@ -95,11 +95,9 @@ class LocalChannel:
             sock.connect(path)
         except OSError as exc:
             sock.close()
-            raise UnavailableError(
-                f"cannot connect to the local socket {path}: {exc}", method="local"
-            ) from None
+            raise _cannot_connect(path, exc) from None
         self._sock: socket.socket | None = sock
-        hello = MAGIC + (token or "").encode()
+        hello = _hello(token)
         self.server_version = self._roundtrip(HELLO, hello, "hello", timeout, bytes).decode()
 
     @property
@@ -145,14 +143,10 @@ class LocalChannel:
             except TimeoutError:
                 # The answer may still come: the stream cannot be trusted any more.
                 self._drop()
-                raise DeadlineExceededError(
-                    f"no answer on the local socket within {timeout:g} s", method=method
-                ) from None
+                raise _no_answer(timeout, method) from None
             except OSError as exc:
                 self._drop()
-                raise UnavailableError(
-                    f"the local connection broke: {exc or type(exc).__name__}", method=method
-                ) from None
+                raise _broken(exc, method) from None
             if status == 0:
                 return parse(body)
             if number == HELLO:
@@ -163,22 +157,44 @@ class LocalChannel:
         """Read one answer frame; its body is a view of the channel's buffer."""
         buf = self._buf
         view = memoryview(buf)
-        got = 0
         size = HEADER.size
+        got = 0
+        length = status = -1  # until the header is in
         need = size
         while got < need:
             k = sock.recv_into(view[got:])
             if k == 0:
                 raise ConnectionResetError("the service closed the connection")
             got += k
-            if got >= size and need == size:
-                length, _ = HEADER.unpack_from(buf)
+            if length < 0 and got >= size:
+                length, status = HEADER.unpack_from(buf)
                 need = size + length
                 if need > len(buf):
                     self._buf = buf = buf + bytes(need - len(buf))
                     view = memoryview(buf)
-        length, status = HEADER.unpack_from(buf)
-        return status, view[size : size + length]
+        return status, view[size:need]
+
+
+def _hello(token: str | None) -> bytes:
+    return MAGIC + (token or "").encode()
+
+
+def _cannot_connect(path: str, exc: BaseException) -> UnavailableError:
+    return UnavailableError(
+        f"cannot connect to the local socket {path}: {exc or 'timed out'}", method="local"
+    )
+
+
+def _no_answer(timeout: float, method: str) -> DeadlineExceededError:
+    return DeadlineExceededError(
+        f"no answer on the local socket within {timeout:g} s", method=method
+    )
+
+
+def _broken(exc: BaseException, method: str) -> UnavailableError:
+    return UnavailableError(
+        f"the local connection broke: {exc or type(exc).__name__}", method=method
+    )
 
 
 def _error(status: int, body: bytes | memoryview, method: str) -> PagekeeperError:
@@ -225,12 +241,9 @@ class AsyncLocalChannel:
                     path, limit=max_message_bytes + HEADER.size
                 )
         except (OSError, TimeoutError) as exc:
-            raise UnavailableError(
-                f"cannot connect to the local socket {path}: {exc or 'timed out'}",
-                method="local",
-            ) from None
+            raise _cannot_connect(path, exc) from None
         channel = cls(path, reader, writer, max_message_bytes)
-        hello = MAGIC + (token or "").encode()
+        hello = _hello(token)
         channel.server_version = (await channel._roundtrip(HELLO, hello, "hello", timeout)).decode()
         return channel
 
@@ -262,14 +275,10 @@ class AsyncLocalChannel:
                     body = await self._reader.readexactly(length)
             except TimeoutError:
                 self.close()
-                raise DeadlineExceededError(
-                    f"no answer on the local socket within {timeout:g} s", method=method
-                ) from None
+                raise _no_answer(timeout, method) from None
             except (OSError, asyncio.IncompleteReadError) as exc:
                 self.close()
-                raise UnavailableError(
-                    f"the local connection broke: {exc or type(exc).__name__}", method=method
-                ) from None
+                raise _broken(exc, method) from None
             if status == 0:
                 return body
             if number == HELLO:
@@ -281,8 +290,8 @@ def _send(sock: socket.socket, header: bytes, payload: bytes) -> None:
     """Write a frame with one system call when the socket takes it all (the usual case),
     finishing a partial write with ``sendall``."""
     sent = sock.sendmsg((header, payload))
-    total = len(header) + len(payload)
-    if sent < total:
-        frame = memoryview(header + payload) if sent < len(header) else memoryview(payload)
-        offset = sent if sent < len(header) else sent - len(header)
-        sock.sendall(frame[offset:])
+    if sent < len(header):
+        sock.sendall(header[sent:])
+        sent = len(header)
+    if sent - len(header) < len(payload):
+        sock.sendall(memoryview(payload)[sent - len(header) :])
