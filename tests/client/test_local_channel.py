@@ -24,39 +24,24 @@ from pagekeeper_client.errors import (
     UnavailableError,
 )
 from pagekeeper_client.local import (
-    HEADER,
     HELLO,
     MAGIC,
     METHOD_NUMBERS,
     AsyncLocalChannel,
     LocalChannel,
 )
+from tests.helpers.frames import frame, read_frame
 
 Script = Callable[[socket.socket], None]
 
 
-def _exactly(conn: socket.socket, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        chunk = conn.recv(n - len(data))
-        if not chunk:
-            raise ConnectionError("closed")
-        data += chunk
-    return data
-
-
-def read_frame(conn: socket.socket) -> tuple[int, bytes]:
-    length, code = HEADER.unpack(_exactly(conn, HEADER.size))
-    return code, _exactly(conn, length)
-
-
 def answer(conn: socket.socket, status: int, body: bytes, *, bytewise: bool = False) -> None:
-    frame = HEADER.pack(len(body), status) + body
+    data = frame(status, body)
     if bytewise:
-        for i in range(len(frame)):
-            conn.sendall(frame[i : i + 1])
+        for i in range(len(data)):
+            conn.sendall(data[i : i + 1])
     else:
-        conn.sendall(frame)
+        conn.sendall(data)
 
 
 @pytest.fixture

@@ -12,14 +12,14 @@ accepted one (a mutation can still be a valid request) moves the baseline.
 from __future__ import annotations
 
 import contextlib
-import socket
 
 import grpc
 import numpy as np
 
 from pagekeeper_client._proto.pagekeeper.v1 import pagekeeper_pb2 as pb
 from pagekeeper_client.errors import status_code
-from pagekeeper_client.local import HEADER, HELLO, MAGIC, METHOD_NUMBERS
+from pagekeeper_client.local import METHOD_NUMBERS
+from tests.helpers.frames import FrameConnection
 from tests.helpers.grpc_util import Scheduler, i32, state_digest
 from tests.helpers.server import RunningServer
 
@@ -140,41 +140,15 @@ class _LocalCaller:
 
     def __init__(self, server: RunningServer) -> None:
         self.path = server.info["local_socket"]
-        self.token = (server.token or "").encode()
-        self.sock: socket.socket | None = None
-
-    def _connect(self) -> socket.socket:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(10)
-        sock.connect(self.path)
-        hello = MAGIC + self.token
-        sock.sendall(HEADER.pack(len(hello), HELLO) + hello)
-        status, _ = self._answer(sock)
-        assert status == 0, "the hello was refused"
-        return sock
-
-    @staticmethod
-    def _answer(sock: socket.socket) -> tuple[int, bytes]:
-        data = b""
-        while len(data) < HEADER.size:
-            chunk = sock.recv(HEADER.size - len(data))
-            if not chunk:
-                raise ConnectionError("closed")
-            data += chunk
-        length, status = HEADER.unpack(data)
-        body = b""
-        while len(body) < length:
-            chunk = sock.recv(length - len(body))
-            if not chunk:
-                raise ConnectionError("closed")
-            body += chunk
-        return status, body
+        self.token = server.token or ""
+        self.conn: FrameConnection | None = None
 
     def __call__(self, name: str, data: bytes) -> grpc.StatusCode:
-        if self.sock is None:
-            self.sock = self._connect()
-        self.sock.sendall(HEADER.pack(len(data), METHOD_NUMBERS[name]) + data)
-        status, _ = self._answer(self.sock)
+        if self.conn is None:
+            self.conn = FrameConnection(self.path)
+            self.conn.hello(self.token)
+        self.conn.send(METHOD_NUMBERS[name], data)
+        status, _ = self.conn.answer()
         return status_code(status)
 
 
@@ -223,6 +197,6 @@ def run_rpc_fuzz(
             pb.UnregisterRequest(client_id=fuzz.client_id, generation=fuzz.generation),
             metadata=fuzz.md,
         )
-    if local is not None and local.sock is not None:
-        local.sock.close()
+    if local is not None and local.conn is not None:
+        local.conn.sock.close()
     return {"inputs_tried": tried, "refused": refused, "codes": codes}

@@ -29,6 +29,7 @@ from pagekeeper_client import PagekeeperClient
 from pagekeeper_client._proto.pagekeeper.v1 import pagekeeper_pb2 as pb
 from pagekeeper_client.errors import NotFoundError, UnavailableError
 from pagekeeper_client.local import HEADER, MAGIC, METHOD_NUMBERS
+from tests.helpers.frames import FrameConnection, frame
 from tests.helpers.grpc_util import i32, state_digest
 from tests.helpers.server import ServerStartError, clean_env, launch
 
@@ -53,45 +54,11 @@ def local_server(server_factory, sockdir):
     )  # fmt: skip
 
 
-class Raw:
-    """A bare connection speaking the frame protocol."""
-
-    def __init__(self, path: str) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(10)
-        self.sock.connect(path)
-
-    def send(self, code: int, payload: bytes) -> None:
-        self.sock.sendall(HEADER.pack(len(payload), code) + payload)
+class Raw(FrameConnection):
+    """A bare connection whose hello carries this module's token by default."""
 
     def hello(self, token: str = TOKEN) -> None:
-        self.send(0, MAGIC + token.encode())
-        status, body = self.answer()
-        assert status == 0, body
-
-    def answer(self) -> tuple[int, bytes]:
-        header = self._exactly(HEADER.size)
-        length, status = HEADER.unpack(header)
-        return status, self._exactly(length)
-
-    def call(self, method: str, request: object) -> tuple[int, bytes]:
-        self.send(METHOD_NUMBERS[method], request.SerializeToString())  # type: ignore[attr-defined]
-        return self.answer()
-
-    def is_closed(self) -> bool:
-        try:
-            return self.sock.recv(1) == b""
-        except ConnectionResetError:
-            return True
-
-    def _exactly(self, n: int) -> bytes:
-        data = b""
-        while len(data) < n:
-            chunk = self.sock.recv(n - len(data))
-            if not chunk:
-                raise ConnectionError("closed")
-            data += chunk
-        return data
+        super().hello(token)
 
 
 def _code(status: int) -> grpc.StatusCode:
@@ -255,8 +222,7 @@ def test_split_and_pipelined_frames(local_server):
         for k in range(3)
     ]
     frames = b"".join(
-        HEADER.pack(len(data), METHOD_NUMBERS["Step"]) + data
-        for data in (s.SerializeToString() for s in steps)
+        frame(METHOD_NUMBERS["Step"], data) for data in (s.SerializeToString() for s in steps)
     )
     # The first frame a byte at a time, the other two in one write.
     first = len(HEADER.pack(0, 0)) + len(steps[0].SerializeToString())
@@ -454,9 +420,9 @@ def test_many_pipelined_calls_are_all_answered_in_order(local_server):
     count = 5000  # ~200-byte answers: ~1 MB unread, far past the write buffer's high mark
     lookup = pb.LookupRequest(token_ids=i32(range(40))).SerializeToString()
     frames = b"".join(
-        HEADER.pack(0, METHOD_NUMBERS["GetPoolInfo"])
+        frame(METHOD_NUMBERS["GetPoolInfo"], b"")
         if k % 2
-        else HEADER.pack(len(lookup), METHOD_NUMBERS["Lookup"]) + lookup
+        else frame(METHOD_NUMBERS["Lookup"], lookup)
         for k in range(count)
     )
     sender = threading.Thread(target=raw.sock.sendall, args=(frames,))
