@@ -1,7 +1,8 @@
 # pagekeeper images. Three stages, two of them runnable targets:
 #
-#   build     generates the gRPC stubs from proto/ and builds every wheel (pagekeeper and its
-#             service dependencies); nothing from it but /wheels reaches a runtime image.
+#   build     generates the gRPC stubs from proto/ and builds every wheel (pagekeeper, with
+#             its C accelerator of page hashing, and its service dependencies); nothing
+#             from it but /wheels reaches a runtime image.
 #   service   (default target) python:3.11-slim + the wheels: `pagekeeper serve` as a
 #             non-root user, health-checked by the project's own probe. The example scheduler
 #             runs from this image too (pagekeeper_client ships in the same wheel).
@@ -20,12 +21,18 @@
 # image (several GB of CUDA libraries). For a CPU-only worker image, point pip at PyTorch's
 # CPU wheel index:  --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 #
-# Override the base image (e.g. to pin it by digest) with --build-arg PYTHON_IMAGE=...
+# Override the base images (e.g. to pin them by digest) with --build-arg PYTHON_IMAGE=...
+# (runtime) and --build-arg BUILD_IMAGE=... (build).
 
 ARG PYTHON_IMAGE=python:3.11-slim
+# The build stage compiles pagekeeper's optional C accelerator of page hashing: the full
+# image of the same Python and Debian release has gcc and OpenSSL's headers; the runtime
+# stage (slim) has the libcrypto the extension links, as CPython's hashlib does. A build
+# image without them still builds, with pure-Python hashing (same hashes, slower).
+ARG BUILD_IMAGE=python:3.11
 
 # ---------------------------------------------------------------------------------------------
-FROM ${PYTHON_IMAGE} AS build
+FROM ${BUILD_IMAGE} AS build
 
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
@@ -38,7 +45,7 @@ WORKDIR /src
 # two pins agree). A layer of its own: it changes far less often than the sources.
 RUN python -m pip install "grpcio-tools==1.85.1"
 
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY proto/ proto/
 COPY scripts/gen_stubs.py scripts/gen_stubs.py
 COPY service/ service/

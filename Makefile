@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 
 all: test
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py service/pagekeeper/core/_native.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip setuptools wheel
 	# The CPU wheel of torch lies on disk; naming the version keeps the CUDA build out.

@@ -8,6 +8,7 @@ multimodal cursor) that hypothesis compares against on random requests.
 
 from __future__ import annotations
 
+import array
 import hashlib
 import json
 import os
@@ -21,7 +22,7 @@ from typing import Any
 import cbor2
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from pagekeeper.core import hashing
@@ -66,17 +67,21 @@ SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[Heal
 
 @contextmanager
 def forced_encoder(kind: str) -> Iterator[None]:
-    """Route every call through the numpy encoder (``"numpy"``, for ids below 2**32) or
-    the plain-Python one (``"python"``), whatever the token count."""
-    saved = hashing._NUMPY_MIN_TOKENS
+    """Route every call through the numpy encoder (``"numpy"``, for ids below 2**32), the
+    plain-Python one (``"python"``), whatever the token count, or the C loops of
+    ``pagekeeper.core._native`` (``"native"``: its encoder and SHA-256 chain)."""
+    saved = hashing._NUMPY_MIN_TOKENS, hashing._native
     hashing._NUMPY_MIN_TOKENS = 0 if kind == "numpy" else 1 << 62  # type: ignore[misc]
+    if kind != "native":
+        hashing._native = None
     try:
         yield
     finally:
-        hashing._NUMPY_MIN_TOKENS = saved  # type: ignore[misc]
+        hashing._NUMPY_MIN_TOKENS, hashing._native = saved  # type: ignore[misc]
 
 
-ENCODERS = ["numpy", "python"]
+# The C accelerator is tested where it is built (a C compiler and OpenSSL's headers).
+ENCODERS = ["numpy", "python"] + (["native"] if hashing.native_hashing() else [])
 
 
 # --------------------------------------------------------------------------------------
@@ -710,3 +715,131 @@ def test_stable_across_processes() -> None:
     }
     expected = hash_pages(list(range(64)), 16, extra_keys=ExtraKeys("a", "b", (), "s"))[-1].hex()
     assert outputs == {expected}
+
+
+# --------------------------------------------------------------------------------------
+# The C accelerator (pagekeeper.core._native), where it is built
+# --------------------------------------------------------------------------------------
+needs_native = pytest.mark.skipif(
+    not hashing.native_hashing(), reason="pagekeeper.core._native is not built here"
+)
+
+
+@needs_native
+@SETTINGS
+@given(tokens=token_lists(max_size=300), page_size=st.sampled_from([1, 2, 3, 16, 24, 64]))
+def test_native_encoder_equals_python(tokens: list[int], page_size: int) -> None:
+    """Every width the C encoder reads (1, 2, 4, 8 bytes), every CBOR size class (ids up
+    to 2**64 - 1, which the numpy encoder leaves to Python), byte for byte."""
+    assert hashing._native is not None
+    expected = hashing._encode_tokens_py(tokens, page_size)
+    for dtype in (np.uint8, np.uint16, np.uint32, np.uint64):
+        if tokens and max(tokens) > np.iinfo(dtype).max:
+            continue
+        assert hashing._native.encode_pages(np.array(tokens, dtype=dtype), page_size) == expected
+    if not tokens or max(tokens) < 2**32:
+        # The array module's buffers too (format "I"/"L"), and the layouts numpy may hand
+        # over: the wrapper makes a byte-swapped or strided array contiguous and native.
+        assert hashing._native.encode_pages(array.array("I", tokens), page_size) == expected
+        big = np.array(tokens, dtype=">u4")
+        assert hashing._encode_tokens(big, page_size) == expected
+        strided = np.repeat(np.array(tokens, dtype=np.uint32), 2)[::2]
+        assert hashing._encode_tokens(strided, page_size) == expected
+
+
+@needs_native
+@SETTINGS
+@given(
+    tokens=token_lists(max_size=200),
+    page_size=st.sampled_from([1, 3, 16]),
+    parent=st.binary(max_size=40),
+    extras=st.binary(max_size=30) | st.lists(st.binary(max_size=30), max_size=20),
+    algorithm_size=st.sampled_from([32, 16]),
+)
+def test_native_chain_equals_python(
+    tokens: list[int],
+    page_size: int,
+    parent: bytes,
+    extras: bytes | list[bytes],
+    algorithm_size: int,
+) -> None:
+    """The SHA-256 chain over any parent (any length, empty too), extras the same for every
+    page or one per page (a shorter list ends the chain, as zip does), equals _chain."""
+    body, ends = hashing._encode_tokens_py(tokens, page_size)
+    num_pages = len(ends) if isinstance(extras, bytes) else min(len(ends), len(extras))
+    assume(num_pages > 0)  # callers never chain zero pages (_chain needs one)
+    array_head = hashing._head(4, page_size)
+    with forced_encoder("native"):
+        got = hashing._chain("sha256_cbor", parent, array_head, body, ends, extras)
+    with forced_encoder("python"):
+        expected = hashing._chain("sha256_cbor", parent, array_head, body, ends, extras)
+    assert got == expected
+    assert len(got) == num_pages
+
+
+@needs_native
+def test_native_refuses_bad_arguments() -> None:
+    """Wrong types and out-of-range offsets are Python exceptions, never a crash or a read
+    past the buffer."""
+    native = hashing._native
+    assert native is not None
+    head = hashing._PARENT_HEADS[32]
+    good = (head, head, NONE_HASH, b"\x82", b"\x01\x02\x03\x04", [2, 4], b"\xf6")
+    assert len(native.chain_sha256(*good)) == 2
+    bad_cases: list[tuple[tuple[Any, ...], type[Exception], str]] = [
+        ((*good[:5], [2, 5], good[6]), ValueError, "outside"),
+        ((*good[:5], [3, 2], good[6]), ValueError, "outside"),
+        ((*good[:5], [-1], good[6]), ValueError, "outside"),
+        ((*good[:5], (2, 4), good[6]), TypeError, "list"),
+        ((*good[:5], [2, "4"], good[6]), TypeError, "integer"),
+        ((*good[:6], "x"), TypeError, "extras"),
+        ((*good[:6], [b"", 3]), TypeError, r"extras\[1\]"),
+        ((head, head, "parent", *good[3:]), TypeError, "parent"),
+        (good[:6], TypeError, "chain_sha256"),
+    ]
+    for args, error, match in bad_cases:
+        with pytest.raises(error, match=match):
+            native.chain_sha256(*args)
+    assert native.encode_pages(np.arange(8, dtype=np.uint32), 4)[1] == [4, 8]
+    for tokens, page_size, error in [
+        (np.arange(8, dtype=np.int32), 4, TypeError),  # signed: the wrapper checks signs
+        (np.arange(8, dtype=np.float32), 4, TypeError),
+        (np.arange(8, dtype=np.uint32)[::2], 4, ValueError),  # not C-contiguous
+        (np.arange(8, dtype=np.uint32), 0, ValueError),
+        ("tokens", 4, TypeError),
+    ]:
+        with pytest.raises(error):
+            native.encode_pages(tokens, page_size)
+
+
+def test_native_hashing_can_be_turned_off() -> None:
+    """PAGEKEEPER_NATIVE_HASHING=0 runs the pure-Python loops; hashes do not change."""
+    code = (
+        "from pagekeeper.core import hashing; import numpy as np; print(hashing.native_hashing(),"
+        " hashing.hash_pages(np.arange(4000), 16)[-1].hex())"
+    )
+    outputs = [
+        subprocess.run(
+            [sys.executable, "-c", code],
+            env={**os.environ, "PAGEKEEPER_NATIVE_HASHING": flag},
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.split()
+        for flag in ("0", "1")
+    ]
+    expected = hash_pages(np.arange(4000), 16)[-1].hex()
+    assert outputs[0] == ["False", expected]
+    assert outputs[1] == [str(hashing.native_hashing()), expected]
+
+
+def test_native_is_built_where_it_can_be() -> None:
+    """The accelerator is optional, but where its toolchain is (a C compiler and OpenSSL's
+    headers, as on the CI machine) a build that silently failed is a regression."""
+    import shutil
+
+    if os.environ.get("PAGEKEEPER_NATIVE_HASHING") == "0":
+        pytest.skip("turned off by PAGEKEEPER_NATIVE_HASHING=0")
+    if not (shutil.which("cc") and Path("/usr/include/openssl/evp.h").exists()):
+        pytest.skip("no C compiler or OpenSSL headers: the pure-Python loops run")
+    assert hashing.native_hashing(), "setup.py did not build pagekeeper.core._native"
