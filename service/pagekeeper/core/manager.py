@@ -253,7 +253,8 @@ class PageManager:
         if page_hashes is not None and len(page_hashes) == num_tokens // self.hash_page_size:
             hashes = _checked_hashes(page_hashes)
         else:
-            tokens = _as_token_list(token_ids, "token_ids")
+            # An array('Q'), as admissions hash it: the hasher views it, no per-token pass.
+            tokens = _as_token_array(token_ids, "token_ids")
             hashes = self._compute_hashes(tokens, extra_keys or NO_EXTRA_KEYS, page_hashes)
         hits, length = self._find_common_hit(hashes, num_tokens)
         return LookupResult(
