@@ -262,9 +262,14 @@ class Server:
     """``pagekeeper serve`` on ephemeral loopback ports."""
 
     def __init__(
-        self, durability: str | None = None, unix: bool = False, local: bool = False
+        self,
+        durability: str | None = None,
+        unix: bool = False,
+        local: bool = False,
+        num_sides: int = 1,
     ) -> None:
         self.workdir = Path(tempfile.mkdtemp(prefix="pk-bench-e2e-"))
+        self.num_pages = POOL_PAGES * -(-num_sides // 6)
         grpc_address = f"unix:{self.workdir / 'grpc.sock'}" if unix else "127.0.0.1:0"
         ready = self.workdir / "ready.json"
         env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEKEEPER_")}
@@ -277,9 +282,11 @@ class Server:
                 "--grpc-address", grpc_address,
                 "--http-address", "127.0.0.1:0",
                 "--ready-file", str(ready),
-                # Every pagekeeper side keeps ~16K pages running in the one pool; --local
-                # doubles the sides, so the pool doubles (vLLM's holds one side: 131,072).
-                "--num-pages", str(POOL_PAGES * (2 if local else 1)),
+                # Every pagekeeper side keeps ~16K pages running in the one pool: up to six
+                # sides share vLLM's size (131,072 pages, its one side); more (every mode
+                # over both transports: ten) get another 131,072 per six. A larger pool
+                # than needed would slow pagekeeper's side (bigger index, colder caches).
+                "--num-pages", str(self.num_pages),
                 "--max-model-len", str(MAX_MODEL_LEN),
                 "--publish-transport", "none",
                 "--lease-ttl-s", "300",
@@ -455,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     have_vllm = not args.no_vllm and vllm_available()
     flavours = [False, True] if args.with_hashing else [False]
 
-    server = Server(args.durability, args.unix, args.local)
+    server = Server(args.durability, args.unix, args.local, num_sides=len(keys))
     clients: list[Any] = []
     results: dict[str, Any] = {}
     try:
@@ -512,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"One scheduling step: {RUNNING} decodes + {NEW_PER_STEP} admissions of {PROMPT_LEN} "
         f"tokens ({PREFIX_LEN} cached) + {NEW_PER_STEP} frees; pool "
-        f"{POOL_PAGES * (2 if args.local else 1):,} pages of "
+        f"{server.num_pages:,} pages of "
         f"{PAGE}; medians of {args.steps} interleaved steps; service durability: "
         f"{args.durability or 'default (process)'}; "
         + (

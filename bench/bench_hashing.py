@@ -3,7 +3,8 @@
 Hashes one request (default 2,000 tokens, page 16) with:
   (a) cbor2 + hashlib exactly as vLLM 0.33 does it (in-script reimplementation, always run)
   (b) vLLM's own ``get_request_block_hasher`` (when vLLM imports)
-  (c) pagekeeper ``sha256_cbor`` (list input, and numpy int32 input)
+  (c) pagekeeper ``sha256_cbor`` (list input, and numpy int32 input), with its C loops
+      (``pagekeeper.core._native``) where they are built, and the same in pure Python
   (d) pagekeeper ``xxhash_cbor`` (when ``xxhash`` imports), and vLLM's when it can
 plus the decode path: one more page filled (``PageHasher.extend`` vs vLLM's hasher).
 
@@ -45,6 +46,7 @@ try:
 except ImportError:  # run from a checkout without PYTHONPATH
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))
 
+from pagekeeper.core import hashing
 from pagekeeper.core.hashing import NONE_HASH, PageHasher, hash_pages, none_hash
 
 
@@ -210,6 +212,21 @@ def main() -> int:
         "sha256_cbor",
         lambda: hash_pages(tokens_np, ps),
     )
+    native = hashing._native
+    if native is not None:
+
+        def pure_python(tokens_in: Any) -> list[bytes]:
+            # What runs where the C loops are not built (PAGEKEEPER_NATIVE_HASHING=0).
+            hashing._native = None
+            try:
+                return hash_pages(tokens_in, ps)
+            finally:
+                hashing._native = native
+
+        full["(c) pure Python (numpy int32, no C loops)"] = (
+            "sha256_cbor",
+            lambda: pure_python(tokens_np),
+        )
     if xxhash is not None:
         if isinstance(vllm, dict) and "xxhash_cbor" in vllm:
             full["(b) vLLM 0.33 xxhash_cbor"] = ("xxhash_cbor", lambda: vllm["xxhash_cbor"](tokens))
@@ -248,6 +265,10 @@ def main() -> int:
         print(f"  note: {vllm}; ratios are against (a)")
     if xxhash is None:
         print("  note: xxhash not installed in this interpreter; (d) skipped")
+    print(
+        "  note: pagekeeper's hashing loops run in "
+        + ("C (pagekeeper.core._native)" if native is not None else "pure Python (no C build)")
+    )
 
     def table(title: str, timings: dict[str, tuple[float, float]], baseline: str) -> None:
         base_median, base_min = timings[baseline]
