@@ -84,6 +84,7 @@ load_uint(const char *data, Py_ssize_t itemsize, Py_ssize_t i)
 static PyObject *
 encode_pages(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
+    (void)module;
     if (nargs != 2) {
         PyErr_SetString(PyExc_TypeError, "encode_pages(tokens, page_size)");
         return NULL;
@@ -114,6 +115,10 @@ encode_pages(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         goto done;
     }
     Py_ssize_t num_pages = (view.len / itemsize) / page_size;
+    if (num_pages > PY_SSIZE_T_MAX / 9 / page_size) {
+        PyErr_NoMemory();
+        goto done;
+    }
     body = PyBytes_FromStringAndSize(NULL, num_pages * page_size * 9);
     ends = PyList_New(num_pages);
     if (body == NULL || ends == NULL) {
@@ -159,6 +164,7 @@ as_bytes(PyObject *obj, const char *name, const char **data, Py_ssize_t *size)
 static PyObject *
 chain_sha256(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
+    (void)module;
     if (nargs != 7) {
         PyErr_SetString(PyExc_TypeError,
                         "chain_sha256(first_head, head, parent, array_head, body, ends, extras)");
@@ -187,27 +193,43 @@ chain_sha256(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (!one_extra && PyList_GET_SIZE(extras) < num_pages) {
         num_pages = PyList_GET_SIZE(extras);  /* as zip(): the shorter one ends the chain */
     }
-    /* One pass checks every end and extra and sizes the message buffer. */
+    PyObject *out = PyList_New(num_pages);
+    if (out == NULL || num_pages == 0) {
+        return out;
+    }
+    /* What the loop reads is copied first: the offsets into a C array and the extras into
+     * a list of our own (allocations below may run a collection, and a finalizer could
+     * change the caller's lists). One pass checks them and sizes the message buffer. */
+    PyObject *own_extras = one_extra ? NULL : PyList_GetSlice(extras, 0, num_pages);
+    Py_ssize_t *offsets = PyMem_New(Py_ssize_t, num_pages);
+    unsigned char *message = NULL;
+    if ((!one_extra && own_extras == NULL) || offsets == NULL) {
+        if (offsets == NULL) {
+            PyErr_NoMemory();
+        }
+        goto fail;
+    }
     Py_ssize_t max_run = 0, max_extra = one_extra ? PyBytes_GET_SIZE(extras) : 0, start = 0;
     for (Py_ssize_t i = 0; i < num_pages; i++) {
         Py_ssize_t end = PyLong_AsSsize_t(PyList_GET_ITEM(ends, i));
         if (end == -1 && PyErr_Occurred()) {
-            return NULL;
+            goto fail;
         }
         if (end < start || end > body_len) {
             PyErr_Format(PyExc_ValueError, "ends[%zd] = %zd outside [%zd, %zd]", i, end, start,
                          body_len);
-            return NULL;
+            goto fail;
         }
+        offsets[i] = end;
         if (end - start > max_run) {
             max_run = end - start;
         }
         start = end;
         if (!one_extra) {
-            PyObject *extra = PyList_GET_ITEM(extras, i);
+            PyObject *extra = PyList_GET_ITEM(own_extras, i);
             if (!PyBytes_Check(extra)) {
                 PyErr_Format(PyExc_TypeError, "extras[%zd] must be bytes", i);
-                return NULL;
+                goto fail;
             }
             if (PyBytes_GET_SIZE(extra) > max_extra) {
                 max_extra = PyBytes_GET_SIZE(extra);
@@ -218,17 +240,10 @@ chain_sha256(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (head_len + DIGEST_SIZE > lead) {
         lead = head_len + DIGEST_SIZE;
     }
-    PyObject *out = PyList_New(num_pages);
-    if (out == NULL) {
-        return NULL;
-    }
-    if (num_pages == 0) {
-        return out;
-    }
-    unsigned char *message = PyMem_Malloc(lead + array_head_len + max_run + max_extra);
+    message = PyMem_Malloc(lead + array_head_len + max_run + max_extra);
     if (message == NULL) {
-        Py_DECREF(out);
-        return PyErr_NoMemory();
+        PyErr_NoMemory();
+        goto fail;
     }
     /* Page 0's lead: the given parent (any length) after its own byte-string head. */
     memcpy(message, first_head, first_head_len);
@@ -237,9 +252,8 @@ chain_sha256(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     unsigned char digest[DIGEST_SIZE];
     start = 0;
     for (Py_ssize_t i = 0; i < num_pages; i++) {
-        Py_ssize_t end = PyLong_AsSsize_t(PyList_GET_ITEM(ends, i));
-        PyObject *extra = one_extra ? extras : PyList_GET_ITEM(extras, i);
-        Py_ssize_t n = parent_end;
+        PyObject *extra = one_extra ? extras : PyList_GET_ITEM(own_extras, i);
+        Py_ssize_t end = offsets[i], n = parent_end;
         memcpy(message + n, array_head, array_head_len);
         n += array_head_len;
         memcpy(message + n, body + start, end - start);
@@ -267,9 +281,13 @@ chain_sha256(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         start = end;
     }
     PyMem_Free(message);
+    PyMem_Free(offsets);
+    Py_XDECREF(own_extras);
     return out;
 fail:
     PyMem_Free(message);
+    PyMem_Free(offsets);
+    Py_XDECREF(own_extras);
     Py_DECREF(out);
     return NULL;
 }
@@ -286,7 +304,7 @@ static PyMethodDef native_methods[] = {
 static struct PyModuleDef native_module = {
     PyModuleDef_HEAD_INIT, "pagekeeper.core._native",
     "The hot loops of page hashing in C (optional; see pagekeeper.core.hashing).", -1,
-    native_methods,
+    native_methods, NULL, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC
