@@ -132,8 +132,14 @@ def server_command(ready_file: Path, args: Sequence[str]) -> list[str]:
 
 
 def clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The parent's environment without PAGEKEEPER_* (tests pass settings explicitly)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEKEEPER_")}
+    """The parent's environment without PAGEKEEPER_* (tests pass settings explicitly), but
+    for PAGEKEEPER_NATIVE_HASHING: ``PAGEKEEPER_NATIVE_HASHING=0 make test`` runs every
+    service it starts on the pure-Python hash loops too."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("PAGEKEEPER_") or k == "PAGEKEEPER_NATIVE_HASHING"
+    }
     env.update(extra or {})
     return env
 

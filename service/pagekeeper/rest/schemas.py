@@ -50,6 +50,10 @@ class PoolConfigModel(Model):
     num_pages: int = Field(description="Pages in the pool, null page 0 included.")
     enable_prefix_caching: bool = Field(description="Whether full pages are cached by hash.")
     hash_algorithm: str = Field(description="Page hash function.")
+    native_hashing: bool = Field(
+        description="Whether page hashing runs its C loops (pagekeeper.core._native, built "
+        "where a C compiler and OpenSSL's headers were); else pure Python, same hashes."
+    )
     max_model_len: int = Field(description="Most tokens one request may hold.")
 
 

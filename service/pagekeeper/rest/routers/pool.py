@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 from fastapi import APIRouter
 
+from pagekeeper.core.hashing import native_hashing
 from pagekeeper.rest.deps import RuntimeDep
 from pagekeeper.rest.schemas import (
     GroupModel,
@@ -37,6 +38,7 @@ async def get_pool(runtime: RuntimeDep) -> PoolView:
             num_pages=config.num_pages,
             enable_prefix_caching=config.enable_prefix_caching,
             hash_algorithm=config.hash_algorithm,
+            native_hashing=native_hashing(),
             max_model_len=config.max_model_len,
         ),
         groups=[
