@@ -77,3 +77,4 @@ vllm-diff: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -f service/pagekeeper/core/_native*.so
