@@ -15,9 +15,9 @@
  *         of the page before. `extras` is one bytes object (the same for every page) or a
  *         list of them, one per page.
  *
- * SHA-256 is OpenSSL's (the library CPython's hashlib uses): one reused EVP context, so a
- * page costs the digest itself and one bytes object, not four Python objects and a call
- * frame. The extension is built when a C compiler and OpenSSL's headers are there
+ * SHA-256 is OpenSSL's (the library CPython's hashlib uses): one EVP context per call,
+ * reused for its pages, so a page costs the digest itself and one bytes object, not four
+ * Python objects and a call frame. The extension is built when a C compiler and OpenSSL's headers are there
  * (setup.py marks it optional); without it the Python code runs, with equal results.
  */
 #define PY_SSIZE_T_CLEAN
@@ -28,8 +28,7 @@
 
 #define DIGEST_SIZE 32
 
-static EVP_MD *sha256_md = NULL;
-static EVP_MD_CTX *sha256_ctx = NULL; /* used under the GIL only */
+static EVP_MD *sha256_md = NULL; /* fetched once, read-only after */
 
 /* CBOR head of a major type 0 (unsigned) item: the value itself below 24, else a size
  * byte and 1, 2, 4 or 8 big-endian bytes. Returns the bytes written (at most 9). */
@@ -203,6 +202,7 @@ chain_sha256(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     PyObject *own_extras = one_extra ? NULL : PyList_GetSlice(extras, 0, num_pages);
     Py_ssize_t *offsets = PyMem_New(Py_ssize_t, num_pages);
     unsigned char *message = NULL;
+    EVP_MD_CTX *ctx = NULL;
     if ((!one_extra && own_extras == NULL) || offsets == NULL) {
         if (offsets == NULL) {
             PyErr_NoMemory();
@@ -245,6 +245,13 @@ chain_sha256(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_NoMemory();
         goto fail;
     }
+    /* A context per call (one allocation, not one per page): nothing is shared between
+     * calls, whichever threads make them. */
+    ctx = EVP_MD_CTX_new();
+    if (ctx == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
     /* Page 0's lead: the given parent (any length) after its own byte-string head. */
     memcpy(message, first_head, first_head_len);
     memcpy(message + first_head_len, parent, parent_len);
@@ -261,9 +268,9 @@ chain_sha256(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         memcpy(message + n, PyBytes_AS_STRING(extra), PyBytes_GET_SIZE(extra));
         n += PyBytes_GET_SIZE(extra);
         unsigned int digest_len = 0;
-        if (!EVP_DigestInit_ex(sha256_ctx, sha256_md, NULL)
-            || !EVP_DigestUpdate(sha256_ctx, message, (size_t)n)
-            || !EVP_DigestFinal_ex(sha256_ctx, digest, &digest_len)
+        if (!EVP_DigestInit_ex(ctx, sha256_md, NULL)
+            || !EVP_DigestUpdate(ctx, message, (size_t)n)
+            || !EVP_DigestFinal_ex(ctx, digest, &digest_len)
             || digest_len != DIGEST_SIZE) {
             PyErr_SetString(PyExc_RuntimeError, "OpenSSL SHA-256 failed");
             goto fail;
@@ -280,11 +287,13 @@ chain_sha256(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         memcpy(message + head_len, digest, DIGEST_SIZE);
         start = end;
     }
+    EVP_MD_CTX_free(ctx);
     PyMem_Free(message);
     PyMem_Free(offsets);
     Py_XDECREF(own_extras);
     return out;
 fail:
+    EVP_MD_CTX_free(ctx);
     PyMem_Free(message);
     PyMem_Free(offsets);
     Py_XDECREF(own_extras);
@@ -317,8 +326,7 @@ PyInit__native(void)
 #else
         sha256_md = (EVP_MD *)EVP_sha256();
 #endif
-        sha256_ctx = EVP_MD_CTX_new();
-        if (sha256_md == NULL || sha256_ctx == NULL) {
+        if (sha256_md == NULL) {
             PyErr_SetString(PyExc_ImportError, "OpenSSL has no SHA-256");
             return NULL;
         }
