@@ -615,12 +615,22 @@ class PageHasher:
         if num_pages == 1 and not isinstance(token_ids, np.ndarray):
             # The decode step: one page just filled. No chain machinery.
             page = token_ids[:page_size]
+            head = _PARENT_HEADS.get(len(parent)) or b"\x83" + _head(2, len(parent))
+            extra = extras if isinstance(extras, bytes) else extras[0]
+            if _native is not None and self.algorithm == SHA256_CBOR:
+                # 1.0 us against 4.6 in Python (16 tokens): the array checks every id.
+                try:
+                    body, ends = _native.encode_pages(array.array("Q", page), page_size)
+                except (OverflowError, TypeError) as exc:
+                    raise InvalidArgument(_describe_bad_token(page)) from exc
+                one: list[bytes] = _native.chain_sha256(
+                    head, head, parent, self._array_head, body, ends, extra
+                )
+                return one
             try:
                 encoded = _encode_uints_py(page)
             except (struct.error, TypeError) as exc:
                 raise InvalidArgument(_describe_bad_token(page)) from exc
-            head = _PARENT_HEADS.get(len(parent)) or b"\x83" + _head(2, len(parent))
-            extra = extras if isinstance(extras, bytes) else extras[0]
             message = b"".join((head, parent, self._array_head, encoded, extra))
             return [_digest(self.algorithm, message)]
         if num_tokens >= _NUMPY_MIN_TOKENS or _native is not None:
