@@ -69,12 +69,28 @@ METHOD_NUMBERS = {name: number for number, name in enumerate(METHODS, start=1)}
 _RECV_CHUNK = 1 << 16
 
 
-class LocalChannel:
-    """One connection to the service's unix socket; thread-safe (calls take turns).
+class _Connection:
+    """One socket of a :class:`LocalChannel` and its receive buffer (answer bodies are views
+    of it, parsed before the connection serves another call)."""
 
-    Raises :class:`UnavailableError` when it cannot connect or the connection breaks (it is
-    then closed for good: make a new one) and the typed error of the service's status
-    otherwise, as the gRPC path does.
+    __slots__ = ("buf", "sock")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buf = bytearray(_RECV_CHUNK)
+
+
+class LocalChannel:
+    """Connections to the service's unix socket; thread-safe.
+
+    A connection carries one call at a time, so calls from several threads at once each
+    get their own: an idle one, or a new one (opened with its hello) up to
+    ``max_connections``, beyond which a call waits for one to come back. The service
+    serves its connections concurrently, as gRPC serves concurrent calls.
+
+    Raises :class:`UnavailableError` when it cannot connect or a connection breaks (the
+    channel is then closed for good, every connection with it: make a new one) and the
+    typed error of the service's status otherwise, as the gRPC path does.
     """
 
     def __init__(
@@ -84,25 +100,32 @@ class LocalChannel:
         token: str | None = None,
         timeout: float = 30.0,
         max_message_bytes: int = 64 * 1024 * 1024,
+        max_connections: int = 4,
     ) -> None:
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {max_connections}")
         self.path = path
         self.max_message_bytes = max_message_bytes
-        self._lock = threading.Lock()
-        self._buf = bytearray(_RECV_CHUNK)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(timeout)
-        try:
-            sock.connect(path)
-        except OSError as exc:
-            sock.close()
-            raise _cannot_connect(path, exc) from None
-        self._sock: socket.socket | None = sock
-        hello = _hello(token)
-        self.server_version = self._roundtrip(HELLO, hello, "hello", timeout, bytes).decode()
+        self.max_connections = max_connections
+        self._hello = _hello(token)
+        self._connect_timeout = timeout
+        self._pool = threading.Condition(threading.Lock())
+        self._idle: list[_Connection] = []
+        self._num_connections = 0
+        self._closed = False
+        self.server_version = ""
+        # The first connection now: a channel that cannot connect raises here.
+        self._idle.append(self._open())
+        self._num_connections = 1
 
     @property
     def is_open(self) -> bool:
-        return self._sock is not None
+        return not self._closed
+
+    @property
+    def num_connections(self) -> int:
+        """Connections open now (idle or serving a call)."""
+        return self._num_connections
 
     def call(self, method: str, request: Any, response_class: Any, timeout: float) -> Any:
         """One unary call: ``request`` (a message of the method's request type) in, the
@@ -113,13 +136,71 @@ class LocalChannel:
         )
 
     def close(self) -> None:
-        with self._lock:
-            self._drop()
+        """Close every idle connection now and each busy one when its call ends."""
+        with self._pool:
+            self._closed = True
+            idle, self._idle = self._idle, []
+            self._num_connections -= len(idle)
+            self._pool.notify_all()
+        for conn in idle:
+            conn.sock.close()
 
-    def _drop(self) -> None:
-        sock, self._sock = self._sock, None
-        if sock is not None:
+    def _open(self) -> _Connection:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self._connect_timeout)
+        try:
+            sock.connect(self.path)
+        except OSError as exc:
             sock.close()
+            raise _cannot_connect(self.path, exc) from None
+        conn = _Connection(sock)
+        try:
+            status, body = self._exchange(conn, HELLO, self._hello, "hello", self._connect_timeout)
+            if status != 0:
+                raise _error(status, body, "hello")  # the service closes it too
+            self.server_version = bytes(body).decode()
+        except BaseException:
+            sock.close()
+            raise
+        return conn
+
+    def _acquire(self, method: str) -> _Connection:
+        with self._pool:
+            while True:
+                if self._closed:
+                    raise UnavailableError("the local connection is closed", method=method)
+                if self._idle:
+                    return self._idle.pop()
+                if self._num_connections < self.max_connections:
+                    self._num_connections += 1  # reserved; opened outside the lock
+                    break
+                self._pool.wait()
+        try:
+            return self._open()
+        except BaseException:
+            with self._pool:
+                self._num_connections -= 1
+                self._pool.notify()
+            raise
+
+    def _release(self, conn: _Connection, *, broken: bool) -> None:
+        with self._pool:
+            if broken:
+                # A connection that broke or timed out cannot be trusted, nor can the
+                # service behind it: the channel closes (the client reconnects later).
+                self._closed = True
+                idle, self._idle = self._idle, []
+            else:
+                idle = []
+                if not self._closed:
+                    self._idle.append(conn)
+                    self._pool.notify()
+                    return
+            self._num_connections -= 1 + len(idle)
+            self._pool.notify_all()
+        conn.sock.close()
+        for other in idle:
+            other.sock.close()
 
     def _roundtrip(
         self,
@@ -129,50 +210,60 @@ class LocalChannel:
         timeout: float,
         parse: Callable[[memoryview], Any],
     ) -> Any:
-        """Send a frame, read the answer and ``parse`` its body under the lock (the body is
-        a view of the channel's buffer, which the next call reuses)."""
+        """Send a frame on a connection of the call's own, read the answer and ``parse``
+        its body before the connection goes back to the pool (the body is a view of the
+        connection's buffer, which its next call reuses)."""
         _check_size(payload, self.max_message_bytes, method)
-        with self._lock:
-            sock = self._sock
-            if sock is None:
-                raise UnavailableError("the local connection is closed", method=method)
-            try:
-                sock.settimeout(timeout)
-                _send(sock, HEADER.pack(len(payload), number), payload)
-                status, body = self._receive(sock)
-            except TimeoutError:
-                # The answer may still come: the stream cannot be trusted any more.
-                self._drop()
-                raise _no_answer(timeout, method) from None
-            except OSError as exc:
-                self._drop()
-                raise _broken(exc, method) from None
+        conn = self._acquire(method)
+        try:
+            status, body = self._exchange(conn, number, payload, method, timeout)
+        except BaseException:
+            self._release(conn, broken=True)
+            raise
+        try:
             if status == 0:
                 return parse(body)
-            if number == HELLO:
-                self._drop()  # the service closes it too
-            raise _error(status, body, method)
+            raise _error(status, body, method)  # an answer: the connection stays in step
+        finally:
+            self._release(conn, broken=False)
 
-    def _receive(self, sock: socket.socket) -> tuple[int, memoryview]:
-        """Read one answer frame; its body is a view of the channel's buffer."""
-        buf = self._buf
-        view = memoryview(buf)
-        size = HEADER.size
-        got = 0
-        length = status = -1  # until the header is in
-        need = size
-        while got < need:
-            k = sock.recv_into(view[got:])
-            if k == 0:
-                raise ConnectionResetError("the service closed the connection")
-            got += k
-            if length < 0 and got >= size:
-                length, status = HEADER.unpack_from(buf)
-                need = size + length
-                if need > len(buf):
-                    self._buf = buf = buf + bytes(need - len(buf))
-                    view = memoryview(buf)
-        return status, view[size:need]
+    def _exchange(
+        self, conn: _Connection, number: int, payload: bytes, method: str, timeout: float
+    ) -> tuple[int, memoryview]:
+        """One frame out, one in; a lost or late answer is UnavailableError /
+        DeadlineExceededError (the caller then drops the connection)."""
+        sock = conn.sock
+        try:
+            sock.settimeout(timeout)
+            _send(sock, HEADER.pack(len(payload), number), payload)
+            return _receive(conn, sock)
+        except TimeoutError:
+            # The answer may still come: the stream cannot be trusted any more.
+            raise _no_answer(timeout, method) from None
+        except OSError as exc:
+            raise _broken(exc, method) from None
+
+
+def _receive(conn: _Connection, sock: socket.socket) -> tuple[int, memoryview]:
+    """Read one answer frame; its body is a view of the connection's buffer."""
+    buf = conn.buf
+    view = memoryview(buf)
+    size = HEADER.size
+    got = 0
+    length = status = -1  # until the header is in
+    need = size
+    while got < need:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise ConnectionResetError("the service closed the connection")
+        got += k
+        if length < 0 and got >= size:
+            length, status = HEADER.unpack_from(buf)
+            need = size + length
+            if need > len(buf):
+                conn.buf = buf = buf + bytes(need - len(buf))
+                view = memoryview(buf)
+    return status, view[size:need]
 
 
 def _hello(token: str | None) -> bytes:
@@ -209,22 +300,32 @@ def _check_size(payload: bytes, limit: int, method: str) -> None:
 
 
 class AsyncLocalChannel:
-    """The asyncio twin of :class:`LocalChannel` (``await AsyncLocalChannel.connect(...)``);
-    calls on one channel take turns."""
+    """The asyncio twin of :class:`LocalChannel` (``await AsyncLocalChannel.connect(...)``):
+    concurrent calls each get a connection of their own, up to ``max_connections``."""
 
     def __init__(
         self,
         path: str,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
+        *,
+        token: str | None,
+        timeout: float,
         max_message_bytes: int,
+        max_connections: int,
     ) -> None:
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {max_connections}")
         self.path = path
         self.max_message_bytes = max_message_bytes
+        self.max_connections = max_connections
         self.server_version = ""
-        self._reader = reader
-        self._writer: asyncio.StreamWriter | None = writer
-        self._lock = asyncio.Lock()
+        self._hello = _hello(token)
+        self._connect_timeout = timeout
+        # One event loop: the idle list changes only between awaits, no lock needed; the
+        # semaphore bounds the calls in flight, hence the connections.
+        self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+        self._slots = asyncio.Semaphore(max_connections)
+        self._num_connections = 0
+        self._closed = False
 
     @classmethod
     async def connect(
@@ -234,22 +335,26 @@ class AsyncLocalChannel:
         token: str | None = None,
         timeout: float = 30.0,
         max_message_bytes: int = 64 * 1024 * 1024,
+        max_connections: int = 4,
     ) -> AsyncLocalChannel:
-        try:
-            async with asyncio.timeout(timeout):
-                reader, writer = await asyncio.open_unix_connection(
-                    path, limit=max_message_bytes + HEADER.size
-                )
-        except (OSError, TimeoutError) as exc:
-            raise _cannot_connect(path, exc) from None
-        channel = cls(path, reader, writer, max_message_bytes)
-        hello = _hello(token)
-        channel.server_version = (await channel._roundtrip(HELLO, hello, "hello", timeout)).decode()
+        channel = cls(
+            path,
+            token=token,
+            timeout=timeout,
+            max_message_bytes=max_message_bytes,
+            max_connections=max_connections,
+        )
+        channel._idle.append(await channel._open())
         return channel
 
     @property
     def is_open(self) -> bool:
-        return self._writer is not None
+        return not self._closed
+
+    @property
+    def num_connections(self) -> int:
+        """Connections open now (idle or serving a call)."""
+        return self._num_connections
 
     async def call(self, method: str, request: Any, response_class: Any, timeout: float) -> Any:
         payload = request.SerializeToString()
@@ -257,33 +362,78 @@ class AsyncLocalChannel:
         return response_class.FromString(body)
 
     def close(self) -> None:
-        writer, self._writer = self._writer, None
-        if writer is not None:
+        """Close every idle connection now and each busy one when its call ends."""
+        self._closed = True
+        idle, self._idle = self._idle, []
+        for _, writer in idle:
+            self._num_connections -= 1
             writer.close()
+
+    async def _open(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        timeout = self._connect_timeout
+        try:
+            async with asyncio.timeout(timeout):
+                reader, writer = await asyncio.open_unix_connection(
+                    self.path, limit=self.max_message_bytes + HEADER.size
+                )
+        except (OSError, TimeoutError) as exc:
+            raise _cannot_connect(self.path, exc) from None
+        self._num_connections += 1
+        conn = (reader, writer)
+        try:
+            status, body = await self._exchange(conn, HELLO, self._hello, "hello", timeout)
+            if status != 0:
+                raise _error(status, body, "hello")  # the service closes it too
+        except BaseException:
+            self._num_connections -= 1
+            writer.close()
+            raise
+        self.server_version = body.decode()
+        return conn
 
     async def _roundtrip(self, number: int, payload: bytes, method: str, timeout: float) -> bytes:
         _check_size(payload, self.max_message_bytes, method)
-        async with self._lock:
-            writer = self._writer
-            if writer is None:
+        async with self._slots:
+            if self._closed:
                 raise UnavailableError("the local connection is closed", method=method)
+            conn = self._idle.pop() if self._idle else await self._open()
             try:
-                async with asyncio.timeout(timeout):
-                    writer.writelines((HEADER.pack(len(payload), number), payload))
-                    header = await self._reader.readexactly(HEADER.size)
-                    length, status = HEADER.unpack(header)
-                    body = await self._reader.readexactly(length)
-            except TimeoutError:
+                status, body = await self._exchange(conn, number, payload, method, timeout)
+            except BaseException:
+                # Lost, late or cancelled mid-call: an answer may still come on this
+                # stream, and the service behind it is in doubt. The channel closes.
+                self._num_connections -= 1
+                conn[1].close()
                 self.close()
-                raise _no_answer(timeout, method) from None
-            except (OSError, asyncio.IncompleteReadError) as exc:
-                self.close()
-                raise _broken(exc, method) from None
+                raise
+            if self._closed:
+                self._num_connections -= 1
+                conn[1].close()
+            else:
+                self._idle.append(conn)
             if status == 0:
                 return body
-            if number == HELLO:
-                self.close()
             raise _error(status, body, method)
+
+    async def _exchange(
+        self,
+        conn: tuple[asyncio.StreamReader, asyncio.StreamWriter],
+        number: int,
+        payload: bytes,
+        method: str,
+        timeout: float,
+    ) -> tuple[int, bytes]:
+        reader, writer = conn
+        try:
+            async with asyncio.timeout(timeout):
+                writer.writelines((HEADER.pack(len(payload), number), payload))
+                header = await reader.readexactly(HEADER.size)
+                length, status = HEADER.unpack(header)
+                return status, await reader.readexactly(length)
+        except TimeoutError:
+            raise _no_answer(timeout, method) from None
+        except (OSError, asyncio.IncompleteReadError) as exc:
+            raise _broken(exc, method) from None
 
 
 def _send(sock: socket.socket, header: bytes, payload: bytes) -> None:

@@ -220,3 +220,156 @@ def test_async_channel_big_answers_errors_and_deadline(peer):
 
     asyncio.run(main())
     release.set()
+
+
+class GatedPeer:
+    """A unix socket serving any number of connections, each answering its requests with
+    the request's own bytes (an echo of a HeartbeatRequest parses as one) -- but only
+    once ``gate`` requests are waiting at the same time: calls that a channel serialized
+    would never all arrive, and time out."""
+
+    def __init__(self, path: str, gate: int) -> None:
+        self.path = path
+        self.barrier = threading.Barrier(gate, timeout=5)
+        self.lock = threading.Lock()
+        self.pending = self.most_pending = self.num_connections = 0
+        self.failures: list[BaseException] = []
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(path)
+        self.listener.listen(16)
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            self.num_connections += 1
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            code, body = read_frame(conn)
+            assert code == HELLO and body.startswith(MAGIC)
+            answer(conn, 0, b"9.9.9")
+            while True:
+                try:
+                    code, body = read_frame(conn)
+                except ConnectionError:
+                    return
+                with self.lock:
+                    self.pending += 1
+                    self.most_pending = max(self.most_pending, self.pending)
+                self.barrier.wait()
+                with self.lock:
+                    self.pending -= 1
+                answer(conn, 0, body)
+        except BaseException as exc:
+            self.failures.append(exc)
+        finally:
+            conn.close()
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def test_concurrent_calls_each_get_a_connection(tmp_path_factory):
+    """Four threads call at once on one channel: four connections, the four calls in flight
+    together (the peer answers none until all four arrived), each its own answer; calls
+    after that reuse the idle connections."""
+    tmp = Path(tempfile.mkdtemp(prefix="pk-pool-"))
+    peer = GatedPeer(str(tmp / "p.sock"), gate=4)
+    channel = LocalChannel(peer.path, timeout=10)
+    try:
+        answers: dict[int, str] = {}
+
+        def call(k: int) -> None:
+            request = pb.HeartbeatRequest(client_id=f"thread-{k}")
+            answers[k] = channel.call("Heartbeat", request, pb.HeartbeatRequest, 10).client_id
+
+        for _ in range(3):  # the same four connections every round
+            threads = [threading.Thread(target=call, args=(k,)) for k in range(4)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(15)
+            assert answers == {k: f"thread-{k}" for k in range(4)}
+            answers.clear()
+        assert peer.most_pending == 4 and not peer.failures
+        assert channel.num_connections == peer.num_connections == 4
+    finally:
+        channel.close()
+        peer.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    assert channel.num_connections == 0 and not channel.is_open
+
+
+def test_connections_are_capped_and_calls_wait_for_one(tmp_path_factory):
+    """max_connections=2 with three threads calling: at most two calls are ever in flight
+    (the third waits for a connection) and every call is answered."""
+    tmp = Path(tempfile.mkdtemp(prefix="pk-pool-"))
+    peer = GatedPeer(str(tmp / "p.sock"), gate=2)
+    channel = LocalChannel(peer.path, timeout=10, max_connections=2)
+    try:
+        answers: list[str] = []
+
+        def call(k: int) -> None:
+            request = pb.HeartbeatRequest(client_id=f"c{k}")
+            got = channel.call("Heartbeat", request, pb.HeartbeatRequest, 10)
+            answers.append(got.client_id)
+
+        # Four calls: two pairs pass the gate of two.
+        threads = [threading.Thread(target=call, args=(k,)) for k in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(15)
+        assert sorted(answers) == ["c0", "c1", "c2", "c3"]
+        assert peer.most_pending == 2 and peer.num_connections == 2 and not peer.failures
+    finally:
+        channel.close()
+        peer.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    with pytest.raises(ValueError, match="max_connections"):
+        LocalChannel(str(tmp / "none.sock"), max_connections=0)
+
+
+def test_async_concurrent_calls_each_get_a_connection():
+    """The asyncio channel: three tasks at once, three connections, all in flight together;
+    a task cancelled mid-call closes the channel (its answer could still arrive and be read
+    by the next call otherwise)."""
+    tmp = Path(tempfile.mkdtemp(prefix="pk-pool-"))
+    peer = GatedPeer(str(tmp / "p.sock"), gate=3)
+
+    async def main() -> None:
+        channel = await AsyncLocalChannel.connect(peer.path, timeout=10)
+
+        async def call(k: int) -> str:
+            request = pb.HeartbeatRequest(client_id=f"task-{k}")
+            got = await channel.call("Heartbeat", request, pb.HeartbeatRequest, 10)
+            return str(got.client_id)
+
+        assert await asyncio.gather(*(call(k) for k in range(3))) == [
+            "task-0",
+            "task-1",
+            "task-2",
+        ]
+        assert channel.num_connections == 3 and channel.is_open
+        # One call alone never passes the gate of three: cancelled, it closes the channel.
+        pending = asyncio.ensure_future(call(9))
+        await asyncio.sleep(0.2)
+        pending.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await pending
+        assert not channel.is_open and channel.num_connections == 0
+        with pytest.raises(UnavailableError, match="closed"):
+            await call(10)
+
+    try:
+        asyncio.run(main())
+        assert peer.most_pending == 3
+    finally:
+        peer.barrier.abort()
+        peer.close()
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -252,14 +252,15 @@ def test_broken_socket_is_reopened_or_left_for_grpc_with_the_same_step_id(local_
     # The connection dies under the client: the step is resent with the same id over a
     # fresh connection.
     first = client._local
-    assert first is not None
-    first._sock.shutdown(socket.SHUT_RDWR)  # type: ignore[union-attr]
+    assert first is not None and first.num_connections == 1
+    first._idle[0].sock.shutdown(socket.SHUT_RDWR)
     client.admit("fb-2", list(range(100, 130)))
     client.flush()
     assert client.stats.num_retries == 1
     assert client.transport == "local" and client._local is not first
     # Dies again and the socket is gone: the resend goes over gRPC.
-    client._local._sock.shutdown(socket.SHUT_RDWR)  # type: ignore[union-attr]
+    assert client._local is not None
+    client._local._idle[0].sock.shutdown(socket.SHUT_RDWR)
     os.unlink(local_server.info["local_socket"])
     client.admit("fb-3", list(range(200, 230)))
     client.flush()
@@ -400,7 +401,8 @@ def test_async_client_steps_over_the_socket_and_matches_the_sync_one(server_fact
             pages = [[p.tolist() for p in client.page_ids(r)] for r in names]
             # The broken socket: the step is resent over a new connection.
             assert client._local is not None
-            client._local._writer.transport.abort()  # type: ignore[union-attr]
+            assert client._local.num_connections == 1
+            client._local._idle[0][1].transport.abort()
             await client.admit("as-x", list(range(40)))
             return loop_out, pages, client.stats.num_retries
 
@@ -509,7 +511,9 @@ def test_a_missing_directory_is_created_owner_only(server_factory, sockdir):
     assert raw.call("GetPoolInfo", pb.GetPoolInfoRequest())[0] == 0
 
 
-def test_threads_share_one_socket_and_each_gets_its_own_answer(local_server):
+def test_threads_share_the_socket_and_each_gets_its_own_answer(local_server):
+    """Four lookup threads and the stepping thread at once: calls in flight together take
+    connections of their own (at most the channel's four), every answer is the caller's."""
     import threading
 
     client = PagekeeperClient(local_server.grpc_address, token=TOKEN)
@@ -534,4 +538,5 @@ def test_threads_share_one_socket_and_each_gets_its_own_answer(local_server):
         t.join(60)
     assert not errors, errors[:5]
     assert client.transport == "local" and client.stats.num_local_calls >= 850
+    assert client._local is not None and 2 <= client._local.num_connections <= 4
     client.close()
