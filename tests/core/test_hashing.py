@@ -13,6 +13,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator, Sequence
@@ -838,10 +839,38 @@ def test_native_hashing_can_be_turned_off() -> None:
 def test_native_is_built_where_it_can_be() -> None:
     """The accelerator is optional, but where its toolchain is (a C compiler and OpenSSL's
     headers, as on the CI machine) a build that silently failed is a regression."""
-    import shutil
-
     if os.environ.get("PAGEKEEPER_NATIVE_HASHING") == "0":
         pytest.skip("turned off by PAGEKEEPER_NATIVE_HASHING=0")
     if not (shutil.which("cc") and Path("/usr/include/openssl/evp.h").exists()):
         pytest.skip("no C compiler or OpenSSL headers: the pure-Python loops run")
     assert hashing.native_hashing(), "setup.py did not build pagekeeper.core._native"
+
+
+@needs_native
+@pytest.mark.skipif(shutil.which("valgrind") is None, reason="valgrind is not installed")
+def test_native_memcheck_short_run(tmp_path: Path) -> None:
+    """A short run of ``make memcheck``: the C loops under valgrind, no error report with a
+    frame in the extension (CPython's own reports are not counted)."""
+    log = tmp_path / "memcheck.log"
+    done = subprocess.run(
+        [
+            "valgrind",
+            "--tool=memcheck",
+            "--errors-for-leak-kinds=none",
+            f"--log-file={log}",
+            sys.executable,
+            "-m",
+            "tests.core.native_memcheck",
+            "--cases",
+            "40",
+        ],
+        env={**os.environ, "PYTHONMALLOC": "malloc"},
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "checks of pagekeeper.core._native passed" in done.stdout
+    report = log.read_text()
+    assert "_native" not in report and "chain_sha256" not in report, report[-4000:]
