@@ -80,7 +80,39 @@ class _Connection:
         self.buf = bytearray(_RECV_CHUNK)
 
 
-class LocalChannel:
+class _Channel:
+    """What both channels keep: where to connect, how to say hello, the connection count."""
+
+    def __init__(
+        self,
+        path: str,
+        token: str | None,
+        timeout: float,
+        max_message_bytes: int,
+        max_connections: int,
+    ) -> None:
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {max_connections}")
+        self.path = path
+        self.max_message_bytes = max_message_bytes
+        self.max_connections = max_connections
+        self.server_version = ""
+        self._hello = MAGIC + (token or "").encode()
+        self._connect_timeout = timeout
+        self._num_connections = 0
+        self._closed = False
+
+    @property
+    def is_open(self) -> bool:
+        return not self._closed
+
+    @property
+    def num_connections(self) -> int:
+        """Connections open now (idle or serving a call)."""
+        return self._num_connections
+
+
+class LocalChannel(_Channel):
     """Connections to the service's unix socket; thread-safe.
 
     A connection carries one call at a time, so calls from several threads at once each
@@ -102,30 +134,12 @@ class LocalChannel:
         max_message_bytes: int = 64 * 1024 * 1024,
         max_connections: int = 4,
     ) -> None:
-        if max_connections < 1:
-            raise ValueError(f"max_connections must be >= 1, got {max_connections}")
-        self.path = path
-        self.max_message_bytes = max_message_bytes
-        self.max_connections = max_connections
-        self._hello = _hello(token)
-        self._connect_timeout = timeout
+        super().__init__(path, token, timeout, max_message_bytes, max_connections)
         self._pool = threading.Condition(threading.Lock())
         self._idle: list[_Connection] = []
-        self._num_connections = 0
-        self._closed = False
-        self.server_version = ""
         # The first connection now: a channel that cannot connect raises here.
         self._idle.append(self._open())
         self._num_connections = 1
-
-    @property
-    def is_open(self) -> bool:
-        return not self._closed
-
-    @property
-    def num_connections(self) -> int:
-        """Connections open now (idle or serving a call)."""
-        return self._num_connections
 
     def call(self, method: str, request: Any, response_class: Any, timeout: float) -> Any:
         """One unary call: ``request`` (a message of the method's request type) in, the
@@ -266,10 +280,6 @@ def _receive(conn: _Connection, sock: socket.socket) -> tuple[int, memoryview]:
     return status, view[size:need]
 
 
-def _hello(token: str | None) -> bytes:
-    return MAGIC + (token or "").encode()
-
-
 def _cannot_connect(path: str, exc: BaseException) -> UnavailableError:
     return UnavailableError(
         f"cannot connect to the local socket {path}: {exc or 'timed out'}", method="local"
@@ -299,7 +309,7 @@ def _check_size(payload: bytes, limit: int, method: str) -> None:
         )
 
 
-class AsyncLocalChannel:
+class AsyncLocalChannel(_Channel):
     """The asyncio twin of :class:`LocalChannel` (``await AsyncLocalChannel.connect(...)``):
     concurrent calls each get a connection of their own, up to ``max_connections``."""
 
@@ -312,20 +322,11 @@ class AsyncLocalChannel:
         max_message_bytes: int,
         max_connections: int,
     ) -> None:
-        if max_connections < 1:
-            raise ValueError(f"max_connections must be >= 1, got {max_connections}")
-        self.path = path
-        self.max_message_bytes = max_message_bytes
-        self.max_connections = max_connections
-        self.server_version = ""
-        self._hello = _hello(token)
-        self._connect_timeout = timeout
+        super().__init__(path, token, timeout, max_message_bytes, max_connections)
         # One event loop: the idle list changes only between awaits, no lock needed; the
         # semaphore bounds the calls in flight, hence the connections.
         self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
         self._slots = asyncio.Semaphore(max_connections)
-        self._num_connections = 0
-        self._closed = False
 
     @classmethod
     async def connect(
@@ -346,15 +347,6 @@ class AsyncLocalChannel:
         )
         channel._idle.append(await channel._open())
         return channel
-
-    @property
-    def is_open(self) -> bool:
-        return not self._closed
-
-    @property
-    def num_connections(self) -> int:
-        """Connections open now (idle or serving a call)."""
-        return self._num_connections
 
     async def call(self, method: str, request: Any, response_class: Any, timeout: float) -> Any:
         payload = request.SerializeToString()
