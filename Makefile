@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 
 all: test
 
-$(STAMP): pyproject.toml setup.py service/pagekeeper/core/_native.c
+$(STAMP): pyproject.toml setup.py service/pagekeeper/core/_native.c service/pagekeeper/core/_poolops.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip setuptools wheel
 	# The CPU wheel of torch lies on disk; naming the version keeps the CUDA build out.
@@ -59,8 +59,9 @@ fuzz: $(STAMP)
 soak: $(STAMP)
 	$(PY) -m tests.reliability.campaign soak --duration $(DURATION)
 
-# The C hash loops under valgrind memcheck: fails on any error report with a frame in
-# pagekeeper.core._native (CPython's own reports, which its build makes, are not ours).
+# The C loops (hashing, the page pool) under valgrind memcheck: fails on any error report
+# with a frame in pagekeeper.core._native or _poolops (CPython's own reports, which its
+# build makes, are not ours).
 CASES ?= 300
 memcheck: $(STAMP)
 	$(PY) -m tests.core.native_memcheck --valgrind artifacts/memcheck.log --cases $(CASES)
@@ -83,4 +84,4 @@ vllm-diff: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis
-	rm -f service/pagekeeper/core/_native*.so
+	rm -f service/pagekeeper/core/_native*.so service/pagekeeper/core/_poolops*.so

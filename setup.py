@@ -1,6 +1,7 @@
-"""Build step for the optional C accelerator of page hashing (everything else is in
-pyproject.toml). `optional=True`: without a C compiler or OpenSSL's headers the build
-skips it and pagekeeper runs its pure-Python hashing, with identical results."""
+"""Build step for the optional C accelerators (everything else is in pyproject.toml): page
+hashing (`_native`, links OpenSSL's libcrypto) and the page pool's per-page loops
+(`_poolops`). `optional=True`: without a C compiler (or OpenSSL's headers) the build skips
+them and pagekeeper runs its pure-Python code, with identical results."""
 
 from setuptools import Extension, setup
 
@@ -12,6 +13,12 @@ setup(
             libraries=["crypto"],
             extra_compile_args=["-O2", "-Wall", "-Werror=implicit-function-declaration"],
             optional=True,
-        )
+        ),
+        Extension(
+            "pagekeeper.core._poolops",
+            sources=["service/pagekeeper/core/_poolops.c"],
+            extra_compile_args=["-O2", "-Wall", "-Werror=implicit-function-declaration"],
+            optional=True,
+        ),
     ]
 )

@@ -30,6 +30,7 @@ import uvicorn
 
 from pagekeeper.core.errors import PagekeeperError
 from pagekeeper.core.hashing import native_hashing
+from pagekeeper.core.pool import native_pool
 from pagekeeper.rest.app import create_app
 from pagekeeper.rpc.local import LocalServer
 from pagekeeper.rpc.server import GrpcServer
@@ -186,11 +187,12 @@ async def serve(
         if ready_file:
             write_ready_file(ready_file, info)
         log.info(
-            "gRPC on %s, HTTP on %s%s; page hashing in %s",
+            "gRPC on %s, HTTP on %s%s; page hashing in %s, pool loops in %s",
             grpc_address,
             http_address,
             f", local socket {local_server.path}" if local_server is not None else "",
             "C (pagekeeper.core._native)" if native_hashing() else "pure Python",
+            "C (pagekeeper.core._poolops)" if native_pool() else "pure Python",
         )
         print(f"{READY_LINE_PREFIX} {json.dumps(info)}", flush=True)
 

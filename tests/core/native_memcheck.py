@@ -1,8 +1,10 @@
-"""Memory check of the C hash loops (``pagekeeper.core._native``) under valgrind.
+"""Memory check of the C extensions (``pagekeeper.core._native``, the hash loops, and
+``pagekeeper.core._poolops``, the page pool's loops) under valgrind.
 
-It drives both functions with random inputs (every CBOR width, parents of any length,
-shared or per-page extras, empty inputs) and with the argument errors they must refuse,
-comparing every result with the pure-Python loops, so a wrong result fails too. With
+It drives the hash functions with random inputs (every CBOR width, parents of any length,
+shared or per-page extras, empty inputs) and with the argument errors they must refuse, and
+two page pools (C loops, Python loops) through the same random operations, comparing every
+result with the pure-Python code, so a wrong result fails too. With
 ``--valgrind LOG`` it runs itself under ``valgrind --tool=memcheck`` and fails when any
 error report in LOG has a frame in the extension (CPython's own reports, which its build
 makes, are not the extension's); ``make memcheck`` and a short run in the tests do that::
@@ -24,11 +26,17 @@ from pathlib import Path
 import numpy as np
 
 from pagekeeper.core import hashing
+from pagekeeper.core import pool as pool_module
+from pagekeeper.core.errors import PagekeeperError
 
 _EDGES = [0, 23, 24, 255, 256, 65_535, 65_536, 2**32 - 1, 2**32, 2**64 - 1]
 
 
 def run(cases: int, seed: int) -> int:
+    return hash_cases(cases, seed) | pool_cases(cases, seed)
+
+
+def hash_cases(cases: int, seed: int) -> int:
     native = hashing._native
     if native is None:
         print("memcheck: pagekeeper.core._native is not built here; nothing to check")
@@ -90,8 +98,113 @@ def run(cases: int, seed: int) -> int:
     return 0
 
 
-# Words that name the extension in a valgrind stack frame (its file and its functions).
-_OUR_FRAMES = ("_native", "encode_pages", "chain_sha256")
+def _pool_view(pool: pool_module.PagePool) -> tuple[object, ...]:
+    return (
+        list(pool._state),
+        bytes(pool._cached),
+        pool.free_queue(),
+        [dict(index) for index in pool._index],
+        [dict(dups) for dups in pool._dups],
+        dict(pool._page_hash),
+        pool.num_evictions,
+        pool.take_events(),
+    )
+
+
+def _outcome(pool: pool_module.PagePool, op: str, args: tuple, kwargs: dict) -> object:
+    try:
+        return getattr(pool, op)(*args, **kwargs)
+    except (PagekeeperError, IndexError, KeyError, ValueError) as exc:
+        return type(exc).__name__
+
+
+def pool_cases(cases: int, seed: int) -> int:
+    """Two pools, C loops and Python loops, through the same random operations (colliding
+    hashes, pages listed twice, pages outside the pool); equal after every one."""
+    ops = pool_module._ops
+    if ops is None:
+        print("memcheck: pagekeeper.core._poolops is not built here; nothing to check")
+        return 0
+    rng = random.Random(seed)
+    num_pages = 40
+    native = pool_module.PagePool(num_pages, native=True)
+    python = pool_module.PagePool(num_pages, native=False)
+    for pool in (native, python):
+        pool.ensure_groups(2)
+    held: list[int] = []
+    checked = 0
+    for _ in range(cases * 4):
+        kind = rng.random()
+        kwargs: dict[str, object] = {}
+        if kind < 0.3:
+            op, args = "allocate", (rng.randrange(0, 16),)
+        elif kind < 0.55 and held:
+            pages = [rng.choice(held) for _ in range(rng.randrange(1, 10))]
+            if rng.random() < 0.1:
+                pages.append(rng.choice([-1, num_pages, pages[0]]))
+            op, args = "free", (pages,)
+        elif kind < 0.85:
+            pool_pages = held + [0, rng.randrange(num_pages)]
+            k = rng.randrange(1, 12)
+            pages = [rng.choice(pool_pages) for _ in range(k)]
+            hashes = [b"h%d" % rng.randrange(60) for _ in range(k)]
+            op, args = "cache", (rng.randrange(2), pages, hashes)
+            kwargs = {
+                "parent_hash": None,
+                "token_ids": list(range(k)),
+                "page_size": 1,
+                "lora_name": None,
+            }
+        elif kind < 0.97 and native._page_hash:
+            cached = sorted(native._page_hash)
+            op, args = "touch", (rng.sample(cached, rng.randrange(1, min(8, len(cached)) + 1)),)
+        else:
+            op, args = "reset_prefix_cache", ()
+        got = _outcome(native, op, args, kwargs)
+        want = _outcome(python, op, args, kwargs)
+        assert got == want, (op, args, got, want)
+        assert _pool_view(native) == _pool_view(python), (op, args)
+        if not isinstance(got, str):
+            if op == "allocate":
+                held.extend(got)
+            elif op == "touch":
+                held.extend(args[0])
+            elif op == "free":
+                for page in args[0]:
+                    if page in held:
+                        held.remove(page)
+        checked += 1
+    assert native.check_invariants() == python.check_invariants()
+    # The functions' own refusals: pages outside, wrong types. Each must raise.
+    for call in (
+        lambda: ops.take([0, 0], [1, 2]),
+        lambda: ops.release([0, 2], [1, -1], 2, 0),
+        lambda: ops.cache({}, {}, [0, 2], bytearray(2), [1, 7], [b"a", b"b"], 1),
+        lambda: ops.evict({}, {}, bytearray(2), [1, 7], 1),
+        lambda: ops.take((0, 0), [1]),
+        lambda: ops.cache({}, {}, [0, 2], bytearray(3), [1], [b"a"], 1),
+    ):
+        try:
+            call()
+        except (IndexError, TypeError, ValueError):
+            checked += 1
+        else:
+            raise AssertionError("a bad call to pagekeeper.core._poolops was accepted")
+    print(f"memcheck: {checked} checks of pagekeeper.core._poolops passed")
+    return 0
+
+
+# Words that name the extensions in a valgrind stack frame (their files and functions).
+_OUR_FRAMES = (
+    "_native",
+    "encode_pages",
+    "chain_sha256",
+    "_poolops",
+    "pool_take",
+    "pool_evict",
+    "pool_cache",
+    "pool_release",
+)
 
 
 def under_valgrind(log: Path, cases: int, seed: int) -> int:
@@ -123,9 +236,9 @@ def under_valgrind(log: Path, cases: int, seed: int) -> int:
         return 1
     report = log.read_text()
     if any(word in report for word in _OUR_FRAMES):
-        print(f"memcheck: errors in pagekeeper.core._native, see {log}")
+        print(f"memcheck: errors in pagekeeper's C extensions, see {log}")
         return 1
-    print("memcheck: no error in pagekeeper.core._native")
+    print("memcheck: no error in pagekeeper's C extensions")
     return 0
 
 

@@ -13,6 +13,9 @@ from pagekeeper.core.types import ExtraKeys
 
 PS = 4
 
+# Every test runs with the pool's C loops (where built) and with its Python loops.
+pytestmark = pytest.mark.usefixtures("pool_loops")
+
 
 def full(num_pages: int = 11, caching: bool = True, max_model_len: int = 64) -> PageManager:
     return PageManager(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hypothesis.strategies as st
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import (
     Bundle,
@@ -14,6 +15,7 @@ from hypothesis.stateful import (
     rule,
 )
 
+from pagekeeper.core import pool as pool_module
 from pagekeeper.core.config import GroupConfig, GroupKind, PoolConfig
 from pagekeeper.core.events import PageRemoved, PageStored
 from pagekeeper.core.manager import PageManager
@@ -267,3 +269,27 @@ HybridInvariants = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )(HybridInvariants)
 TestHybridInvariants = HybridInvariants.TestCase
+
+
+class _PythonPoolLoops:
+    """The same machine with the page pool's Python loops (the classes above run its C
+    loops where they are built)."""
+
+    def setUp(self) -> None:
+        self._saved_ops = pool_module._ops
+        pool_module._ops = None
+        super().setUp()  # type: ignore[misc]
+
+    def tearDown(self) -> None:
+        pool_module._ops = self._saved_ops
+        super().tearDown()  # type: ignore[misc]
+
+
+@pytest.mark.skipif(not pool_module.native_pool(), reason="the C loops ran above as the default")
+class TestManagerVsModelPythonPool(_PythonPoolLoops, TestManagerVsModel):  # type: ignore[misc,valid-type]
+    pass
+
+
+@pytest.mark.skipif(not pool_module.native_pool(), reason="the C loops ran above as the default")
+class TestHybridInvariantsPythonPool(_PythonPoolLoops, TestHybridInvariants):  # type: ignore[misc,valid-type]
+    pass

@@ -9,6 +9,9 @@ from pagekeeper.core.errors import InvalidArgument, InvariantViolation
 from pagekeeper.core.events import AllCleared, PageRemoved, PageStored
 from pagekeeper.core.pool import PagePool
 
+# Every test runs with the pool's C loops (where built) and with its Python loops.
+pytestmark = pytest.mark.usefixtures("pool_loops")
+
 
 def cache(pool: PagePool, pages: list[int], tag: bytes = b"h") -> None:
     pool.cache(

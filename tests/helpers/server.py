@@ -131,14 +131,18 @@ def server_command(ready_file: Path, args: Sequence[str]) -> list[str]:
     ]
 
 
+_NATIVE_SWITCHES = ("PAGEKEEPER_NATIVE_HASHING", "PAGEKEEPER_NATIVE_POOL")
+
+
 def clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """The parent's environment without PAGEKEEPER_* (tests pass settings explicitly), but
-    for PAGEKEEPER_NATIVE_HASHING: ``PAGEKEEPER_NATIVE_HASHING=0 make test`` runs every
-    service it starts on the pure-Python hash loops too."""
+    for the C accelerators' switches: ``PAGEKEEPER_NATIVE_HASHING=0
+    PAGEKEEPER_NATIVE_POOL=0 make test`` runs every service it starts on the pure-Python
+    loops too."""
     env = {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith("PAGEKEEPER_") or k == "PAGEKEEPER_NATIVE_HASHING"
+        if not k.startswith("PAGEKEEPER_") or k in _NATIVE_SWITCHES
     }
     env.update(extra or {})
     return env

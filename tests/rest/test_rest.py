@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from pagekeeper.core.hashing import native_hashing
+from pagekeeper.core.pool import native_pool
 from pagekeeper_client._proto.pagekeeper.v1 import pagekeeper_pb2 as pb
 from tests.helpers.grpc_util import Scheduler, from_i32, i32
 
@@ -41,6 +42,7 @@ def test_pool(pagekeeper_server, running):
     assert pool["config"]["num_pages"] == 512
     # The server subprocess runs this checkout's package: it hashes as this process does.
     assert pool["config"]["native_hashing"] is native_hashing()
+    assert pool["config"]["native_pool"] is native_pool()
     assert pool["groups"][0]["page_size"] == 16
     assert pool["groups"][0]["num_used_pages"] == pool["pages"]["num_used_pages"] > 0
     pages = pool["pages"]

@@ -39,12 +39,15 @@ does not clear them. Allocating and freeing a page thus costs two array writes.
 
 from __future__ import annotations
 
+import importlib
 import operator
+import os
 import struct
 import sys
 from array import array
 from collections import deque
 from collections.abc import Iterable, Sequence
+from types import ModuleType
 
 import numpy as np
 import numpy.typing as npt
@@ -61,6 +64,23 @@ _HOLES = array("i", [-1]) * _SMALL
 _INT32S = [struct.Struct(f"={k}i") for k in range(_SMALL + 1)]
 
 
+_ops: ModuleType | None
+try:
+    # The C accelerator of the per-page loops below (``_poolops.c``: the same loops on the
+    # same objects), built with the package where a C compiler is; results are identical.
+    # PAGEKEEPER_NATIVE_POOL=0 keeps the Python loops (a comparison, a suspicion).
+    if os.environ.get("PAGEKEEPER_NATIVE_POOL", "1") == "0":
+        raise ImportError("disabled by PAGEKEEPER_NATIVE_POOL=0")
+    _ops = importlib.import_module("pagekeeper.core._poolops")
+except ImportError:
+    _ops = None
+
+
+def native_pool() -> bool:
+    """Whether the page pool runs its C loops (``pagekeeper.core._poolops``)."""
+    return _ops is not None
+
+
 def _int32_array(size: int, fill: int) -> tuple[array[int], npt.NDArray[np.int32]]:
     arr = array("i", bytes(4 * size)) if fill == 0 else array("i", [fill]) * size
     view = np.frombuffer(arr, dtype=np.int32)
@@ -75,9 +95,16 @@ class PagePool:
     without a hash at the head (reused first) and cached pages at the tail (LRU).
     """
 
-    def __init__(self, num_pages: int, *, enable_caching: bool = True) -> None:
+    def __init__(
+        self, num_pages: int, *, enable_caching: bool = True, native: bool | None = None
+    ) -> None:
+        """``native``: run the C loops (True), the Python ones (False), or the C ones where
+        they are built (None, the default)."""
         if num_pages < 2:
             raise InvalidArgument(f"num_pages must be >= 2, got {num_pages}")
+        if native and _ops is None:
+            raise InvalidArgument("the C pool loops (pagekeeper.core._poolops) are not built")
+        self._ops = _ops if native is None or native else None
         self.num_pages = num_pages
         self.enable_caching = enable_caching
         self._state = [0] * num_pages
@@ -285,6 +312,13 @@ class PagePool:
         else:
             self._buf_np[start : start + k] = np.asarray(pages, dtype=np.int32)
 
+    def _check_pages(self, pages: Sequence[int]) -> None:
+        """Refuse, before anything changes, a page id outside the pool (a negative one
+        would otherwise index from the end)."""
+        if len(pages) and (min(pages) < 0 or max(pages) >= self.num_pages):
+            bad = next(p for p in pages if not 0 <= p < self.num_pages)
+            raise InvalidArgument(f"page {bad} is not in the pool (0 .. {self.num_pages - 1})")
+
     # -- allocation ----------------------------------------------------------------------
     def allocate(self, num: int) -> list[int]:
         """Take ``num`` pages from the head of the free queue, evicting cached ones.
@@ -329,11 +363,14 @@ class PagePool:
             pages = (parts[0] if len(parts) == 1 else np.concatenate(parts)).tolist()
         self._head = head
         # Free pages have state 0 (no hash) or 1 (cached: evicted now); taken, they hold 2.
-        evicted = []
-        for page in pages:
-            if state[page]:
-                evicted.append(page)
-            state[page] = 2
+        if self._ops is not None:
+            evicted = self._ops.take(state, pages)
+        else:
+            evicted = []
+            for page in pages:
+                if state[page]:
+                    evicted.append(page)
+                state[page] = 2
         self._num_free -= num
         self.num_allocated_total += num
         if evicted:
@@ -345,6 +382,7 @@ class PagePool:
         state, buf = self._state, self._buf
         if type(pages) is not list:
             pages = list(pages)
+        self._check_pages(pages)
         k = len(pages)
         if k > 1 and state[pages[-1]] == 1:
             # A hit on the pages of a finished request: they were freed together, last page
@@ -431,6 +469,8 @@ class PagePool:
         state = self._state
         if len(pages) == 1:
             page = pages[0]  # a numpy int indexes the list and the buffer alike
+            if not 0 <= page < self.num_pages:
+                self._check_pages([page])
             s = state[page] - 2
             if s < 0:
                 if page == NULL_PAGE:
@@ -457,6 +497,7 @@ class PagePool:
             return
         if type(pages) is not list:
             pages = pages.tolist() if isinstance(pages, np.ndarray) else [int(p) for p in pages]
+        self._check_pages(pages)
         k = len(pages)
         if self._tail + k > len(self._buf):
             self._recenter()
@@ -468,15 +509,20 @@ class PagePool:
         same = state[pages[0]] if k else 0
         if same == 3 or same == 2:
             now = same - 2
-            pending = iter(pages)
-            for page in pending:
-                if state[page] != same:
-                    done = k - 1 - operator.length_hint(pending)
-                    for taken in pages[:done]:
-                        state[taken] = same  # undo: the general path starts from the states
-                    break
-                state[page] = now
+            if self._ops is not None:
+                whole = self._ops.release(state, pages, same, now)
             else:
+                whole = True
+                pending = iter(pages)
+                for page in pending:
+                    if state[page] != same:
+                        done = k - 1 - operator.length_hint(pending)
+                        for taken in pages[:done]:
+                            state[taken] = same  # undo: the general path starts from the states
+                        whole = False
+                        break
+                    state[page] = now
+            if whole:
                 if now:
                     start = self._tail
                     self._write_cells(start, pages)  # positions: when a hit needs them
@@ -539,11 +585,21 @@ class PagePool:
         index, cached, hash_of = self._index[group_id], self._cached, self._page_hash
         if len(pages) != len(hashes):
             raise InvalidArgument(f"{len(pages)} pages but {len(hashes)} hashes")
-        if (
+        self._check_pages(pages)
+        if self._ops is not None:
+            # A run of held, uncached pages with new, distinct hashes, entered in one C call
+            # (it changes nothing and says False otherwise: the general path below).
+            if self._ops.cache(index, hash_of, self._state, cached, pages, hashes, group_id + 1):
+                self._stored_event(
+                    group_id, pages, hashes, parent_hash, token_ids, page_size, lora_name
+                )
+                return
+        elif (
             len(pages) > 4
             and NULL_PAGE not in pages
             and index.keys().isdisjoint(hashes)
             and len(set(hashes)) == len(hashes)
+            and len(set(pages)) == len(pages)
         ):
             # The common case (a run of fresh pages with new hashes): bulk dict updates.
             ids = np.asarray(pages, dtype=np.int64)
@@ -561,10 +617,12 @@ class PagePool:
             )
             return
         state = self._state
+        seen = set()
         for page in pages:
             # Only held pages are cached (a free page's queue position is not kept).
-            if page != NULL_PAGE and (cached[page] or state[page] < 2):
-                raise InvariantViolation(f"page {page} is already cached or is free")
+            if page != NULL_PAGE and (cached[page] or state[page] < 2 or page in seen):
+                raise InvariantViolation(f"page {page} is already cached, free or listed twice")
+            seen.add(page)
         stored_pages: list[int] = []
         stored_hashes: list[bytes] = []
         for page, page_hash in zip(pages, hashes, strict=True):
@@ -644,21 +702,24 @@ class PagePool:
         k = len(pages)
         if k > 1:
             group_plus_one = cached[pages[0]]
-            if (
-                not self._dups[group_plus_one - 1]
-                and bytes(map(cached.__getitem__, pages)).count(group_plus_one) == k
-            ):
+            if group_plus_one and not self._dups[group_plus_one - 1]:
                 # The common case: one group, and no hash of that group is held by two
-                # pages, so each page is its hash's one index entry. All at C speed but
-                # the flag reset.
+                # pages, so each page is its hash's one index entry.
                 index = self._index[group_plus_one - 1]
-                hashes = list(map(hash_of.pop, pages))
-                deque(map(index.__delitem__, hashes), maxlen=0)
-                for page in pages:
-                    cached[page] = 0
-                self._removed_event(group_plus_one - 1, pages, hashes)
-                self.num_evictions += k
-                return
+                hashes: list[bytes] | None
+                if self._ops is not None:
+                    hashes = self._ops.evict(index, hash_of, cached, pages, group_plus_one)
+                elif bytes(map(cached.__getitem__, pages)).count(group_plus_one) == k:
+                    hashes = list(map(hash_of.pop, pages))
+                    deque(map(index.__delitem__, hashes), maxlen=0)
+                    for page in pages:
+                        cached[page] = 0
+                else:
+                    hashes = None  # pages of several groups: the general path
+                if hashes is not None:
+                    self._removed_event(group_plus_one - 1, pages, hashes)
+                    self.num_evictions += k
+                    return
         run_group = -1
         run_pages: list[int] = []
         run_hashes: list[bytes] = []

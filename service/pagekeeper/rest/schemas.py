@@ -54,6 +54,10 @@ class PoolConfigModel(Model):
         description="Whether page hashing runs its C loops (pagekeeper.core._native, built "
         "where a C compiler and OpenSSL's headers were); else pure Python, same hashes."
     )
+    native_pool: bool = Field(
+        description="Whether the page pool runs its per-page loops in C (pagekeeper.core."
+        "_poolops, built where a C compiler was); else pure Python, same pages and events."
+    )
     max_model_len: int = Field(description="Most tokens one request may hold.")
 
 

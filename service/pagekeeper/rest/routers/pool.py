@@ -6,6 +6,7 @@ import numpy as np
 from fastapi import APIRouter
 
 from pagekeeper.core.hashing import native_hashing
+from pagekeeper.core.pool import native_pool
 from pagekeeper.rest.deps import RuntimeDep
 from pagekeeper.rest.schemas import (
     GroupModel,
@@ -39,6 +40,7 @@ async def get_pool(runtime: RuntimeDep) -> PoolView:
             enable_prefix_caching=config.enable_prefix_caching,
             hash_algorithm=config.hash_algorithm,
             native_hashing=native_hashing(),
+            native_pool=native_pool(),
             max_model_len=config.max_model_len,
         ),
         groups=[

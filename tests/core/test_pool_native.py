@@ -1,0 +1,289 @@
+"""The page pool's C loops (``pagekeeper.core._poolops``) against its Python loops.
+
+A state machine drives two pools, one with each, through the same random operations (valid
+and invalid, with colliding hashes and pages listed twice) and requires the same answers,
+errors, events and every internal structure after each one. The C functions' own contract
+(all or nothing; out-of-range pages refused before anything changes) is checked directly.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from types import ModuleType
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from pagekeeper.core import pool as pool_module
+from pagekeeper.core.errors import PagekeeperError
+from pagekeeper.core.pool import PagePool
+
+needs_native = pytest.mark.skipif(
+    not pool_module.native_pool(), reason="pagekeeper.core._poolops is not built here"
+)
+
+NUM_PAGES = 24
+GROUPS = 2
+
+
+def snapshot(pool: PagePool) -> dict[str, object]:
+    """Everything a later operation or a reader can see."""
+    return {
+        "state": list(pool._state),
+        "cached": bytes(pool._cached),
+        "queue": pool.free_queue(),
+        "num_free": pool.num_free_pages,
+        "index": [dict(index) for index in pool._index],
+        "dups": [{h: list(p) for h, p in dups.items()} for dups in pool._dups],
+        "page_hash": dict(pool._page_hash),
+        "evictions": pool.num_evictions,
+        "allocated": pool.num_allocated_total,
+        "freed": pool.num_freed_total,
+        "last_seq": pool.last_event_seq,
+    }
+
+
+def run(pool: PagePool, op: str, *args: object, **kwargs: object) -> tuple[str, object]:
+    """The outcome of one call: its result, or the kind of error it raised."""
+    try:
+        return "ok", getattr(pool, op)(*args, **kwargs)
+    except (PagekeeperError, IndexError, KeyError, ValueError) as exc:
+        return "error", type(exc).__name__
+
+
+class NativeVsPython(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.native = PagePool(NUM_PAGES, native=True)
+        self.python = PagePool(NUM_PAGES, native=False)
+        for pool in (self.native, self.python):
+            pool.ensure_groups(GROUPS)
+        self.held: list[int] = []  # one entry per reference the pools hand out
+
+    def both(self, op: str, *args: object, **kwargs: object) -> tuple[str, object]:
+        native = run(self.native, op, *args, **kwargs)
+        python = run(self.python, op, *args, **kwargs)
+        assert native == python, (op, args, native, python)
+        assert snapshot(self.native) == snapshot(self.python), (op, args)
+        assert self.native.take_events() == self.python.take_events()
+        return native
+
+    @rule(num=st.integers(0, 12))
+    def allocate(self, num: int) -> None:
+        outcome, pages = self.both("allocate", num)
+        if outcome == "ok":
+            self.held.extend(pages)  # type: ignore[arg-type]
+
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        if not self.held:
+            return
+        picked = data.draw(st.lists(st.sampled_from(self.held), min_size=1, max_size=8))
+        if data.draw(st.booleans()) and len(picked) > 1:
+            picked.append(picked[0])  # a page listed twice: the run pass must undo
+        for page in set(picked):
+            for _ in range(min(picked.count(page), self.held.count(page))):
+                self.held.remove(page)
+        self.both("free", picked)
+
+    @rule(
+        data=st.data(),
+        group=st.integers(0, GROUPS - 1),
+        tags=st.lists(st.integers(0, 30), min_size=1, max_size=8),
+    )
+    def cache(self, data: st.DataObject, group: int, tags: list[int]) -> None:
+        # Pages held or not, the null page now and then; hashes from a small set so some
+        # are already indexed or repeat within the run.
+        candidates = sorted(set(self.held)) + [0, data.draw(st.integers(1, NUM_PAGES - 1))]
+        pages = data.draw(
+            st.lists(st.sampled_from(candidates), min_size=len(tags), max_size=len(tags))
+        )
+        hashes = [b"h%02d" % tag for tag in tags]
+        self.both(
+            "cache",
+            group,
+            pages,
+            hashes,
+            parent_hash=None,
+            token_ids=list(range(len(pages))),
+            page_size=1,
+            lora_name=None,
+        )
+
+    @rule(data=st.data())
+    def touch(self, data: st.DataObject) -> None:
+        # A prefix hit: pages found under cached hashes (free or held).
+        cached = sorted(self.native._page_hash)
+        if not cached:
+            return
+        pages = data.draw(st.lists(st.sampled_from(cached), min_size=1, max_size=6, unique=True))
+        if data.draw(st.booleans()):
+            pages.sort(reverse=True)
+        if self.both("touch", pages)[0] == "ok":
+            self.held.extend(pages)
+
+    @rule()
+    def reset(self) -> None:
+        self.both("reset_prefix_cache")
+
+    @rule(page=st.integers(-3, NUM_PAGES + 3))
+    def free_out_of_range(self, page: int) -> None:
+        self.both("free", [1, page] if page != 1 else [page, NUM_PAGES])
+
+    @invariant()
+    def sound(self) -> None:
+        assert self.native.check_invariants() == self.python.check_invariants()
+
+
+NativeVsPython = settings(
+    max_examples=120,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)(NativeVsPython)
+TestNativeVsPython = needs_native(NativeVsPython.TestCase)
+
+
+# -- the C functions' own contract --------------------------------------------------------
+
+
+def ops() -> ModuleType:
+    assert pool_module._ops is not None
+    return pool_module._ops
+
+
+def fresh() -> tuple[dict, dict, list[int], bytearray]:
+    """index, hash_of, state, cached of a six-page pool: pages 1-3 held, 4 cached and held
+    (hash b"x"), 5 free."""
+    state = [0, 2, 2, 2, 3, 0]
+    cached = bytearray(6)
+    cached[4] = 1
+    return {b"x": 4}, {4: b"x"}, state, cached
+
+
+@needs_native
+@pytest.mark.parametrize(
+    "pages, hashes",
+    [
+        ([1, 2], [b"a", b"x"]),  # a hash already indexed
+        ([1, 2, 3], [b"a", b"b", b"a"]),  # a hash twice in the run
+        ([1, 0], [b"a", b"b"]),  # the null page
+        ([1, 4], [b"a", b"b"]),  # a cached page
+        ([1, 5], [b"a", b"b"]),  # a free page
+        ([1, 2], [b"a", "b"]),  # not bytes
+        ([1, 2, 1], [b"a", b"b", b"c"]),  # a page twice
+    ],
+)
+def test_cache_refuses_and_changes_nothing(pages: list[int], hashes: list[object]) -> None:
+    index, hash_of, state, cached = fresh()
+    before = (dict(index), dict(hash_of), list(state), bytes(cached))
+    assert ops().cache(index, hash_of, state, cached, pages, hashes, 1) is False
+    assert (index, hash_of, state, bytes(cached)) == before
+
+
+@needs_native
+def test_cache_enters_a_fresh_run() -> None:
+    index, hash_of, state, cached = fresh()
+    assert ops().cache(index, hash_of, state, cached, [3, 1], [b"c", b"a"], 2) is True
+    assert index == {b"x": 4, b"c": 3, b"a": 1}
+    assert hash_of == {4: b"x", 3: b"c", 1: b"a"}
+    assert state == [0, 3, 2, 3, 3, 0]
+    assert bytes(cached) == bytes([0, 2, 0, 2, 1, 0])
+
+
+@needs_native
+@pytest.mark.parametrize("bad", [-1, 6, 99])
+def test_out_of_range_pages_change_nothing(bad: int) -> None:
+    index, hash_of, state, cached = fresh()
+    before = (dict(index), dict(hash_of), list(state), bytes(cached))
+    with pytest.raises(IndexError):
+        ops().take(state, [5, bad])
+    with pytest.raises(IndexError):
+        ops().release(state, [1, bad], 2, 0)
+    with pytest.raises(IndexError):
+        ops().cache(index, hash_of, state, cached, [1, bad], [b"a", b"b"], 1)
+    with pytest.raises(IndexError):
+        ops().evict(index, hash_of, cached, [4, bad], 1)
+    assert (index, hash_of, state, bytes(cached)) == before
+
+
+@needs_native
+def test_release_undoes_a_broken_run() -> None:
+    state = [0, 3, 3, 2, 3]
+    assert ops().release(state, [1, 2, 3], 3, 1) is False  # page 3 is in another state
+    assert state == [0, 3, 3, 2, 3]
+    assert ops().release(state, [1, 2, 1], 3, 1) is False  # page 1 twice
+    assert state == [0, 3, 3, 2, 3]
+    assert ops().release(state, [4, 2, 1], 3, 1) is True
+    assert state == [0, 1, 1, 2, 1]
+
+
+@needs_native
+def test_take_reports_cached_pages() -> None:
+    state = [0, 0, 1, 0, 1]
+    assert ops().take(state, [4, 1, 2]) == [4, 2]
+    assert state == [0, 2, 2, 0, 2]
+
+
+@needs_native
+def test_evict_leaves_other_groups_to_the_general_path() -> None:
+    index, hash_of, _, cached = fresh()
+    index[b"y"] = 3
+    hash_of[3] = b"y"
+    cached[3] = 2  # another group
+    before = (dict(index), dict(hash_of), bytes(cached))
+    assert ops().evict(index, hash_of, cached, [4, 3], 1) is None
+    assert (index, hash_of, bytes(cached)) == before
+    assert ops().evict(index, hash_of, cached, [3], 2) == [b"y"]
+    assert index == {b"x": 4} and hash_of == {4: b"x"} and cached[3] == 0
+
+
+@needs_native
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda o: o.take((0, 0), [1]),
+        lambda o: o.release([0, 2], 1, 2, 0),
+        lambda o: o.cache({}, {}, [0, 2], b"\0\0", [1], [b"a"], 1),
+        lambda o: o.cache({}, {}, [0, 2], bytearray(2), [1], [b"a"], 0),
+        lambda o: o.evict([], {}, bytearray(2), [1], 1),
+    ],
+)
+def test_wrong_types_are_refused(call: Callable[[ModuleType], object]) -> None:
+    with pytest.raises((TypeError, ValueError)):
+        call(ops())
+
+
+def test_forcing_native_without_the_extension_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pool_module, "_ops", None)
+    with pytest.raises(PagekeeperError, match="not built"):
+        PagePool(4, native=True)
+
+
+def test_native_pool_can_be_turned_off() -> None:
+    """PAGEKEEPER_NATIVE_POOL=0 runs the Python loops."""
+    code = "from pagekeeper.core import pool; print(pool.native_pool(), pool.PagePool(4)._ops)"
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "PAGEKEEPER_NATIVE_POOL": "0"},
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.split()
+    assert out == ["False", "None"]
+
+
+def test_native_pool_is_built_where_it_can_be() -> None:
+    """Optional, but where a C compiler is (as on the CI machine) a build that silently
+    failed is a regression."""
+    if os.environ.get("PAGEKEEPER_NATIVE_POOL") == "0":
+        pytest.skip("turned off by PAGEKEEPER_NATIVE_POOL=0")
+    if not shutil.which("cc"):
+        pytest.skip("no C compiler: the Python loops run")
+    assert pool_module.native_pool(), "setup.py did not build pagekeeper.core._poolops"
