@@ -105,7 +105,8 @@ def _pool_view(pool: pool_module.PagePool) -> tuple[object, ...]:
         pool.free_queue(),
         [dict(index) for index in pool._index],
         [dict(dups) for dups in pool._dups],
-        dict(pool._page_hash),
+        list(pool._page_hash),
+        pool.num_cached_pages,
         pool.num_evictions,
         pool.take_events(),
     )
@@ -155,8 +156,8 @@ def pool_cases(cases: int, seed: int) -> int:
                 "page_size": 1,
                 "lora_name": None,
             }
-        elif kind < 0.97 and native._page_hash:
-            cached = sorted(native._page_hash)
+        elif kind < 0.97 and native.num_cached_pages:
+            cached = [page for page, h in enumerate(native._page_hash) if h is not None]
             op, args = "touch", (rng.sample(cached, rng.randrange(1, min(8, len(cached)) + 1)),)
         else:
             op, args = "reset_prefix_cache", ()
@@ -179,10 +180,10 @@ def pool_cases(cases: int, seed: int) -> int:
     for call in (
         lambda: ops.take([0, 0], [1, 2]),
         lambda: ops.release([0, 2], [1, -1], 2, 0),
-        lambda: ops.cache({}, {}, [0, 2], bytearray(2), [1, 7], [b"a", b"b"], 1),
-        lambda: ops.evict({}, {}, bytearray(2), [1, 7], 1),
+        lambda: ops.cache({}, [None] * 2, [0, 2], bytearray(2), [1, 7], [b"a", b"b"], 1),
+        lambda: ops.evict({}, [None] * 2, bytearray(2), [1, 7], 1),
         lambda: ops.take((0, 0), [1]),
-        lambda: ops.cache({}, {}, [0, 2], bytearray(3), [1], [b"a"], 1),
+        lambda: ops.cache({}, [None] * 2, [0, 2], bytearray(3), [1], [b"a"], 1),
     ):
         try:
             call()

@@ -41,7 +41,8 @@ def snapshot(pool: PagePool) -> dict[str, object]:
         "num_free": pool.num_free_pages,
         "index": [dict(index) for index in pool._index],
         "dups": [{h: list(p) for h, p in dups.items()} for dups in pool._dups],
-        "page_hash": dict(pool._page_hash),
+        "page_hash": list(pool._page_hash),
+        "num_cached": pool.num_cached_pages,
         "evictions": pool.num_evictions,
         "allocated": pool.num_allocated_total,
         "freed": pool.num_freed_total,
@@ -119,7 +120,7 @@ class NativeVsPython(RuleBasedStateMachine):
     @rule(data=st.data())
     def touch(self, data: st.DataObject) -> None:
         # A prefix hit: pages found under cached hashes (free or held).
-        cached = sorted(self.native._page_hash)
+        cached = [p for p, h in enumerate(self.native._page_hash) if h is not None]
         if not cached:
             return
         pages = data.draw(st.lists(st.sampled_from(cached), min_size=1, max_size=6, unique=True))
@@ -158,13 +159,13 @@ def ops() -> ModuleType:
     return pool_module._ops
 
 
-def fresh() -> tuple[dict, dict, list[int], bytearray]:
+def fresh() -> tuple[dict, list, list[int], bytearray]:
     """index, hash_of, state, cached of a six-page pool: pages 1-3 held, 4 cached and held
     (hash b"x"), 5 free."""
     state = [0, 2, 2, 2, 3, 0]
     cached = bytearray(6)
     cached[4] = 1
-    return {b"x": 4}, {4: b"x"}, state, cached
+    return {b"x": 4}, [None, None, None, None, b"x", None], state, cached
 
 
 @needs_native
@@ -182,7 +183,7 @@ def fresh() -> tuple[dict, dict, list[int], bytearray]:
 )
 def test_cache_refuses_and_changes_nothing(pages: list[int], hashes: list[object]) -> None:
     index, hash_of, state, cached = fresh()
-    before = (dict(index), dict(hash_of), list(state), bytes(cached))
+    before = (dict(index), list(hash_of), list(state), bytes(cached))
     assert ops().cache(index, hash_of, state, cached, pages, hashes, 1) is False
     assert (index, hash_of, state, bytes(cached)) == before
 
@@ -192,7 +193,7 @@ def test_cache_enters_a_fresh_run() -> None:
     index, hash_of, state, cached = fresh()
     assert ops().cache(index, hash_of, state, cached, [3, 1], [b"c", b"a"], 2) is True
     assert index == {b"x": 4, b"c": 3, b"a": 1}
-    assert hash_of == {4: b"x", 3: b"c", 1: b"a"}
+    assert hash_of == [None, b"a", None, b"c", b"x", None]
     assert state == [0, 3, 2, 3, 3, 0]
     assert bytes(cached) == bytes([0, 2, 0, 2, 1, 0])
 
@@ -201,7 +202,7 @@ def test_cache_enters_a_fresh_run() -> None:
 @pytest.mark.parametrize("bad", [-1, 6, 99])
 def test_out_of_range_pages_change_nothing(bad: int) -> None:
     index, hash_of, state, cached = fresh()
-    before = (dict(index), dict(hash_of), list(state), bytes(cached))
+    before = (dict(index), list(hash_of), list(state), bytes(cached))
     with pytest.raises(IndexError):
         ops().take(state, [5, bad])
     with pytest.raises(IndexError):
@@ -237,11 +238,11 @@ def test_evict_leaves_other_groups_to_the_general_path() -> None:
     index[b"y"] = 3
     hash_of[3] = b"y"
     cached[3] = 2  # another group
-    before = (dict(index), dict(hash_of), bytes(cached))
+    before = (dict(index), list(hash_of), bytes(cached))
     assert ops().evict(index, hash_of, cached, [4, 3], 1) is None
     assert (index, hash_of, bytes(cached)) == before
     assert ops().evict(index, hash_of, cached, [3], 2) == [b"y"]
-    assert index == {b"x": 4} and hash_of == {4: b"x"} and cached[3] == 0
+    assert index == {b"x": 4} and hash_of[3] is None and hash_of[4] == b"x" and cached[3] == 0
 
 
 @needs_native
@@ -250,9 +251,11 @@ def test_evict_leaves_other_groups_to_the_general_path() -> None:
     [
         lambda o: o.take((0, 0), [1]),
         lambda o: o.release([0, 2], 1, 2, 0),
-        lambda o: o.cache({}, {}, [0, 2], b"\0\0", [1], [b"a"], 1),
-        lambda o: o.cache({}, {}, [0, 2], bytearray(2), [1], [b"a"], 0),
-        lambda o: o.evict([], {}, bytearray(2), [1], 1),
+        lambda o: o.cache({}, [None] * 2, [0, 2], b"\0\0", [1], [b"a"], 1),
+        lambda o: o.cache({}, [None] * 2, [0, 2], bytearray(2), [1], [b"a"], 0),
+        lambda o: o.cache({}, {}, [0, 2], bytearray(2), [1], [b"a"], 1),
+        lambda o: o.cache({}, [None] * 3, [0, 2], bytearray(2), [1], [b"a"], 1),
+        lambda o: o.evict([], [None] * 2, bytearray(2), [1], 1),
     ],
 )
 def test_wrong_types_are_refused(call: Callable[[ModuleType], object]) -> None:

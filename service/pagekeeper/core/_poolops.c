@@ -1,8 +1,8 @@
 /* pagekeeper.core._poolops: the per-page loops of PagePool's bulk paths in C.
  *
  * An optional accelerator of pagekeeper.core.pool. It works on the pool's own Python
- * objects (the state list, the cached-flag bytearray, the two dicts of the prefix-cache
- * index), so nothing about the pool's layout, snapshots or introspection changes; each
+ * objects (the state list, the cached-flag bytearray, the prefix-cache index dict and the
+ * list of each page's hash), so nothing about the pool's layout, snapshots or introspection changes; each
  * function does what the Python loop it replaces does, and tests run the pool both ways.
  *
  *   take(state, pages) -> evicted
@@ -11,8 +11,8 @@
  *
  *   evict(index, hash_of, cached, pages, flag) -> hashes | None
  *       Lazy eviction of pages that all belong to one group (cached[page] == flag) and
- *       each hold their hash's only index entry: pop each page's hash from `hash_of`,
- *       delete it from `index`, clear the flag; the hashes in page order. None (nothing
+ *       each hold their hash's only index entry: take each page's hash from `hash_of`
+ *       (leaving None), delete it from `index`, clear the flag; the hashes in page order. None (nothing
  *       changed) when a page is not of that group.
  *
  *   cache(index, hash_of, state, cached, pages, hashes, flag) -> bool
@@ -90,6 +90,8 @@ set_state(PyObject *state, Py_ssize_t page, long v)
     return 0;
 }
 
+/* The pool's objects, of the right types; `cached` and `hash_of` as long as `state`
+ * (when given, else as long as each other). */
 static int
 check_types(PyObject *state, PyObject *cached, PyObject *index, PyObject *hash_of)
 {
@@ -101,9 +103,18 @@ check_types(PyObject *state, PyObject *cached, PyObject *index, PyObject *hash_o
         PyErr_SetString(PyExc_TypeError, "cached must be a bytearray");
         return -1;
     }
-    if ((index != NULL && !PyDict_CheckExact(index))
-        || (hash_of != NULL && !PyDict_CheckExact(hash_of))) {
-        PyErr_SetString(PyExc_TypeError, "index and hash_of must be dicts");
+    if (index != NULL && !PyDict_CheckExact(index)) {
+        PyErr_SetString(PyExc_TypeError, "index must be a dict");
+        return -1;
+    }
+    if (hash_of != NULL && !PyList_CheckExact(hash_of)) {
+        PyErr_SetString(PyExc_TypeError, "hash_of must be a list");
+        return -1;
+    }
+    Py_ssize_t n = state != NULL ? PyList_GET_SIZE(state) : PyByteArray_GET_SIZE(cached);
+    if ((cached != NULL && PyByteArray_GET_SIZE(cached) != n)
+        || (hash_of != NULL && PyList_GET_SIZE(hash_of) != n)) {
+        PyErr_SetString(PyExc_ValueError, "the pool's per-page objects differ in length");
         return -1;
     }
     return 0;
@@ -180,7 +191,6 @@ pool_evict(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     Py_ssize_t k = PySequence_Fast_GET_SIZE(fast);
-    PyObject **items = PySequence_Fast_ITEMS(fast);
     PyObject *hashes = NULL;
     Py_ssize_t *ids = page_ids(fast, PyByteArray_GET_SIZE(cached));
     if (ids == NULL) {
@@ -198,19 +208,18 @@ pool_evict(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         goto done;
     }
     for (Py_ssize_t i = 0; i < k; i++) {
-        PyObject *h = PyDict_GetItemWithError(hash_of, items[i]);
-        if (h == NULL) {
-            if (!PyErr_Occurred()) {
-                PyErr_Format(PyExc_KeyError, "page %zd has no hash", ids[i]);
-            }
+        PyObject *h = PyList_GET_ITEM(hash_of, ids[i]);
+        if (h == Py_None) {
+            PyErr_Format(PyExc_KeyError, "page %zd has no hash", ids[i]);
             goto fail;
         }
-        Py_INCREF(h);
+        /* The list's reference moves to `hashes`; the cell takes None. */
         PyList_SET_ITEM(hashes, i, h);
-        if (PyDict_DelItem(hash_of, items[i]) < 0 || PyDict_DelItem(index, h) < 0) {
+        PyList_SET_ITEM(hash_of, ids[i], Py_NewRef(Py_None));
+        flags[ids[i]] = 0;
+        if (PyDict_DelItem(index, h) < 0) {
             goto fail;
         }
-        flags[ids[i]] = 0;
     }
     goto done;
 fail:
@@ -242,10 +251,6 @@ pool_cache(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     if (flag < 1 || flag > 255) {
         PyErr_SetString(PyExc_ValueError, "flag must be in 1..255");
-        return NULL;
-    }
-    if (PyByteArray_GET_SIZE(cached) != PyList_GET_SIZE(state)) {
-        PyErr_SetString(PyExc_ValueError, "state and cached differ in length");
         return NULL;
     }
     PyObject *pages_fast = PySequence_Fast(args[4], "pages must be a sequence");
@@ -318,10 +323,12 @@ pool_cache(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     /* 3. The pages: their hash and cached bit (their flags are set). */
     for (Py_ssize_t i = 0; i < k; i++) {
-        if (PyDict_SetItem(hash_of, pages[i], hashes[i]) < 0
-            || set_state(state, ids[i], states[i] + 1) < 0) {
+        if (set_state(state, ids[i], states[i] + 1) < 0) {
             goto done;  /* a MemoryError */
         }
+        PyObject *old = PyList_GET_ITEM(hash_of, ids[i]);
+        PyList_SET_ITEM(hash_of, ids[i], Py_NewRef(hashes[i]));
+        Py_DECREF(old);
     }
     result = Py_NewRef(Py_True);
     goto done;

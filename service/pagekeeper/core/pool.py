@@ -127,8 +127,11 @@ class PagePool:
         # with the same hash (vLLM keeps duplicates) wait in ``_dups`` in insertion order.
         self._index: list[dict[bytes, int]] = []
         self._dups: list[dict[bytes, list[int]]] = []
-        # Hash of every cached page; ``_cached[page]`` holds its group id + 1 (0: not cached).
-        self._page_hash: dict[int, bytes] = {}
+        # Hash of every cached page (None: not cached), a list by page id rather than a
+        # dict: a write is one store, not a probe and an insert into a table that grows and
+        # is rebuilt. ``_cached[page]`` holds its group id + 1 (0: not cached).
+        self._page_hash: list[bytes | None] = [None] * num_pages
+        self._num_cached = 0
         self._events: list[KVEvent] = []
         self._event_seq = 0
         self.num_evictions = 0
@@ -149,7 +152,7 @@ class PagePool:
 
     @property
     def num_cached_pages(self) -> int:
-        return len(self._page_hash)
+        return self._num_cached
 
     @property
     def num_free_cached_pages(self) -> int:
@@ -179,7 +182,9 @@ class PagePool:
 
     def page_hash(self, page_id: int) -> tuple[int, bytes] | None:
         """``(group_id, hash)`` of a cached page, else None."""
-        page_hash = self._page_hash.get(page_id)
+        if not 0 <= page_id < self.num_pages:
+            return None
+        page_hash = self._page_hash[page_id]
         return None if page_hash is None else (self._cached[page_id] - 1, page_hash)
 
     def is_free(self, page_id: int) -> bool:
@@ -590,6 +595,7 @@ class PagePool:
             # A run of held, uncached pages with new, distinct hashes, entered in one C call
             # (it changes nothing and says False otherwise: the general path below).
             if self._ops.cache(index, hash_of, self._state, cached, pages, hashes, group_id + 1):
+                self._num_cached += len(pages)
                 self._stored_event(
                     group_id, pages, hashes, parent_hash, token_ids, page_size, lora_name
                 )
@@ -608,10 +614,11 @@ class PagePool:
             if self._cached_np[ids].any() or min(states) < 2:
                 raise InvariantViolation(f"pages {pages} include a cached or free page")
             index.update(zip(hashes, pages, strict=True))
-            hash_of.update(zip(pages, hashes, strict=True))
             self._cached_np[ids] = group_id + 1
-            for page, s in zip(pages, states, strict=True):
+            for page, s, page_hash in zip(pages, states, hashes, strict=True):
                 state[page] = s + 1
+                hash_of[page] = page_hash
+            self._num_cached += len(pages)
             self._stored_event(
                 group_id, pages, hashes, parent_hash, token_ids, page_size, lora_name
             )
@@ -666,6 +673,7 @@ class PagePool:
         self._cached[page] = group_id + 1
         self._state[page] += 1
         self._page_hash[page] = page_hash
+        self._num_cached += 1
 
     def _stored_event(
         self,
@@ -710,13 +718,15 @@ class PagePool:
                 if self._ops is not None:
                     hashes = self._ops.evict(index, hash_of, cached, pages, group_plus_one)
                 elif bytes(map(cached.__getitem__, pages)).count(group_plus_one) == k:
-                    hashes = list(map(hash_of.pop, pages))
+                    hashes = list(map(hash_of.__getitem__, pages))
                     deque(map(index.__delitem__, hashes), maxlen=0)
                     for page in pages:
                         cached[page] = 0
+                        hash_of[page] = None
                 else:
                     hashes = None  # pages of several groups: the general path
                 if hashes is not None:
+                    self._num_cached -= k
                     self._removed_event(group_plus_one - 1, pages, hashes)
                     self.num_evictions += k
                     return
@@ -725,7 +735,11 @@ class PagePool:
         run_hashes: list[bytes] = []
         for page in pages:
             group_id = cached[page] - 1
-            page_hash = hash_of.pop(page)
+            page_hash = hash_of[page]
+            if page_hash is None:
+                raise InvariantViolation(f"cached page {page} has no hash")
+            hash_of[page] = None
+            self._num_cached -= 1
             cached[page] = 0
             index, dups = self._index[group_id], self._dups[group_id]
             if index.get(page_hash) == page:
@@ -766,11 +780,12 @@ class PagePool:
         """Forget every hash; only when no request holds a page (as vLLM)."""
         if self.num_used_pages != 0:
             return False
-        self._cached_np[:] = 0
         state = self._state
-        for page in self._page_hash:
+        for page in np.flatnonzero(self._cached_np).tolist():
             state[page] = 0  # no page is held: a cached page's state is exactly 1
-        self._page_hash.clear()
+        self._cached_np[:] = 0
+        self._page_hash = [None] * self.num_pages
+        self._num_cached = 0
         for index, dups in zip(self._index, self._dups, strict=True):
             index.clear()
             dups.clear()
@@ -858,10 +873,13 @@ class PagePool:
             for page_hash in dups:
                 if page_hash not in index:
                     problems.append("duplicate list without a primary index entry")
-        if seen != set(self._page_hash):
-            problems.append(f"{len(self._page_hash)} pages have hashes but {len(seen)} are indexed")
+        hashed = {page for page, h in enumerate(self._page_hash) if h is not None}
+        if seen != hashed:
+            problems.append(f"{len(hashed)} pages have hashes but {len(seen)} are indexed")
+        if len(hashed) != self._num_cached:
+            problems.append(f"{len(hashed)} pages have hashes but {self._num_cached} counted")
         flagged = set(np.flatnonzero(self._cached_np).tolist())
-        if flagged != set(self._page_hash):
+        if flagged != hashed:
             problems.append("is_cached flags disagree with the page hashes")
         if self._cached[NULL_PAGE]:
             problems.append("the null page is cached")

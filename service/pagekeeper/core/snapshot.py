@@ -199,6 +199,7 @@ def snapshot_manager(manager: Any) -> Tree:
         raise InvalidArgument("snapshot_manager needs a PageManager")
     pool = manager.pool
     run = pool._buf_np[pool._head : pool._tail].copy()
+    hash_pages = np.flatnonzero(pool._cached_np).tolist()
     index_tree = []
     for index, dups in zip(pool._index, pool._dups, strict=True):
         dup_hashes = list(dups)
@@ -222,8 +223,8 @@ def snapshot_manager(manager: Any) -> Tree:
         "run": run,
         "num_free": pool._num_free,
         "index": index_tree,
-        "hash_pages": _ints(list(pool._page_hash)),
-        "hash_values": list(pool._page_hash.values()),
+        "hash_pages": _ints(hash_pages),
+        "hash_values": [pool._page_hash[page] for page in hash_pages],
         "events": events_to_tree(pool._events),
         "event_seq": pool._event_seq,
         "num_evictions": pool.num_evictions,
@@ -367,9 +368,13 @@ def _restore_pool(manager: Any, pt: Tree) -> None:
                 for h, chunk in zip(_bytes_list(it["dup_hashes"]), dup_pages, strict=True)
             }
         )
-    pool._page_hash = dict(
-        zip(np.asarray(pt["hash_pages"]).tolist(), _bytes_list(pt["hash_values"]), strict=True)
-    )
+    pool._page_hash = [None] * pool.num_pages
+    hash_pages = np.asarray(pt["hash_pages"]).tolist()
+    for page, page_hash in zip(hash_pages, _bytes_list(pt["hash_values"]), strict=True):
+        if not 0 < page < pool.num_pages:
+            raise InvalidArgument(f"snapshot caches page {page}, not in the pool")
+        pool._page_hash[page] = page_hash
+    pool._num_cached = len(hash_pages)
     pool._events = events_from_tree(pt["events"])
     pool._event_seq = int(pt["event_seq"])
     pool.num_evictions = int(pt["num_evictions"])
