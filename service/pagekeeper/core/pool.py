@@ -718,7 +718,8 @@ class PagePool:
                 if self._ops is not None:
                     hashes = self._ops.evict(index, hash_of, cached, pages, group_plus_one)
                 elif bytes(map(cached.__getitem__, pages)).count(group_plus_one) == k:
-                    hashes = list(map(hash_of.__getitem__, pages))
+                    # Each page is cached (its flag says so), so each has a hash.
+                    hashes = [hash_of[page] for page in pages]  # type: ignore[misc]
                     deque(map(index.__delitem__, hashes), maxlen=0)
                     for page in pages:
                         cached[page] = 0
