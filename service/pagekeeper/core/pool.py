@@ -319,7 +319,8 @@ class PagePool:
 
     def _check_pages(self, pages: Sequence[int]) -> None:
         """Refuse, before anything changes, a page id outside the pool (a negative one
-        would otherwise index from the end)."""
+        would otherwise index from the end). For ``cache`` (once per run of pages); the
+        free and hit paths take ids from the pool's own tables and index and stay lean."""
         if len(pages) and (min(pages) < 0 or max(pages) >= self.num_pages):
             bad = next(p for p in pages if not 0 <= p < self.num_pages)
             raise InvalidArgument(f"page {bad} is not in the pool (0 .. {self.num_pages - 1})")
@@ -387,7 +388,6 @@ class PagePool:
         state, buf = self._state, self._buf
         if type(pages) is not list:
             pages = list(pages)
-        self._check_pages(pages)
         k = len(pages)
         if k > 1 and state[pages[-1]] == 1:
             # A hit on the pages of a finished request: they were freed together, last page
@@ -474,8 +474,6 @@ class PagePool:
         state = self._state
         if len(pages) == 1:
             page = pages[0]  # a numpy int indexes the list and the buffer alike
-            if not 0 <= page < self.num_pages:
-                self._check_pages([page])
             s = state[page] - 2
             if s < 0:
                 if page == NULL_PAGE:
@@ -502,7 +500,6 @@ class PagePool:
             return
         if type(pages) is not list:
             pages = pages.tolist() if isinstance(pages, np.ndarray) else [int(p) for p in pages]
-        self._check_pages(pages)
         k = len(pages)
         if self._tail + k > len(self._buf):
             self._recenter()
