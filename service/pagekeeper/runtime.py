@@ -77,6 +77,7 @@ def limits_from_settings(settings: Settings) -> Limits:
         max_lease_ttl_s=settings.max_lease_ttl_s,
         lease_grace_s=settings.lease_grace_s,
         event_buffer_size=settings.event_buffer_size,
+        event_buffer_bytes=settings.event_buffer_bytes,
     )
 
 

@@ -72,6 +72,9 @@ class Settings:
     """How long after a scheduler's lease expires its requests are freed."""
     event_buffer_size: int = 65536
     """KV events kept for WatchEvents / GET /v1/events resumption."""
+    event_buffer_bytes: int = 64 * 1024 * 1024
+    """...and at most about this many bytes of them (a stored event holds its tokens: 65,536
+    admissions of 2,000 tokens would be ~2 GB, and every snapshot would copy them)."""
     debug_invariants: bool = False
     """Run the core's ``check_invariants()`` after every mutation (slow; for debugging)."""
     data_dir: str = "data"
@@ -124,6 +127,7 @@ class Settings:
             ("max_requests_per_step", 1),
             ("max_tokens_per_step", 1),
             ("event_buffer_size", 1),
+            ("event_buffer_bytes", 1024),
             ("snapshot_every", 1),
         ):
             value = getattr(self, name)
@@ -189,6 +193,7 @@ class Settings:
             "max_lease_ttl_s": self.max_lease_ttl_s,
             "lease_grace_s": self.lease_grace_s,
             "event_buffer_size": self.event_buffer_size,
+            "event_buffer_bytes": self.event_buffer_bytes,
             "debug_invariants": self.debug_invariants,
             "data_dir": self.data_dir,
             "durability": self.durability,
@@ -280,6 +285,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("server.max_lease_ttl_s", float, "longest lease a client may ask for, seconds"),
     Option("server.lease_grace_s", float, "delay before an expired scheduler's requests are freed"),
     Option("server.event_buffer_size", _parse_int, "KV events kept for resumption"),
+    Option("server.event_buffer_bytes", _parse_int, "...and at most this many bytes of them"),
     Option("server.debug_invariants", _parse_bool, "check core invariants after every mutation"),
     Option("server.data_dir", str, "directory for durable state"),
     Option(

@@ -54,7 +54,7 @@ from pagekeeper.core.errors import (
     PermissionDenied,
     ResourceExhausted,
 )
-from pagekeeper.core.events import KVEvent
+from pagekeeper.core.events import KVEvent, event_nbytes
 from pagekeeper.core.manager import PageManager
 from pagekeeper.core.tables import MultipleOf, choose_kernel_block_size, expand_to_kernel_blocks
 from pagekeeper.core.types import (
@@ -464,6 +464,9 @@ class ServiceCounters:
         return {"p50": float(p50), "p99": float(p99), "max": float(arr.max())}
 
 
+DEFAULT_EVENT_BUFFER_BYTES = 64 * 1024 * 1024
+
+
 @dataclass(frozen=True, slots=True)
 class Limits:
     max_requests_per_step: int = 1024
@@ -473,6 +476,10 @@ class Limits:
     max_lease_ttl_s: float = 300.0
     lease_grace_s: float = 0.0
     event_buffer_size: int = 65536
+    event_buffer_bytes: int = DEFAULT_EVENT_BUFFER_BYTES
+    """The KV-event buffer also stops at about this many bytes (``event_nbytes``): stored
+    events carry their tokens, so 65,536 admissions' worth would hold gigabytes and make
+    every snapshot (and a graceful stop) take tens of seconds."""
 
 
 class Journal(Protocol):
@@ -544,7 +551,9 @@ class ServiceState:
         # Distinct per-group kernel block size tuples of registered workers -> how many use
         # each; a published batch carries one table per group and per distinct size.
         self._kernel_sets: dict[tuple[int, ...], int] = {}
-        self._events: deque[KVEvent] = deque(maxlen=self.limits.event_buffer_size)
+        # Recent KV events for resumption, oldest first; bounded by count and by bytes.
+        self._events: deque[KVEvent] = deque()
+        self._events_nbytes = 0
         self._last_event_seq = 0
         self._listeners: list[Callable[[], None]] = []
         self._page_sizes = tuple(g.page_size for g in pool_config.groups)
@@ -561,7 +570,17 @@ class ServiceState:
         events = self.manager.take_events()
         if events:
             self._events.extend(events)
+            self._events_nbytes += sum(map(event_nbytes, events))
+            self._trim_events()
             self._last_event_seq = events[-1].seq
+
+    def _trim_events(self) -> None:
+        """Drop the oldest events past either limit (the newest one always stays)."""
+        events, limits = self._events, self.limits
+        while len(events) > limits.event_buffer_size or (
+            self._events_nbytes > limits.event_buffer_bytes and len(events) > 1
+        ):
+            self._events_nbytes -= event_nbytes(events.popleft())
 
     def _after_mutation(self, command: Command, result: Any = None) -> None:
         """Collect events, check (debug), journal, then wake listeners: a watcher never
@@ -1356,8 +1375,7 @@ class ServiceState:
         if not isinstance(cmd.limits, Limits):
             raise InvalidArgument("limits must be a Limits")
         self.limits = cmd.limits
-        if self._events.maxlen != cmd.limits.event_buffer_size:
-            self._events = deque(self._events, maxlen=cmd.limits.event_buffer_size)
+        self._trim_events()
         self._after_mutation(cmd)
 
     def attach_sink(self, sink: TableSink | None) -> RingDescriptor | None:
@@ -1444,7 +1462,9 @@ class ServiceState:
         self._clients = {c.client_id: c for c in clients}
         self._requests = requests
         self._kernel_sets = kernel_sets
-        self._events = deque(events, maxlen=limits.event_buffer_size)
+        self._events = deque(events)
+        self._events_nbytes = sum(map(event_nbytes, events))
+        self._trim_events()  # a snapshot from before the byte limit may hold more
         self._last_event_seq = last_event_seq
         self._next_client_number = next_number
         self._last_published_step_seq = last_published
@@ -1690,6 +1710,7 @@ def limits_to_tree(limits: Limits) -> dict[str, Any]:
         "max_lease_ttl_s": float(limits.max_lease_ttl_s),
         "lease_grace_s": float(limits.lease_grace_s),
         "event_buffer_size": limits.event_buffer_size,
+        "event_buffer_bytes": limits.event_buffer_bytes,
     }
 
 
@@ -1702,6 +1723,8 @@ def limits_from_tree(tree: dict[str, Any]) -> Limits:
         max_lease_ttl_s=float(tree["max_lease_ttl_s"]),
         lease_grace_s=float(tree["lease_grace_s"]),
         event_buffer_size=int(tree["event_buffer_size"]),
+        # Records and snapshots from before the byte limit carry none: the default.
+        event_buffer_bytes=int(tree.get("event_buffer_bytes", DEFAULT_EVENT_BUFFER_BYTES)),
     )
 
 

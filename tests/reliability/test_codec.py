@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagekeeper.core.errors import InvalidArgument
-from pagekeeper.core.events import AllCleared, PageRemoved, PageStored
+from pagekeeper.core.events import AllCleared, PageRemoved, PageStored, TokenRun
 from pagekeeper.core.groups import GroupManager, MambaManager, SlidingWindowManager
 from pagekeeper.core.manager import PageManager, _Request
 from pagekeeper.core.pool import PagePool
@@ -43,6 +43,8 @@ from pagekeeper.state import (
     StepCommand,
     StepResult,
     UnregisterCommand,
+    limits_from_tree,
+    limits_to_tree,
 )
 from tests.reliability.workload import HYBRID_POOL, Workload, new_state, tokens
 
@@ -261,6 +263,7 @@ KNOWN_ATTRIBUTES = {
         "pool_config", "limits", "manager", "sink", "debug_invariants", "clock", "journal",
         "_fenced_reason", "counters", "_clients", "_requests", "_next_client_number",
         "_last_published_step_seq", "_kernel_sets", "_events", "_last_event_seq",
+        "_events_nbytes",  # derived from _events: recomputed when a snapshot is restored
         "_listeners", "_page_sizes",
     },
 }  # fmt: skip
@@ -294,11 +297,21 @@ def test_events_round_trip():
         PageRemoved(2, 1, (b"c",), (7,)),
         AllCleared(3),
         PageStored(4, 2, (b"d",), b"parent", (2**40,), 16, (9,), None),
+        PageStored(5, 0, (b"e",), None, TokenRun([2**64 - 1, 0, 7]), 16, (3,), None),
     ]
     assert events_from_tree(decode(encode(events_to_tree(events)))) == events
+    small = [PageStored(1, 0, (b"a",), None, TokenRun(range(16)), 16, (1,), None)]
+    assert events_to_tree(small)["tokens"].dtype == np.int32  # narrowed when ids fit
     assert events_from_tree(decode(encode(events_to_tree([])))) == []
     with pytest.raises(InvalidArgument):
         events_from_tree({**events_to_tree(events), "kinds": "srcx"})
+
+
+def test_limits_from_before_the_event_byte_budget_read_with_its_default():
+    tree = limits_to_tree(Limits(event_buffer_bytes=4096))
+    assert limits_from_tree(tree).event_buffer_bytes == 4096
+    del tree["event_buffer_bytes"]  # a record or snapshot written before the field
+    assert limits_from_tree(tree) == Limits()
 
 
 def test_a_step_read_over_grpc_is_journaled_as_its_request_bytes():

@@ -80,6 +80,7 @@ def test_printed_config_reads_back(tmp_path):
         ({"flags": {"server.lease_ttl_s": "-1"}}, "server.lease_ttl_s"),
         ({"flags": {"server.max_message_bytes": "3000000000"}}, "server.max_message_bytes"),
         ({"flags": {"server.log_level": "loud"}}, "server.log_level"),
+        ({"env": {"PAGEKEEPER_EVENT_BUFFER_BYTES": "100"}}, "server.event_buffer_bytes"),
         ({"toml": "[server]\nbogus = 1\n"}, "server.bogus"),
         ({"toml": "[pool]\nnum_pages = 'x'\n"}, "pool.num_pages"),
         ({"toml": "[pool]\n[[pool.groups]]\nkind = 'sliding_window'\n"}, "pool.groups[0].window"),

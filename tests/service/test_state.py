@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -14,6 +16,7 @@ from pagekeeper.core.errors import (
     PermissionDenied,
     ResourceExhausted,
 )
+from pagekeeper.core.events import PageStored, TokenRun, event_nbytes
 from pagekeeper.publication import PublicationHub
 from pagekeeper.publish.api import RingDescriptor, RingGeometry
 from pagekeeper.state import (
@@ -21,6 +24,7 @@ from pagekeeper.state import (
     AllocationStatus,
     Batch,
     ClientRole,
+    ConfigureLimitsCommand,
     ExpireLeasesCommand,
     ForceFreeCommand,
     GroupKernelSupport,
@@ -347,6 +351,30 @@ def test_force_free_and_pages_view():
         state.force_free(ForceFreeCommand(0.0, "a"))
     with pytest.raises(NotFound):
         state.page(64)
+
+
+def test_events_buffer_is_bounded_by_bytes_too():
+    """Stored events carry their tokens: the buffer stops at event_buffer_bytes as well as
+    at event_buffer_size, oldest first; a reader further back is told it fell behind, and a
+    restored snapshot holds the same buffer."""
+    budget = 3 * event_nbytes(
+        PageStored(0, 0, (b"h" * 32,) * 20, None, TokenRun(range(320)), 16, tuple(range(20)))
+    )
+    state = make_state(num_pages=256, event_buffer_bytes=budget)
+    me = scheduler(state)
+    for i in range(6):
+        step(state, me, i + 1, admissions=(Admission(f"r{i}", tokens(i * 1000, 320)),))
+    kept = state.events_since(0, 100)
+    assert kept.fell_behind and [e.seq for e in kept.events] == [4, 5, 6]
+    assert state._events_nbytes == sum(map(event_nbytes, kept.events)) <= budget
+    twin = make_state(num_pages=256, event_buffer_bytes=budget)
+    twin.restore_state(state.snapshot_state())
+    assert twin.events_since(0, 100) == kept and twin._events_nbytes == state._events_nbytes
+    # Tighter limits drop more at once; the newest event always stays.
+    state.configure_limits(
+        ConfigureLimitsCommand(2.0, dataclasses.replace(state.limits, event_buffer_bytes=1))
+    )
+    assert [e.seq for e in state.events_since(0, 100).events] == [6]
 
 
 def test_events_buffer_reports_falling_behind():

@@ -110,3 +110,25 @@ class AllCleared:
 
 
 KVEvent = PageStored | PageRemoved | AllCleared
+
+# Bytes an event keeps alive, roughly: the object and its tuples, each hash as a bytes object
+# and a tuple slot, each page id as an int object and a slot, each token 8 bytes.
+_EVENT_BYTES = 128
+_PAGE_ID_BYTES = 36
+_HASH_OVERHEAD_BYTES = 41
+
+
+def event_nbytes(event: KVEvent) -> int:
+    """An estimate of the memory ``event`` holds (deterministic: the same event gives the
+    same figure, so a buffer trimmed by bytes is trimmed alike on replay)."""
+    if type(event) is AllCleared:
+        return _EVENT_BYTES
+    hashes = event.page_hashes  # type: ignore[union-attr]
+    size = (
+        _EVENT_BYTES
+        + len(hashes) * (_HASH_OVERHEAD_BYTES + (len(hashes[0]) if hashes else 0))
+        + len(event.page_ids) * _PAGE_ID_BYTES  # type: ignore[union-attr]
+    )
+    if type(event) is PageStored:
+        size += 8 * len(event.token_ids)
+    return size

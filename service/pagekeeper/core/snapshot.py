@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import heapq
 from array import array
+from collections.abc import Iterable, Sequence
 from itertools import chain
 from typing import Any
 
@@ -66,6 +67,26 @@ def _narrow(array: npt.NDArray[np.int64]) -> npt.NDArray[np.int32] | npt.NDArray
     if array.size == 0 or (int(array.min()) >= -_INT32_MAX and int(array.max()) <= _INT32_MAX):
         return array.astype(np.int32)
     return array
+
+
+def _token_column(runs: Iterable[Sequence[int]]) -> npt.NDArray[Any]:
+    """Token runs concatenated into one column: their packed bytes joined (a request's
+    ``array('Q')``, an event's ``TokenRun``), not one int object per token; int32 when every
+    id fits, as ``_narrow`` would, else unsigned 64-bit (any id the core accepts)."""
+    packed = b"".join(
+        run.tobytes()
+        if type(run) is TokenRun or (type(run) is array and run.typecode == "Q")
+        else _packed(run)
+        for run in runs
+    )
+    column = np.frombuffer(packed, dtype=np.uint64)
+    if column.size == 0 or int(column.max()) <= _INT32_MAX:
+        return column.astype(np.int32)
+    return column.copy()
+
+
+def _packed(run: Sequence[int]) -> bytes:
+    return array("Q", run).tobytes()
 
 
 def _split(flat: npt.NDArray[Any], lengths: npt.NDArray[Any]) -> list[npt.NDArray[Any]]:
@@ -126,7 +147,7 @@ def events_to_tree(events: list[KVEvent]) -> Tree:
         "pages": _narrow(np.fromiter(chain.from_iterable(e.page_ids for e in paged), np.int64)),
         "parents": [e.parent_page_hash or b"" for e in stored],
         "num_tokens": np.fromiter((len(e.token_ids) for e in stored), np.int32, len(stored)),
-        "tokens": _narrow(np.fromiter(chain.from_iterable(e.token_ids for e in stored), np.int64)),
+        "tokens": _token_column(e.token_ids for e in stored),
         "page_sizes": np.fromiter((e.page_size for e in stored), np.int32, len(stored)),
         "loras": None if loras.count(None) == len(loras) else loras,
     }
@@ -262,7 +283,7 @@ def snapshot_manager(manager: Any) -> Tree:
         "owners": [r.owner for r in reqs],
         "extra_keys": [extra_keys_to_tree(r.extra_keys) for r in reqs],
         "num_tokens": _ints([len(r.token_ids) for r in reqs]),
-        "tokens": _narrow(np.fromiter(chain.from_iterable(r.token_ids for r in reqs), np.int64)),
+        "tokens": _token_column(r.token_ids for r in reqs),
         "num_hashes": _ints([len(r.hashes) for r in reqs]),
         "hashes": [h for r in reqs for h in r.hashes],
         "num_computed_tokens": _ints([r.num_computed_tokens for r in reqs]),
