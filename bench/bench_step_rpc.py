@@ -488,7 +488,12 @@ async def run(samples: int, workdir: Path, use_local: bool) -> list[Row]:
         for process in processes:
             process.terminate()
         for process in processes:
-            process.wait(10)
+            # The service snapshots its state as it stops (~1-2 s after a full run).
+            try:
+                process.wait(60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
         if local is not None:
             local.close()
     return rows
