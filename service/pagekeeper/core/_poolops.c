@@ -33,7 +33,9 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-/* Page ids of a sequence as C integers, each in [0, n); NULL with an exception set. */
+/* Page ids of a sequence as C integers, each in [0, n); NULL with an exception set.
+ * Only exact ints (the pool's own lists hold nothing else): no Python code runs while
+ * the pool's objects are read and written. */
 static Py_ssize_t *
 page_ids(PyObject *fast, Py_ssize_t n)
 {
@@ -45,8 +47,17 @@ page_ids(PyObject *fast, Py_ssize_t n)
         return NULL;
     }
     for (Py_ssize_t i = 0; i < k; i++) {
-        Py_ssize_t page = PyNumber_AsSsize_t(items[i], PyExc_IndexError);
+        if (!PyLong_CheckExact(items[i])) {
+            PyErr_Format(PyExc_TypeError, "page ids must be ints, got %.100s",
+                         Py_TYPE(items[i])->tp_name);
+            PyMem_Free(ids);
+            return NULL;
+        }
+        Py_ssize_t page = PyLong_AsSsize_t(items[i]);
         if (page == -1 && PyErr_Occurred()) {
+            PyErr_Clear();  /* beyond a C integer: out of range */
+            PyErr_Format(PyExc_IndexError, "page %R out of range (pool of %zd pages)",
+                         items[i], n);
             PyMem_Free(ids);
             return NULL;
         }
