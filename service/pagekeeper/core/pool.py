@@ -7,6 +7,7 @@ Memory is a few small integers per page in flat arrays, never a Python object pe
                                  of CPython's shared small ints; 0/1 = in the free queue)
     position   int32  per page   its cell in the queue buffer (cached free pages; lazily)
     is_cached  uint8  per page   group id + 1 while the page is in the prefix-cache index
+    page_hash  list   per page   its hash while cached, else None (a pointer: 8 bytes)
     buffer     int32  2 x pages  the free queue, a double-ended run with holes
 
 The state is a list rather than an ``array``: it is read and written on every page of every
@@ -22,7 +23,9 @@ a freed run goes in front of ``head`` or after ``tail``; removing a page from th
 taking pages and squeezed out when the run is re-centred, which happens only when one
 end runs out of room (amortised O(1) per page). Each array is also exposed as a numpy
 view of the same memory, so bulk operations are vectorised while single-page operations
-stay on fast scalar indexing.
+stay on fast scalar indexing. Where the package was built with a C compiler, the per-page
+loops of the bulk paths (allocation, eviction, caching a run, a same-state free) run in C
+on these same objects (``_poolops.c``), with the same results.
 
 Only what a later operation reads is written. A page is free exactly when its ref count
 is 0 (the null page aside). Its ``position`` is needed only to take it out of the middle
@@ -889,6 +892,7 @@ class PagePool:
         """Bytes of the per-page arrays (not counting the cache index contents)."""
         return (
             sys.getsizeof(self._state)
+            + sys.getsizeof(self._page_hash)
             + self._pos_np.nbytes
             + self._cached_np.nbytes
             + self._buf_np.nbytes
