@@ -55,6 +55,20 @@ class StateCollector(Collector):
         yield gauge(
             "last_event_seq", "Sequence number of the latest KV event.", self.state.last_event_seq
         )
+        num_events, num_bytes, first_seq = self.state.event_buffer()
+        yield gauge(
+            "event_buffer_events", "KV events kept for resumption (event_buffer_size).", num_events
+        )
+        yield gauge(
+            "event_buffer_bytes",
+            "Estimated bytes of the KV events kept for resumption (event_buffer_bytes).",
+            num_bytes,
+        )
+        yield gauge(
+            "event_buffer_first_seq",
+            "Oldest KV event a watcher can resume from; one further back has fallen behind.",
+            first_seq,
+        )
         yield counter(
             "prefix_queries_tokens",
             "Tokens looked up in the prefix cache.",

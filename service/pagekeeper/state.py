@@ -1476,6 +1476,14 @@ class ServiceState:
     def last_event_seq(self) -> int:
         return self._last_event_seq
 
+    def event_buffer(self) -> tuple[int, int, int]:
+        """``(events, bytes, first seq)`` of the KV-event buffer kept for resumption (the
+        first seq is the next event's when the buffer is empty): a watcher behind the first
+        seq has fallen behind."""
+        events = self._events
+        first = events[0].seq if events else self._last_event_seq + 1
+        return len(events), self._events_nbytes, first
+
     @property
     def last_published_step_seq(self) -> int:
         return self._last_published_step_seq

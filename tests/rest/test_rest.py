@@ -212,6 +212,20 @@ def test_metrics(pagekeeper_server, running):
     )
     assert "pagekeeper_free_pages " in text and "pagekeeper_steps_total " in text
     assert "pagekeeper_step_apply_seconds_count" in text
+    gauges = {
+        line.split()[0]: float(line.split()[1])
+        for line in text.splitlines()
+        if line.startswith("pagekeeper_event_buffer_")
+    }
+    assert set(gauges) == {
+        "pagekeeper_event_buffer_events",
+        "pagekeeper_event_buffer_bytes",
+        "pagekeeper_event_buffer_first_seq",
+    }
+    # The shared server has produced events by now (the running requests' pages).
+    assert gauges["pagekeeper_event_buffer_events"] >= 1
+    assert gauges["pagekeeper_event_buffer_bytes"] > 0
+    assert gauges["pagekeeper_event_buffer_first_seq"] >= 1
 
 
 def test_openapi_documents_every_model(pagekeeper_server):

@@ -367,6 +367,7 @@ def test_events_buffer_is_bounded_by_bytes_too():
     kept = state.events_since(0, 100)
     assert kept.fell_behind and [e.seq for e in kept.events] == [4, 5, 6]
     assert state._events_nbytes == sum(map(event_nbytes, kept.events)) <= budget
+    assert state.event_buffer() == (3, state._events_nbytes, 4)
     twin = make_state(num_pages=256, event_buffer_bytes=budget)
     twin.restore_state(state.snapshot_state())
     assert twin.events_since(0, 100) == kept and twin._events_nbytes == state._events_nbytes
