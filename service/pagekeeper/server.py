@@ -118,7 +118,9 @@ async def _take_snapshots(runtime: Runtime, period: float) -> None:
     while True:
         await asyncio.sleep(period)
         if durability.snapshot_due:
-            durability.snapshot(runtime.state)
+            # Encoded in a worker thread: calls go on meanwhile (a stop cancels it here,
+            # and the graceful stop's own snapshot covers everything).
+            await durability.snapshot_in_background(runtime.state)
 
 
 async def serve(

@@ -8,6 +8,7 @@ equal, and so must every answer to the next commands (the next allocations).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import sqlite3
 
@@ -335,3 +336,35 @@ def test_every_mutation_is_journaled():
             # Everything but an expiry or resume with nothing to do is a change.
             assert journal.num_records - before in (0, 1)
     assert applied > 500
+
+
+def test_a_background_snapshot_covers_its_records_and_keeps_the_later_ones(tmp_path):
+    """The server's periodic snapshot encodes in a worker thread while calls go on: it is
+    the state as of the record it was taken after, the records appended meanwhile stay in
+    the log, and a crash right after recovers the live state (snapshot + those records)."""
+    live, workload = new_state(FULL_POOL), Workload(33, FULL_POOL)
+    durability = Durability.open(tmp_path, "process", snapshot_every=10_000)
+    durability.recover(live)
+    durability.attach(live)
+    _drive(live, workload, 200)
+    taken_after = durability.last_seq
+    at_capture = state_digest(live)
+
+    async def snapshot_while_stepping() -> int:
+        task = asyncio.create_task(durability.snapshot_in_background(live))
+        await asyncio.sleep(0)  # the task takes the tree, then awaits its encoding
+        _drive(live, workload, 100)  # calls go on meanwhile
+        return await task
+
+    assert asyncio.run(snapshot_while_stepping()) == taken_after
+    later = durability.last_seq - taken_after
+    assert later >= 100 and durability.num_records_since_snapshot == later
+    stats = durability.stats
+    assert stats.num_snapshots == 1
+    assert 0 < stats.last_snapshot_loop_seconds <= stats.last_snapshot_seconds
+    live.journal = None
+    crash(durability)
+    recovered, durability = recover(tmp_path, FULL_POOL)
+    assert durability.report is not None and durability.report.num_replayed == later
+    assert state_digest(recovered) == state_digest(live) != at_capture
+    durability.close()

@@ -46,6 +46,11 @@ class DurabilityCollector(Collector):
         yield gauge(
             "last_snapshot_seconds", "Time the last snapshot took.", stats.last_snapshot_seconds
         )
+        yield gauge(
+            "last_snapshot_loop_seconds",
+            "Of which the event loop was held (the rest, encoding, ran in a worker thread).",
+            stats.last_snapshot_loop_seconds,
+        )
         append = GaugeMetricFamily(
             "pagekeeper_durability_append_seconds",
             "Commit time of recent records, by quantile.",

@@ -11,7 +11,8 @@
     attach(state)    from now on every applied mutation is committed before its answer
                      returns (``state.journal = durability``)
     snapshot(state)  every ``snapshot_every`` records (the server's housekeeping task asks
-                     :attr:`snapshot_due`) and at a graceful shutdown: bounds the replay
+                     :attr:`snapshot_due` and uses ``snapshot_in_background``, which
+                     encodes in a worker thread) and at a graceful shutdown: bounds the replay
     close()          checkpoint the WAL, unlock
 
 Layout of a data directory::
@@ -23,6 +24,7 @@ Layout of a data directory::
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import fcntl
@@ -94,6 +96,8 @@ class DurabilityStats:
     num_bytes: int = 0
     num_snapshots: int = 0
     last_snapshot_seconds: float = 0.0
+    last_snapshot_loop_seconds: float = 0.0
+    """Of which the event loop was held (all of it for a snapshot taken synchronously)."""
     last_snapshot_bytes: int = 0
     num_write_failures: int = 0
     append_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
@@ -389,28 +393,57 @@ class Durability:
     def snapshot(self, state: ServiceState) -> int:
         """Store the state as of the last record and drop the records it covers; returns
         that record's sequence number. Call between mutations (from the loop)."""
-        commands_log = self._require_log()
+        self._require_log()
         started = time.perf_counter()
+        seq, covered = self._seq, self._since_snapshot
         body = encode_snapshot(state.snapshot_state())
+        return self._store_snapshot(seq, covered, body, started, started)
+
+    async def snapshot_in_background(self, state: ServiceState) -> int:
+        """``snapshot`` with the encoding off the event loop: the state's tree is taken
+        between mutations (it shares nothing mutable with the state), encoded in a worker
+        thread while calls go on, and stored back on the loop, covering the records up to
+        the one it was taken after (later records stay in the log). Returns 0 when nothing
+        was stored (a failed write, or the log failed meanwhile)."""
+        self._require_log()
+        started = time.perf_counter()
+        seq, covered = self._seq, self._since_snapshot
+        tree = state.snapshot_state()
+        taken = time.perf_counter() - started
+        body = await asyncio.to_thread(encode_snapshot, tree)
+        if self.failure or self._log is None:
+            return 0
+        return self._store_snapshot(seq, covered, body, started, time.perf_counter() - taken)
+
+    def _store_snapshot(
+        self, seq: int, covered: int, body: bytes, started: float, loop_started: float
+    ) -> int:
+        """Write ``body`` as the snapshot after record ``seq``, which covered ``covered``
+        records; ``loop_started``: when the loop's share of the work began, less any of it
+        done earlier (the tree's capture)."""
+        commands_log = self._require_log()
         try:
-            commands_log.write_snapshot(self._seq, body)
+            commands_log.write_snapshot(seq, body)
         except LogError as exc:
             # A failed snapshot loses nothing (the records stay); say so and go on.
             log.error("snapshot failed (the log keeps every record): %s", exc)
             return 0
         commands_log.checkpoint()
-        self._since_snapshot = 0
+        self._since_snapshot = max(self._since_snapshot - covered, 0)
         stats = self.stats
         stats.num_snapshots += 1
-        stats.last_snapshot_seconds = time.perf_counter() - started
+        now = time.perf_counter()
+        stats.last_snapshot_seconds = now - started
+        stats.last_snapshot_loop_seconds = now - loop_started
         stats.last_snapshot_bytes = len(body)
         log.info(
-            "snapshot after record %d: %d bytes in %.3fs",
-            self._seq,
+            "snapshot after record %d: %d bytes in %.3fs (%.3fs of it on the event loop)",
+            seq,
             len(body),
             stats.last_snapshot_seconds,
+            stats.last_snapshot_loop_seconds,
         )
-        return self._seq
+        return seq
 
     def maybe_snapshot(self, state: ServiceState) -> int:
         return self.snapshot(state) if self.snapshot_due else 0
