@@ -241,7 +241,7 @@ KNOWN_ATTRIBUTES = {
     PagePool: {
         "num_pages", "enable_caching", "_state", "_pos", "_pos_np", "_cached",
         "_cached_np", "_buf", "_buf_np", "_head", "_tail", "_indexed", "_num_free", "_index",
-        "_dups", "_page_hash", "_num_cached", "_events", "_event_seq", "num_evictions",
+        "_dups", "_page_hash", "_events", "_event_seq", "num_evictions",
         "num_allocated_total", "_num_taken_by_hits",
         "_ops",  # which loops run (C or Python): the restoring process's choice, not state
     },

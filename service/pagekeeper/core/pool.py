@@ -134,7 +134,6 @@ class PagePool:
         # dict: a write is one store, not a probe and an insert into a table that grows and
         # is rebuilt. ``_cached[page]`` holds its group id + 1 (0: not cached).
         self._page_hash: list[bytes | None] = [None] * num_pages
-        self._num_cached = 0
         self._events: list[KVEvent] = []
         self._event_seq = 0
         self.num_evictions = 0
@@ -155,7 +154,7 @@ class PagePool:
 
     @property
     def num_cached_pages(self) -> int:
-        return self._num_cached
+        return int(np.count_nonzero(self._cached_np))
 
     @property
     def num_free_cached_pages(self) -> int:
@@ -595,7 +594,6 @@ class PagePool:
             # A run of held, uncached pages with new, distinct hashes, entered in one C call
             # (it changes nothing and says False otherwise: the general path below).
             if self._ops.cache(index, hash_of, self._state, cached, pages, hashes, group_id + 1):
-                self._num_cached += len(pages)
                 self._stored_event(
                     group_id, pages, hashes, parent_hash, token_ids, page_size, lora_name
                 )
@@ -618,7 +616,6 @@ class PagePool:
             for page, s, page_hash in zip(pages, states, hashes, strict=True):
                 state[page] = s + 1
                 hash_of[page] = page_hash
-            self._num_cached += len(pages)
             self._stored_event(
                 group_id, pages, hashes, parent_hash, token_ids, page_size, lora_name
             )
@@ -673,7 +670,6 @@ class PagePool:
         self._cached[page] = group_id + 1
         self._state[page] += 1
         self._page_hash[page] = page_hash
-        self._num_cached += 1
 
     def _stored_event(
         self,
@@ -727,7 +723,6 @@ class PagePool:
                 else:
                     hashes = None  # pages of several groups: the general path
                 if hashes is not None:
-                    self._num_cached -= k
                     self._removed_event(group_plus_one - 1, pages, hashes)
                     self.num_evictions += k
                     return
@@ -740,7 +735,6 @@ class PagePool:
             if page_hash is None:
                 raise InvariantViolation(f"cached page {page} has no hash")
             hash_of[page] = None
-            self._num_cached -= 1
             cached[page] = 0
             index, dups = self._index[group_id], self._dups[group_id]
             if index.get(page_hash) == page:
@@ -786,7 +780,6 @@ class PagePool:
             state[page] = 0  # no page is held: a cached page's state is exactly 1
         self._cached_np[:] = 0
         self._page_hash = [None] * self.num_pages
-        self._num_cached = 0
         for index, dups in zip(self._index, self._dups, strict=True):
             index.clear()
             dups.clear()
@@ -877,8 +870,6 @@ class PagePool:
         hashed = {page for page, h in enumerate(self._page_hash) if h is not None}
         if seen != hashed:
             problems.append(f"{len(hashed)} pages have hashes but {len(seen)} are indexed")
-        if len(hashed) != self._num_cached:
-            problems.append(f"{len(hashed)} pages have hashes but {self._num_cached} counted")
         flagged = set(np.flatnonzero(self._cached_np).tolist())
         if flagged != hashed:
             problems.append("is_cached flags disagree with the page hashes")

@@ -395,7 +395,6 @@ def _restore_pool(manager: Any, pt: Tree) -> None:
         if not 0 < page < pool.num_pages:
             raise InvalidArgument(f"snapshot caches page {page}, not in the pool")
         pool._page_hash[page] = page_hash
-    pool._num_cached = len(hash_pages)
     pool._events = events_from_tree(pt["events"])
     pool._event_seq = int(pt["event_seq"])
     pool.num_evictions = int(pt["num_evictions"])
