@@ -1480,9 +1480,11 @@ class ServiceState:
         """``(events, bytes, first seq)`` of the KV-event buffer kept for resumption (the
         first seq is the next event's when the buffer is empty): a watcher behind the first
         seq has fallen behind."""
-        events = self._events
-        first = events[0].seq if events else self._last_event_seq + 1
-        return len(events), self._events_nbytes, first
+        return len(self._events), self._events_nbytes, self._first_event_seq()
+
+    def _first_event_seq(self) -> int:
+        """The oldest event kept, or the next one's seq when none is."""
+        return self._events[0].seq if self._events else self._last_event_seq + 1
 
     @property
     def last_published_step_seq(self) -> int:
@@ -1594,7 +1596,7 @@ class ServiceState:
         """Events with ``seq > since_seq``, oldest first, at most ``limit``; ``fell_behind``
         when some after ``since_seq`` were already dropped from the buffer."""
         events = self._events
-        first = events[0].seq if events else self._last_event_seq + 1
+        first = self._first_event_seq()
         fell_behind = since_seq < first - 1
         start = bisect.bisect_right(events, since_seq, key=lambda e: e.seq)
         chunk = tuple(events[i] for i in range(start, min(start + limit, len(events))))
