@@ -98,25 +98,47 @@ def hash_cases(cases: int, seed: int) -> int:
     return 0
 
 
-def _pool_view(pool: pool_module.PagePool) -> tuple[object, ...]:
-    return (
-        list(pool._state),
-        bytes(pool._cached),
-        pool.free_queue(),
-        [dict(index) for index in pool._index],
-        [dict(dups) for dups in pool._dups],
-        list(pool._page_hash),
-        pool.num_cached_pages,
-        pool.num_evictions,
-        pool.take_events(),
-    )
+def pool_view(pool: pool_module.PagePool) -> dict[str, object]:
+    """Everything a later operation or a reader of the pool can see (its events aside)."""
+    return {
+        "state": list(pool._state),
+        "cached": bytes(pool._cached),
+        "queue": pool.free_queue(),
+        "num_free": pool.num_free_pages,
+        "index": [dict(index) for index in pool._index],
+        "dups": [{h: list(p) for h, p in dups.items()} for dups in pool._dups],
+        "page_hash": list(pool._page_hash),
+        "num_cached": pool.num_cached_pages,
+        "evictions": pool.num_evictions,
+        "allocated": pool.num_allocated_total,
+        "freed": pool.num_freed_total,
+        "last_seq": pool.last_event_seq,
+    }
 
 
-def _outcome(pool: pool_module.PagePool, op: str, args: tuple, kwargs: dict) -> object:
+def _outcome(pool: pool_module.PagePool, op: str, args: tuple, kwargs: dict) -> tuple[str, object]:
+    """The outcome of one call: its result, or the kind of error it raised."""
     try:
-        return getattr(pool, op)(*args, **kwargs)
+        return "ok", getattr(pool, op)(*args, **kwargs)
     except (PagekeeperError, IndexError, KeyError, ValueError) as exc:
-        return type(exc).__name__
+        return "error", type(exc).__name__
+
+
+def call_both(
+    native: pool_module.PagePool,
+    python: pool_module.PagePool,
+    op: str,
+    *args: object,
+    **kwargs: object,
+) -> tuple[str, object]:
+    """One call on a pool with the C loops and on one with the Python loops: the same
+    answer or error, the same pool afterwards, the same events. Returns the outcome."""
+    got = _outcome(native, op, args, kwargs)
+    want = _outcome(python, op, args, kwargs)
+    assert got == want, (op, args, got, want)
+    assert pool_view(native) == pool_view(python), (op, args)
+    assert native.take_events() == python.take_events(), (op, args)
+    return got
 
 
 def pool_cases(cases: int, seed: int) -> int:
@@ -162,13 +184,10 @@ def pool_cases(cases: int, seed: int) -> int:
             op, args = "touch", (rng.sample(cached, rng.randrange(1, min(8, len(cached)) + 1)),)
         else:
             op, args = "reset_prefix_cache", ()
-        got = _outcome(native, op, args, kwargs)
-        want = _outcome(python, op, args, kwargs)
-        assert got == want, (op, args, got, want)
-        assert _pool_view(native) == _pool_view(python), (op, args)
-        if not isinstance(got, str):
+        outcome, got = call_both(native, python, op, *args, **kwargs)
+        if outcome == "ok":
             if op == "allocate":
-                held.extend(got)
+                held.extend(got)  # type: ignore[arg-type]
             elif op == "touch":
                 held.extend(args[0])
             elif op == "free":

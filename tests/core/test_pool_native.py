@@ -25,6 +25,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from pagekeeper.core import pool as pool_module
 from pagekeeper.core.errors import PagekeeperError
 from pagekeeper.core.pool import PagePool
+from tests.core.native_memcheck import call_both
 
 needs_native = pytest.mark.skipif(
     not pool_module.native_pool(), reason="pagekeeper.core._poolops is not built here"
@@ -32,32 +33,6 @@ needs_native = pytest.mark.skipif(
 
 NUM_PAGES = 24
 GROUPS = 2
-
-
-def snapshot(pool: PagePool) -> dict[str, object]:
-    """Everything a later operation or a reader can see."""
-    return {
-        "state": list(pool._state),
-        "cached": bytes(pool._cached),
-        "queue": pool.free_queue(),
-        "num_free": pool.num_free_pages,
-        "index": [dict(index) for index in pool._index],
-        "dups": [{h: list(p) for h, p in dups.items()} for dups in pool._dups],
-        "page_hash": list(pool._page_hash),
-        "num_cached": pool.num_cached_pages,
-        "evictions": pool.num_evictions,
-        "allocated": pool.num_allocated_total,
-        "freed": pool.num_freed_total,
-        "last_seq": pool.last_event_seq,
-    }
-
-
-def run(pool: PagePool, op: str, *args: object, **kwargs: object) -> tuple[str, object]:
-    """The outcome of one call: its result, or the kind of error it raised."""
-    try:
-        return "ok", getattr(pool, op)(*args, **kwargs)
-    except (PagekeeperError, IndexError, KeyError, ValueError) as exc:
-        return "error", type(exc).__name__
 
 
 class NativeVsPython(RuleBasedStateMachine):
@@ -70,12 +45,7 @@ class NativeVsPython(RuleBasedStateMachine):
         self.held: list[int] = []  # one entry per reference the pools hand out
 
     def both(self, op: str, *args: object, **kwargs: object) -> tuple[str, object]:
-        native = run(self.native, op, *args, **kwargs)
-        python = run(self.python, op, *args, **kwargs)
-        assert native == python, (op, args, native, python)
-        assert snapshot(self.native) == snapshot(self.python), (op, args)
-        assert self.native.take_events() == self.python.take_events()
-        return native
+        return call_both(self.native, self.python, op, *args, **kwargs)
 
     @rule(num=st.integers(0, 12))
     def allocate(self, num: int) -> None:
