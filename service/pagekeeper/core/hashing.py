@@ -38,8 +38,6 @@ from __future__ import annotations
 
 import array
 import hashlib
-import importlib
-import os
 import struct
 from collections.abc import Callable, Iterable, Sequence
 from functools import lru_cache
@@ -51,6 +49,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pagekeeper.core.errors import ConfigError, InvalidArgument
+from pagekeeper.core.extensions import load_extension
 from pagekeeper.core.types import ExtraKeys
 
 _xxh3_128_digest: Callable[[bytes], bytes] | None
@@ -60,16 +59,9 @@ try:
 except ImportError:  # pragma: no cover - exercised only where xxhash is absent
     _xxh3_128_digest = None
 
-_native: ModuleType | None
-try:
-    # The C accelerator of the two hot loops (CBOR of the tokens, the SHA-256 chain), built
-    # with the package where a C compiler and OpenSSL's headers are; results are identical.
-    # PAGEKEEPER_NATIVE_HASHING=0 keeps the pure-Python code (a comparison, a suspicion).
-    if os.environ.get("PAGEKEEPER_NATIVE_HASHING", "1") == "0":
-        raise ImportError("disabled by PAGEKEEPER_NATIVE_HASHING=0")
-    _native = importlib.import_module("pagekeeper.core._native")
-except ImportError:
-    _native = None
+# The C accelerator of the two hot loops (CBOR of the tokens, the SHA-256 chain), built
+# with the package where a C compiler and OpenSSL's headers are; results are identical.
+_native: ModuleType | None = load_extension("_native", "PAGEKEEPER_NATIVE_HASHING")
 
 
 def native_hashing() -> bool:

@@ -42,9 +42,7 @@ does not clear them. Allocating and freeing a page thus costs two array writes.
 
 from __future__ import annotations
 
-import importlib
 import operator
-import os
 import struct
 import sys
 from array import array
@@ -57,6 +55,7 @@ import numpy.typing as npt
 
 from pagekeeper.core.errors import InvalidArgument, InvariantViolation
 from pagekeeper.core.events import AllCleared, KVEvent, PageRemoved, PageStored, TokenRun
+from pagekeeper.core.extensions import load_extension
 
 NULL_PAGE = 0
 # Below this many pages, plain scalar loops beat numpy's per-call overhead.
@@ -67,16 +66,9 @@ _HOLES = array("i", [-1]) * _SMALL
 _INT32S = [struct.Struct(f"={k}i") for k in range(_SMALL + 1)]
 
 
-_ops: ModuleType | None
-try:
-    # The C accelerator of the per-page loops below (``_poolops.c``: the same loops on the
-    # same objects), built with the package where a C compiler is; results are identical.
-    # PAGEKEEPER_NATIVE_POOL=0 keeps the Python loops (a comparison, a suspicion).
-    if os.environ.get("PAGEKEEPER_NATIVE_POOL", "1") == "0":
-        raise ImportError("disabled by PAGEKEEPER_NATIVE_POOL=0")
-    _ops = importlib.import_module("pagekeeper.core._poolops")
-except ImportError:
-    _ops = None
+# The C accelerator of the per-page loops below (``_poolops.c``: the same loops on the
+# same objects), built with the package where a C compiler is; results are identical.
+_ops: ModuleType | None = load_extension("_poolops", "PAGEKEEPER_NATIVE_POOL")
 
 
 def native_pool() -> bool:
