@@ -298,8 +298,9 @@ class Mirror:
         data = request.SerializeToString()
         started = time.perf_counter()
         parsed = pb.StepRequest.FromString(data)
-        result = self.state.step(self.convert.step_from_pb(parsed, 0.0))
-        self.convert.step_result_to_pb(result, parsed).SerializeToString()
+        command = self.convert.step_from_pb(parsed, 0.0)
+        result = self.state.step(command)
+        self.convert.step_result_to_pb(result, parsed, command).SerializeToString()
         return time.perf_counter() - started
 
 

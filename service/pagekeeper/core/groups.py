@@ -129,6 +129,18 @@ class GroupManager:
         self.page_counts[request_id] = held + num_new
         return pages
 
+    def allocate_next_pages(self, request_ids: Sequence[str], num_pages: Sequence[int]) -> list[int]:
+        """One new page at the end of each request's table (decodes crossing into a page;
+        ``num_pages[i]`` is what request ``i`` holds now, as ``page_counts`` says), in one
+        pool call: the same pages and events as ``allocate_new`` for each in order."""
+        pages = self.pool.allocate_each(len(request_ids))
+        request_rows = self.request_rows
+        self.rows.append_page_each([request_rows[r] for r in request_ids], num_pages, pages)
+        page_counts = self.page_counts
+        for request_id, held in zip(request_ids, num_pages, strict=True):
+            page_counts[request_id] = held + 1
+        return pages
+
     def remove_skipped(self, request_id: str, num_computed_tokens: int) -> None:
         """Release pages that fell out of the attention window (they become the null page)."""
         num_skipped = self.num_skipped_tokens(num_computed_tokens)

@@ -581,12 +581,30 @@ class PageManager:
                     out[rid] = allocation
             return out
         # One full-attention group: inline what allocate() does for a single new token.
+        # Requests crossing into one new page wait in ``crossing`` and take their pages in
+        # one pool call (the same pages and events: nothing else touches the pool between
+        # them, as the batch is flushed before any page is cached or taken otherwise).
         pool = self.pool
+        num_free = pool._num_free
         ps = group.page_size
         page_counts = group.page_counts
         num_cached_pages = group.num_cached_pages
         caching = self.enable_caching
         hps = self.hash_page_size
+        crossing: list[str] = []
+        crossing_held: list[int] = []
+
+        def take_crossing_pages() -> None:
+            if len(crossing) == 1:
+                page = group.allocate_new(crossing[0], (crossing_held[0] + 1) * ps)
+                out[crossing[0]] = Allocation(crossing[0], 0, (tuple(page),))
+            else:
+                pages = group.allocate_next_pages(crossing, crossing_held)
+                for rid, page in zip(crossing, pages, strict=True):
+                    out[rid] = Allocation(rid, 0, ((page,),))
+            crossing.clear()
+            crossing_held.clear()
+
         for req, token in zip(reqs, tokens, strict=True):
             rid = req.request_id
             computed = req.num_computed_tokens
@@ -598,8 +616,8 @@ class PageManager:
             if num_slots > max_len:
                 num_slots = max_len
             held = page_counts[rid]
-            needs_page = num_slots > held * ps
-            if needs_page and -(-num_slots // ps) - held > pool._num_free:
+            num_new = -(-num_slots // ps) - held
+            if num_new > num_free:
                 self._stats.num_no_capacity += 1
                 out[rid] = None
                 continue
@@ -609,19 +627,32 @@ class PageManager:
             ids.append(token)
             if caching and len(ids) // hps > len(req.hashes):
                 self._extend_hashes(req, None)
-            if needs_page:
-                out[rid] = Allocation(rid, 0, (tuple(group.allocate_new(rid, num_slots)),))
+            if num_new > 0:
+                num_free -= num_new
+                if num_new == 1:
+                    crossing.append(rid)
+                    crossing_held.append(held)
+                    out[rid] = None  # its place in the answer's order; set when taken
+                else:
+                    if crossing:
+                        take_crossing_pages()
+                    out[rid] = Allocation(rid, 0, (tuple(group.allocate_new(rid, num_slots)),))
             if caching:
                 num_full = min(end, len(ids)) // ps
                 num_done = num_cached_pages[rid]
-                if num_full == num_done + 1:
-                    # The page this token filled (ids checked, hashes already extended).
-                    group.cache_next(rid, req.hashes, ids, req.extra_keys.lora_name)
-                elif num_full > num_done:
-                    self._cache(req, end)
+                if num_full > num_done:
+                    if crossing:
+                        take_crossing_pages()
+                    if num_full == num_done + 1:
+                        # The page this token filled (ids checked, hashes already extended).
+                        group.cache_next(rid, req.hashes, ids, req.extra_keys.lora_name)
+                    else:
+                        self._cache(req, end)
             req.num_computed_tokens = end
             req.scheduled_start = computed
             req.num_scheduled = 1
+        if crossing:
+            take_crossing_pages()
         return out
 
     def _extend_hashes(self, req: _Request, new_page_hashes: Sequence[bytes] | None) -> None:

@@ -343,8 +343,28 @@ class PagePool:
             return [page]
         if num <= 0:
             return []
+        pages, evicted = self._take(num)
+        if evicted:
+            self._evict(evicted)
+        return pages
+
+    def allocate_each(self, num: int) -> list[int]:
+        """``num`` allocations of one page each in one call (decodes crossing into a new
+        page): the same pages, evictions, events and counters as ``num`` calls of
+        ``allocate(1)``, in order -- one ``removed`` event per evicted page."""
+        if num <= 0:
+            return []
+        pages, evicted = self._take(num)
+        if evicted:
+            self._evict(evicted, event_per_page=True)
+        return pages
+
+    def _take(self, num: int) -> tuple[list[int], list[int]]:
+        """The next ``num`` pages of the free queue, taken (held once); returns them and
+        those of them that were cached, still indexed (the caller evicts them)."""
         if num > self._num_free:
             raise InvalidArgument(f"cannot allocate {num} pages: {self._num_free} free")
+        state = self._state
         head = self._head
         end = head + num
         if num <= _SMALL and -1 not in (run := self._buf[head:end]):
@@ -373,9 +393,7 @@ class PagePool:
                 state[page] = 2
         self._num_free -= num
         self.num_allocated_total += num
-        if evicted:
-            self._evict(evicted)
-        return pages
+        return pages, evicted
 
     def touch(self, pages: Iterable[int]) -> None:
         """A prefix hit: take each page out of the free queue if needed, ref count +1."""
@@ -690,10 +708,11 @@ class PagePool:
             )
         )
 
-    def _evict(self, pages: list[int]) -> None:
+    def _evict(self, pages: list[int], *, event_per_page: bool = False) -> None:
         """Drop freshly taken pages from the index (lazy eviction happens here; the caller
         has already cleared their cached bit in the state). One ``removed`` event per run
-        of pages of the same group, in allocation order."""
+        of pages of the same group, in allocation order (per page with
+        ``event_per_page``: pages taken by separate one-page allocations)."""
         cached, hash_of = self._cached, self._page_hash
         k = len(pages)
         if k > 1:
@@ -715,7 +734,12 @@ class PagePool:
                 else:
                     hashes = None  # pages of several groups: the general path
                 if hashes is not None:
-                    self._removed_event(group_plus_one - 1, pages, hashes)
+                    if event_per_page:
+                        group_id = group_plus_one - 1
+                        for page, page_hash in zip(pages, hashes, strict=True):
+                            self._removed_event(group_id, [page], [page_hash])
+                    else:
+                        self._removed_event(group_plus_one - 1, pages, hashes)
                     self.num_evictions += k
                     return
         run_group = -1
@@ -742,7 +766,7 @@ class PagePool:
                 waiting.remove(page)
                 if not waiting:
                     del dups[page_hash]
-            if group_id != run_group and run_pages:
+            if (group_id != run_group or event_per_page) and run_pages:
                 self._removed_event(run_group, run_pages, run_hashes)
                 run_pages, run_hashes = [], []
             run_group = group_id

@@ -694,6 +694,32 @@ class PageRows:
         self._table[row, num_pages] = page_id
         self._num_pages[row] = num_pages + 1
 
+    def append_page_each(
+        self, rows: Sequence[int], num_pages: Sequence[int], page_ids: Sequence[int]
+    ) -> None:
+        """:meth:`append_page` for many distinct live rows at once (a decode step where
+        many requests cross into a new page): row ``rows[i]``, whose length the caller
+        keeps as ``num_pages[i]``, gets ``page_ids[i]`` (ids a pool just handed out). All
+        or nothing: checked before any row changes."""
+        index = np.asarray(rows, dtype=np.intp)
+        at = np.asarray(num_pages, dtype=np.intp)
+        if not index.shape == at.shape == (len(page_ids),):
+            raise InvalidArgument(
+                f"{len(rows)} rows, {len(num_pages)} lengths and {len(page_ids)} page ids"
+            )
+        if not index.size:
+            return
+        bad = (self._num_pages[index] != at) | (at >= self._max_pages)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            row = int(index[i])
+            raise InvalidArgument(
+                f"row {row} holds {int(self._num_pages[row])} of at most {self._max_pages} "
+                f"pages; cannot append at {int(at[i])}"
+            )
+        self._table[index, at] = page_ids
+        self._num_pages[index] = at + 1
+
     def set_page(self, row: int, index: int, page_id: int) -> None:
         """Overwrite one existing entry (a sliding-window page that left becomes ``0``)."""
         self._check_live(row)

@@ -182,7 +182,7 @@ class PagekeeperServicer(pb_grpc.PagekeeperServiceServicer):  # type: ignore[mis
         started = time.perf_counter()
         result = self.state.step(command)
         self._step_seconds.observe(time.perf_counter() - started)
-        return convert.step_result_to_pb(result, request)
+        return convert.step_result_to_pb(result, request, command)
 
     @_unary
     def Lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupResponse:
