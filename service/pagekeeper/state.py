@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from itertools import pairwise
+from operator import attrgetter
 from typing import Any, Protocol
 
 import numpy as np
@@ -442,6 +443,11 @@ class _RequestRecord:
     owner: str
     num_tokens: int
     num_computed_tokens: int
+
+
+_OWNER = attrgetter("owner")
+_NUM_TOKENS = attrgetter("num_tokens")
+_NUM_COMPUTED_TOKENS = attrgetter("num_computed_tokens")
 
 
 @dataclass(slots=True)
@@ -1061,7 +1067,15 @@ class ServiceState:
         if n == 0:
             return set()
         counts = cols.num_new_token_ids
-        recs = [self._check_owned(rid, owner) for rid in ids]
+        # C-level passes for the common case; any unknown or foreign request: row by row,
+        # so the first bad row (in order) names the error.
+        try:
+            recs = list(map(self._requests.__getitem__, ids))
+            is_owned = set(map(_OWNER, recs)) == {owner}
+        except KeyError:
+            is_owned = False
+        if not is_owned:
+            recs = [self._check_owned(rid, owner) for rid in ids]
         grown = set(ids)
         if len(grown) != n:
             raise InvalidArgument(f"request {_first_repeat(ids)!r} is grown twice in one step")
@@ -1081,7 +1095,7 @@ class ServiceState:
             owner_of = np.repeat(np.arange(n), counts)
             i = int(owner_of[_first_true(cols.new_token_ids < 0)])
             raise InvalidArgument(f"request {ids[i]!r}: token ids must be >= 0")
-        num_tokens = np.fromiter((r.num_tokens for r in recs), np.int64, n) + counts
+        num_tokens = np.fromiter(map(_NUM_TOKENS, recs), np.int64, n) + counts
         if (num_tokens > max_len).any():
             i = _first_true(num_tokens > max_len)
             raise InvalidArgument(
@@ -1094,7 +1108,7 @@ class ServiceState:
                 f"request {ids[i]!r}: num_computed_tokens {int(explicit[i])} outside "
                 f"[0, {int(num_tokens[i])}] (-1: tracked)"
             )
-        tracked = np.fromiter((r.num_computed_tokens for r in recs), np.int64, n)
+        tracked = np.fromiter(map(_NUM_COMPUTED_TOKENS, recs), np.int64, n)
         computed = np.where(explicit < 0, tracked, explicit)
         over = computed + num_new > num_tokens + lookahead
         if over.any():

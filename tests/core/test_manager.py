@@ -467,6 +467,51 @@ def test_allocate_decodes_pool_running_dry_midway_serves_in_order():
     m.check_invariants()
 
 
+@pytest.mark.parametrize("lookahead", [0, 1, 5])
+def test_allocate_decodes_many_crossings_match_allocate_one_by_one(lookahead):
+    """Requests crossing into a page take their pages in one pool call, between requests
+    that fill a page (cached in order), one that needs several pages (lookahead) and, once
+    the pool runs dry, refusals: the same pages, events (one removed event per evicted
+    page), answers in the same order, and the same pool, as allocate() one by one."""
+
+    def make() -> PageManager:
+        m = full(num_pages=60, max_model_len=256)
+        for i in range(12):  # cached free pages to evict, some sharing a prefix
+            m.admit(f"old{i}", [i % 3] * 4 + rng.integers(0, 5, 4 * (i % 3 + 1)).tolist())
+        for i in range(12):
+            m.free(f"old{i}")
+        for i in range(16):  # staggered lengths: some cross, some fill a page, some neither
+            m.admit(f"r{i}", [i % 3] * 4 + list(range(100, 100 + 3 + i % 5)))
+        m.take_events()
+        return m
+
+    rng = np.random.default_rng(lookahead)
+    a = make()
+    rng = np.random.default_rng(lookahead)
+    b = make()
+    rids = [f"r{i}" for i in range(16)]
+    num_crossings = num_refused = 0
+    for _ in range(14):
+        tokens = rng.integers(0, 5, len(rids)).tolist()
+        want = {}
+        for rid, token in zip(rids, tokens, strict=True):
+            got = a.allocate(rid, 1, new_token_ids=[token], num_lookahead_tokens=lookahead)
+            if got is None or any(got.new_page_ids):
+                want[rid] = got
+        answer = b.allocate_decodes(rids, tokens, num_lookahead_tokens=lookahead)
+        assert list(answer.items()) == list(want.items())
+        num_crossings = max(num_crossings, sum(1 for v in answer.values() if v is not None))
+        num_refused += sum(1 for v in answer.values() if v is None)
+        assert b.take_events() == a.take_events()
+        for rid in rids:
+            assert b.request_info(rid) == a.request_info(rid)
+        assert b.pool.free_queue() == a.pool.free_queue()
+        b.check_invariants()
+    assert num_crossings >= 3  # a step where several requests took pages together
+    assert num_refused > 0  # the pool ran dry: refusals were answered in order
+    assert b.pool.num_evictions == a.pool.num_evictions > 0
+
+
 @pytest.mark.parametrize(
     ("rids", "tokens", "error", "match"),
     [

@@ -495,3 +495,62 @@ def test_hits_after_a_recentre_find_their_pages_again():
     pool.touch([middle])  # one page from the middle
     assert [pool.ref_count(p) for p in (*last[:2], middle)] == [1, 1, 1]
     assert pool._indexed == pool._tail and pool.check_invariants() == []
+
+
+@pytest.mark.parametrize("with_duplicate", [False, True], ids=["bulk", "duplicate"])
+def test_allocate_each_equals_one_page_allocations_in_order(with_duplicate):
+    """allocate_each(k) (a decode step's crossings) takes the pages, evicts, counts and
+    reports exactly as k calls of allocate(1): one removed event per evicted page, also
+    when a held page's duplicate hash is promoted, and across a hole in the queue."""
+
+    def scenario(pool: PagePool) -> None:
+        a = pool.allocate(4)  # 1..4
+        cache(pool, a)
+        if with_duplicate:
+            b = pool.allocate(1)  # 5 (held) shares page 2's hash
+            pool.cache(
+                0, b, [b"h\x02"], parent_hash=None, token_ids=[], page_size=1, lora_name=None
+            )
+        pool.free(a[::-1])  # tail: 4 3 2 1
+        pool.touch([3])  # a hit takes 3 out of the middle: a hole in the queue
+        pool.take_events()
+
+    one, each = make(12), make(12)
+    scenario(one)
+    scenario(each)
+    num = one.num_free_pages - 1
+    want = [one.allocate(1)[0] for _ in range(num)]
+    assert each.allocate_each(num) == want
+    events = each.take_events()
+    assert events == one.take_events()
+    assert [e.page_ids for e in events] == [(4,), (2,)]  # 6..11 first, 3 taken by the hit
+    assert each.free_queue() == one.free_queue()
+    assert (each.num_evictions, each.num_allocated_total) == (
+        one.num_evictions,
+        one.num_allocated_total,
+    )
+    for tag in (1, 2, 3, 4):
+        assert each.lookup(0, b"h" + bytes([tag])) == one.lookup(0, b"h" + bytes([tag]))
+    assert each.check_invariants() == []
+    assert each.allocate_each(0) == []
+    with pytest.raises(InvalidArgument, match="cannot allocate"):
+        each.allocate_each(each.num_free_pages + 1)
+    assert each.free_queue() == one.free_queue()
+
+
+def test_allocate_each_reports_each_evicted_page_on_its_own():
+    pool = make(6)
+    a = pool.allocate(3)  # 1, 2, 3
+    cache(pool, a)
+    pool.free(a)  # tail: 1 2 3
+    pool.allocate(2)  # 4, 5: uncached
+    pool.take_events()
+    assert pool.allocate_each(3) == [1, 2, 3]
+    events = pool.take_events()
+    assert [(e.page_ids, e.page_hashes) for e in events] == [
+        ((1,), (b"h\x01",)),
+        ((2,), (b"h\x02",)),
+        ((3,), (b"h\x03",)),
+    ]
+    assert all(isinstance(e, PageRemoved) for e in events)
+    assert pool.check_invariants() == []

@@ -750,3 +750,23 @@ def test_page_rows_append_page_at_the_kept_length_only() -> None:
     with pytest.raises(InvalidArgument, match="at most 3 pages"):
         rows.append_page(row, 3, 12)  # the row is full
     assert rows.row(row).tolist() == [7, 9, 11]
+
+
+def test_page_rows_append_page_each_is_all_or_nothing() -> None:
+    rows = PageRows(3)
+    a, b, c = rows.add_row(), rows.add_row(), rows.add_row()
+    rows.append(a, [7])
+    rows.append(c, [1, 2])
+    rows.append_page_each([c, a, b], [2, 1, 0], [3, 9, 5])  # a decode step's crossings
+    assert [rows.row(r).tolist() for r in (a, b, c)] == [[7, 9], [5], [1, 2, 3]]
+    with pytest.raises(
+        InvalidArgument, match="row 1 holds 1 of at most 3 pages; cannot append at 0"
+    ):
+        rows.append_page_each([a, b], [2, 0], [10, 11])  # b's length is stale
+    with pytest.raises(InvalidArgument, match="at most 3 pages"):
+        rows.append_page_each([a, c], [2, 3], [10, 11])  # c is full
+    with pytest.raises(InvalidArgument, match="2 rows, 2 lengths and 1 page ids"):
+        rows.append_page_each([a, b], [2, 1], [10])
+    assert [rows.row(r).tolist() for r in (a, b, c)] == [[7, 9], [5], [1, 2, 3]]
+    rows.append_page_each([], [], [])
+    assert [rows.num_pages(r) for r in (a, b, c)] == [2, 1, 3]

@@ -86,3 +86,23 @@ def test_outcomes_that_do_not_line_up_with_the_request_fall_back_to_results() ->
     # Only refused growths: no grants, the refusals listed.
     response = convert.step_result_to_pb(result(OUTCOMES[1]), request(list("abcd"), []))
     assert not response.HasField("grants") and [r.request_id for r in response.results] == ["d"]
+
+
+def test_the_command_made_of_the_request_gives_the_same_answer() -> None:
+    """The servicer passes what step_from_pb made of the request (its growth ids are
+    Python strings already); the answer is the one built from the message alone."""
+    cases = [
+        (OUTCOMES, request(list("abcde"), ["x"])),
+        (OUTCOMES, request(list("abcde"), ["x"], columns=False)),
+        (OUTCOMES, request(list("abcd"), ["x"])),  # does not line up: all results
+        ((OUTCOMES[1],), request(list("abcd"), [])),
+        ((OUTCOMES[3],), request([], ["x"])),
+    ]
+    for outcomes, req in cases:
+        command = convert.step_from_pb(req, 0.0)
+        with_command = convert.step_result_to_pb(result(*outcomes), req, command)
+        assert with_command == convert.step_result_to_pb(result(*outcomes), req)
+    granted = convert.step_result_to_pb(
+        result(*OUTCOMES), cases[0][1], convert.step_from_pb(cases[0][1], 0.0)
+    )
+    assert i32(granted.grants.growth_index) == [1, 4]

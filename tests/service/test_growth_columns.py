@@ -228,6 +228,34 @@ def test_columns_of_another_client_are_refused() -> None:
         state.step(StepCommand(2.0, other[0], other[1], 1, growth_columns=decodes(["a"], [1])))
 
 
+@pytest.mark.parametrize(
+    ("bad", "error", "match"),
+    [
+        ({3: "foreign", 7: "missing"}, PermissionDenied, "'o0' belongs to another client"),
+        ({2: "missing", 5: "foreign"}, NotFound, "'nope' holds no pages"),
+    ],
+)
+def test_many_columns_name_the_first_unknown_or_foreign_request(bad, error, match) -> None:
+    """A step of many columns (checked as arrays) names the first bad row, whichever its
+    kind, as the row-by-row check does, and changes nothing."""
+    state, me = two_running()
+    other = scheduler(state)
+    own = [f"m{i}" for i in range(12)]
+    state.step(
+        StepCommand(2.0, me[0], me[1], 2, admissions=tuple(Admission(r, tokens(0, 3)) for r in own))
+    )
+    state.step(StepCommand(2.0, other[0], other[1], 1, admissions=(Admission("o0", tokens(0, 3)),)))
+    ids = list(own)
+    for row, kind in bad.items():
+        ids[row] = "o0" if kind == "foreign" else "nope"
+    before = {rid: state.request_info(rid) for rid in own}
+    with pytest.raises(error, match=match):
+        state.step(StepCommand(3.0, me[0], me[1], 3, growth_columns=decodes(ids, [1] * 12)))
+    assert {rid: state.request_info(rid) for rid in own} == before
+    state.step(StepCommand(3.0, me[0], me[1], 3, growth_columns=decodes(own, [1] * 12)))
+    assert all(state.request_info(rid).num_tokens == 4 for rid in own)
+
+
 def test_columns_round_trip_through_the_journal_codec() -> None:
     cols = columns_of(
         [

@@ -129,7 +129,9 @@ class GroupManager:
         self.page_counts[request_id] = held + num_new
         return pages
 
-    def allocate_next_pages(self, request_ids: Sequence[str], num_pages: Sequence[int]) -> list[int]:
+    def allocate_next_pages(
+        self, request_ids: Sequence[str], num_pages: Sequence[int]
+    ) -> list[int]:
         """One new page at the end of each request's table (decodes crossing into a page;
         ``num_pages[i]`` is what request ``i`` holds now, as ``page_counts`` says), in one
         pool call: the same pages and events as ``allocate_new`` for each in order."""

@@ -583,7 +583,8 @@ class PageManager:
         # One full-attention group: inline what allocate() does for a single new token.
         # Requests crossing into one new page wait in ``crossing`` and take their pages in
         # one pool call (the same pages and events: nothing else touches the pool between
-        # them, as the batch is flushed before any page is cached or taken otherwise).
+        # them, as they are served before any page is cached or taken otherwise, and before
+        # a refusal, which keeps the answer in request order).
         pool = self.pool
         num_free = pool._num_free
         ps = group.page_size
@@ -596,8 +597,8 @@ class PageManager:
 
         def take_crossing_pages() -> None:
             if len(crossing) == 1:
-                page = group.allocate_new(crossing[0], (crossing_held[0] + 1) * ps)
-                out[crossing[0]] = Allocation(crossing[0], 0, (tuple(page),))
+                new_pages = group.allocate_new(crossing[0], (crossing_held[0] + 1) * ps)
+                out[crossing[0]] = Allocation(crossing[0], 0, (tuple(new_pages),))
             else:
                 pages = group.allocate_next_pages(crossing, crossing_held)
                 for rid, page in zip(crossing, pages, strict=True):
@@ -618,6 +619,8 @@ class PageManager:
             held = page_counts[rid]
             num_new = -(-num_slots // ps) - held
             if num_new > num_free:
+                if crossing:
+                    take_crossing_pages()  # the answer lists requests in order
                 self._stats.num_no_capacity += 1
                 out[rid] = None
                 continue
@@ -632,7 +635,6 @@ class PageManager:
                 if num_new == 1:
                     crossing.append(rid)
                     crossing_held.append(held)
-                    out[rid] = None  # its place in the answer's order; set when taken
                 else:
                     if crossing:
                         take_crossing_pages()

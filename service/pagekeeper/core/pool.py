@@ -736,8 +736,8 @@ class PagePool:
                 if hashes is not None:
                     if event_per_page:
                         group_id = group_plus_one - 1
-                        for page, page_hash in zip(pages, hashes, strict=True):
-                            self._removed_event(group_id, [page], [page_hash])
+                        for page, removed in zip(pages, hashes, strict=True):
+                            self._removed_event(group_id, [page], [removed])
                     else:
                         self._removed_event(group_plus_one - 1, pages, hashes)
                     self.num_evictions += k
