@@ -17,7 +17,13 @@ import pytest
 
 from pagekeeper.core.errors import FailedPrecondition, PagekeeperError
 from pagekeeper.durability import Durability, DurabilityError, state_digest
-from pagekeeper.durability.log import DB_NAME
+from pagekeeper.durability.log import (
+    DB_NAME,
+    SNAPSHOT_DIR,
+    CommandLog,
+    DurabilityLevel,
+    record_crc,
+)
 from pagekeeper.state import (
     Admission,
     Batch,
@@ -187,23 +193,107 @@ def test_damaged_record_ends_the_valid_prefix(tmp_path, damage, caplog):
     durability.close()
 
 
-@pytest.mark.parametrize("damage", ["crc", "bytes"])
-def test_unreadable_snapshot_fails_loudly(tmp_path, damage):
-    _write_log(tmp_path, 41, 120, snapshot_every=50)
-    db = sqlite3.connect(tmp_path / DB_NAME)
-    if damage == "crc":
-        db.execute("UPDATE snapshots SET crc = crc + 1")
-    else:
-        from pagekeeper.durability.log import record_crc
+def _to_format_1(data_dir) -> None:
+    """Rewrite a data dir as format 1 kept it: the snapshot's body inline in the
+    ``snapshots`` table, no snapshot files."""
+    db = sqlite3.connect(data_dir / DB_NAME)
+    seq, crc, name = db.execute("SELECT seq, crc, name FROM snapshot_files").fetchone()
+    path = data_dir / SNAPSHOT_DIR / name
+    body = path.read_bytes()[28:]  # after the file's header
+    db.execute("INSERT INTO snapshots (seq, crc, body) VALUES (?, ?, ?)", (seq, crc, body))
+    db.execute("DELETE FROM snapshot_files")
+    db.execute("UPDATE meta SET value = '1' WHERE key = 'format_version'")
+    db.commit()
+    db.close()
+    path.unlink()
 
-        (seq,) = db.execute("SELECT seq FROM snapshots").fetchone()
-        body = b"PKSNAP\x01\x00" + b"\x99" * 40
+
+@pytest.mark.parametrize(
+    ("form", "damage"),
+    [
+        ("file", "crc"),
+        ("file", "bytes"),
+        ("file", "missing"),
+        ("file", "short"),
+        ("inline", "crc"),
+        ("inline", "bytes"),
+    ],
+)
+def test_unreadable_snapshot_fails_loudly(tmp_path, form, damage):
+    _write_log(tmp_path, 41, 120, snapshot_every=50)
+    if form == "inline":
+        _to_format_1(tmp_path)
+    db = sqlite3.connect(tmp_path / DB_NAME)
+    table = "snapshots" if form == "inline" else "snapshot_files"
+    (seq,) = db.execute(f"SELECT seq FROM {table}").fetchone()
+    body = b"PKSNAP\x01\x00" + b"\x99" * 40  # a valid CRC over bytes that do not decode
+    if damage == "crc":
+        db.execute(f"UPDATE {table} SET crc = crc + 1")
+    elif form == "inline":
         db.execute("UPDATE snapshots SET body = ?, crc = ?", (body, record_crc(seq, body)))
+    else:
+        (name,) = db.execute("SELECT name FROM snapshot_files").fetchone()
+        path = tmp_path / SNAPSHOT_DIR / name
+        if damage == "missing":
+            path.unlink()
+        elif damage == "short":
+            path.write_bytes(path.read_bytes()[:-1])
+        else:
+            path.unlink()  # a whole file, its header right, its body not a snapshot
+            log = CommandLog(tmp_path, DurabilityLevel.PROCESS)
+            stored = log.store_snapshot_file(seq, body)
+            log.close()
+            db.execute(
+                "UPDATE snapshot_files SET crc = ?, size = ?, name = ?",
+                (stored.crc, stored.size, stored.name),
+            )
     db.commit()
     db.close()
     with pytest.raises(DurabilityError, match="unreadable snapshot") as info:
         recover(tmp_path)
     assert "\n" not in str(info.value)
+
+
+def test_a_format_1_data_dir_recovers_and_moves_on_to_snapshot_files(tmp_path):
+    """A data dir written before snapshot files (its snapshot inline) recovers the same
+    state; the next snapshot goes to a file and the inline one is dropped."""
+    last = _write_log(tmp_path, 43, 160, snapshot_every=50)
+    state, durability = recover(tmp_path)
+    digest = state_digest(state)
+    durability.close()
+    _to_format_1(tmp_path)
+    state, durability = recover(tmp_path)
+    assert state_digest(state) == digest and durability.last_seq == last
+    durability.close(state)  # a graceful stop snapshots: to a file
+    db = sqlite3.connect(tmp_path / DB_NAME)
+    assert db.execute("SELECT COUNT(*) FROM snapshots").fetchone() == (0,)
+    assert db.execute("SELECT seq FROM snapshot_files").fetchall() == [(last,)]
+    assert db.execute("SELECT value FROM meta WHERE key = 'format_version'").fetchone() == ("2",)
+    db.close()
+    again, durability = recover(tmp_path)
+    assert state_digest(again) == digest and durability.report.num_replayed == 0
+    durability.close()
+
+
+def test_snapshot_files_left_unregistered_are_removed_at_start(tmp_path):
+    """A stop between writing a snapshot file and registering it leaves a file no row
+    names (and maybe a partial one): the next start removes both, and recovery uses the
+    registered snapshot and the records, which were all kept."""
+    last = _write_log(tmp_path, 47, 130, snapshot_every=50)
+    registered = sorted(p.name for p in (tmp_path / SNAPSHOT_DIR).iterdir())
+    assert len(registered) == 1
+    log = CommandLog(tmp_path, DurabilityLevel.PROCESS)
+    orphan = log.store_snapshot_file(last, b"not registered")
+    log.close()
+    partial = tmp_path / SNAPSHOT_DIR / orphan.name.replace(".pks", ".tmp")
+    partial.write_bytes(b"half a snapshot")
+    unrelated = tmp_path / SNAPSHOT_DIR / "notes.txt"
+    unrelated.write_text("not ours")
+    _, durability = recover(tmp_path)
+    assert durability.last_seq == last and durability.report.num_replayed > 0
+    left = sorted(p.name for p in (tmp_path / SNAPSHOT_DIR).iterdir())
+    assert left == sorted([*registered, "notes.txt"])
+    durability.close()
 
 
 def test_another_pool_or_a_second_instance_is_refused(tmp_path):
@@ -367,4 +457,57 @@ def test_a_background_snapshot_covers_its_records_and_keeps_the_later_ones(tmp_p
     recovered, durability = recover(tmp_path, FULL_POOL)
     assert durability.report is not None and durability.report.num_replayed == later
     assert state_digest(recovered) == state_digest(live) != at_capture
+    durability.close()
+
+
+def test_background_snapshots_keep_one_file_and_leave_none_when_dropped(tmp_path):
+    """Each registered snapshot replaces the previous one's file; a background snapshot
+    whose log closed while its file was being written removes that file (nothing
+    registers it) and reports 0."""
+    live, workload = new_state(FULL_POOL), Workload(35, FULL_POOL)
+    durability = Durability.open(tmp_path, "process", snapshot_every=10_000)
+    durability.recover(live)
+    durability.attach(live)
+    files = tmp_path / SNAPSHOT_DIR
+    for _ in range(3):
+        _drive(live, workload, 60)
+        assert asyncio.run(durability.snapshot_in_background(live)) == durability.last_seq
+        (only,) = files.iterdir()
+        assert only.name.startswith(f"snapshot-{durability.last_seq:020d}-")
+    kept = sorted(p.name for p in files.iterdir())
+    _drive(live, workload, 30)
+
+    async def close_while_writing() -> int:
+        task = asyncio.create_task(durability.snapshot_in_background(live))
+        await asyncio.sleep(0)  # the tree is taken; the file is written in a thread
+        live.journal = None
+        durability.close()
+        return await task
+
+    assert asyncio.run(close_while_writing()) == 0
+    assert sorted(p.name for p in files.iterdir()) == kept
+
+
+def test_a_stop_while_a_background_snapshot_of_the_same_record_is_written(tmp_path):
+    """The graceful stop snapshots the record a periodic snapshot (still being written)
+    was taken after: each has its own file; the stop's is registered, the other removed,
+    and the next start replays nothing."""
+    live, workload = new_state(FULL_POOL), Workload(37, FULL_POOL)
+    durability = Durability.open(tmp_path, "process", snapshot_every=10_000)
+    durability.recover(live)
+    durability.attach(live)
+    _drive(live, workload, 80)
+    digest = state_digest(live)
+
+    async def stop_meanwhile() -> int:
+        task = asyncio.create_task(durability.snapshot_in_background(live))
+        await asyncio.sleep(0)
+        live.journal = None
+        durability.close(live)  # snapshots the same record first
+        return await task
+
+    assert asyncio.run(stop_meanwhile()) == 0
+    assert len(list((tmp_path / SNAPSHOT_DIR).iterdir())) == 1
+    again, durability = recover(tmp_path)
+    assert durability.report.num_replayed == 0 and state_digest(again) == digest
     durability.close()

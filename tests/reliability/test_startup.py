@@ -18,7 +18,7 @@ import grpc.aio
 import pytest
 
 from pagekeeper.durability import Durability
-from pagekeeper.durability.log import DB_NAME
+from pagekeeper.durability.log import DB_NAME, SNAPSHOT_DIR
 from pagekeeper.runtime import build_runtime
 from pagekeeper.server import serve
 from pagekeeper.settings import Settings
@@ -70,10 +70,12 @@ def _fill(tmp_path: Path, *args: str) -> tuple[Path, int]:
 def test_unreadable_snapshot_fails_start_up_with_one_line(tmp_path):
     workdir, _ = _fill(tmp_path)
     db = sqlite3.connect(workdir / "data" / DB_NAME)
-    assert db.execute("SELECT COUNT(*) FROM snapshots").fetchone()[0] == 1
-    db.execute("UPDATE snapshots SET body = substr(body, 1, 100)")
-    db.commit()
+    (name,) = db.execute("SELECT name FROM snapshot_files").fetchone()
     db.close()
+    path = workdir / "data" / SNAPSHOT_DIR / name
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x5A  # one flipped bit pattern in the body
+    path.write_bytes(bytes(data))
     out = _serve(workdir / "data")
     assert out.returncode == 3
     last = out.stderr.strip().splitlines()[-1]

@@ -1,19 +1,32 @@
-"""The durable command log and its snapshots: one SQLite database in WAL mode.
+"""The durable command log and its snapshots: one SQLite database in WAL mode, and the
+snapshot bodies in files beside it.
 
 Why SQLite (standard library, no server): its write-ahead log gives atomic, ordered commits
 that survive a killed process by construction, its own frame checksums drop a torn tail
-after a power loss, and one transaction can store a snapshot *and* drop the log records it
-covers, so there is no window where both or neither exist. Three tables::
+after a power loss, and one transaction can register a snapshot *and* drop the log records
+it covers, so there is no window where both or neither exist. Four tables::
 
-    meta       key TEXT PRIMARY KEY, value TEXT      format version, pool configuration
-    log        seq INTEGER PRIMARY KEY, crc INTEGER, body BLOB     one applied command
-    snapshots  seq INTEGER PRIMARY KEY, crc INTEGER, body BLOB     the state after record seq
+    meta            key TEXT PRIMARY KEY, value TEXT      format version, pool configuration
+    log             seq INTEGER PRIMARY KEY, crc INTEGER, body BLOB     one applied command
+    snapshot_files  seq INTEGER PRIMARY KEY, crc INTEGER, name TEXT, size INTEGER
+                    the state after record seq, in ``snapshots/<name>``
+                    (``snapshot-<seq>-<8 random hex digits>.pks``)
+    snapshots       seq INTEGER PRIMARY KEY, crc INTEGER, body BLOB
+                    the same, inline (format 1; read, no longer written)
+
+A snapshot's body (tens of MB for a large pool) is written to its file, fsync'ed and
+renamed into place by :meth:`CommandLog.store_snapshot_file` -- from a worker thread, while
+the event loop goes on appending records -- and only then registered (a small row, and the
+deletion of the records it covers) by :meth:`CommandLog.commit_snapshot_file`. The file is
+fsync'ed at every level: once registered, the records it replaces are gone. A file no row
+names (a crash between the two steps) is removed at the next start.
 
 Each record and snapshot carries its own CRC-32 over ``seq`` (8 bytes, little-endian)
-followed by the body, so a row that was damaged, or moved to another sequence number, is
-caught even where SQLite's checks would not see it (bit rot inside a page, a tool editing
-the file). Sequence numbers start at 1 and have no gaps; :meth:`CommandLog.read_after`
-hands out the rows, :mod:`pagekeeper.durability.recovery` checks them.
+followed by the body, so a row or file that was damaged, or moved to another sequence
+number, is caught even where SQLite's checks would not see it (bit rot inside a page, a
+tool editing the file). Sequence numbers start at 1 and have no gaps;
+:meth:`CommandLog.read_after` hands out the rows, :mod:`pagekeeper.durability.recovery`
+checks them.
 
 Durability levels map to SQLite's ``synchronous`` setting (the database is always in WAL
 mode):
@@ -34,16 +47,26 @@ fsync      FULL          also power loss and kernel crashes: the WAL is fsync'ed
 from __future__ import annotations
 
 import contextlib
+import os
+import re
 import sqlite3
 import struct
 import zlib
 from collections.abc import Iterator
 from enum import StrEnum
 from pathlib import Path
+from typing import NamedTuple
 
 DB_NAME = "pagekeeper.db"
-FORMAT_VERSION = "1"
+SNAPSHOT_DIR = "snapshots"
+FORMAT_VERSION = "2"
+READABLE_FORMATS = ("1", "2")
+"""Format 1 kept snapshot bodies inline (table ``snapshots``); 2 keeps them in files."""
 _SEQ = struct.Struct("<q")
+# A snapshot file: magic, seq, CRC (of seq + body, as a record's), body length, body.
+_FILE_HEADER = struct.Struct("<8sqIq")
+_FILE_MAGIC = b"PKSNAPF1"
+_SNAPSHOT_FILE = re.compile(r"snapshot-\d{20}-[0-9a-f]{8}\.(pks|tmp)")
 
 
 class DurabilityLevel(StrEnum):
@@ -65,6 +88,30 @@ class LogError(RuntimeError):
 def record_crc(seq: int, body: bytes | memoryview) -> int:
     """CRC-32 of ``seq`` (8 bytes LE) then ``body``."""
     return zlib.crc32(body, zlib.crc32(_SEQ.pack(seq)))
+
+
+class SnapshotFile(NamedTuple):
+    """A snapshot body stored in its file, not yet registered in the database."""
+
+    seq: int
+    name: str
+    crc: int
+    size: int
+
+
+def snapshot_file_name(seq: int) -> str:
+    """A fresh name for a snapshot after record ``seq``: unique, so that two snapshots of
+    the same record (a periodic one still being written when the graceful stop takes its
+    own) never share a file, and discarding one never touches the other."""
+    return f"snapshot-{seq:020d}-{os.urandom(4).hex()}.pks"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class CommandLog:
@@ -97,10 +144,15 @@ class CommandLog:
                 "CREATE TABLE IF NOT EXISTS snapshots "
                 "(seq INTEGER PRIMARY KEY, crc INTEGER NOT NULL, body BLOB NOT NULL)"
             )
+            self._db.execute(
+                "CREATE TABLE IF NOT EXISTS snapshot_files (seq INTEGER PRIMARY KEY, "
+                "crc INTEGER NOT NULL, name TEXT NOT NULL, size INTEGER NOT NULL)"
+            )
         except sqlite3.DatabaseError as exc:
             self._db.close()
             raise LogError(f"{self.path} is not a readable pagekeeper database: {exc}") from None
         self._append_sql = "INSERT INTO log (seq, crc, body) VALUES (?, ?, ?)"
+        self.snapshot_dir = Path(directory) / SNAPSHOT_DIR
 
     # -- meta ------------------------------------------------------------------------------
     def get_meta(self, key: str) -> str | None:
@@ -145,33 +197,116 @@ class CommandLog:
     # -- snapshots -------------------------------------------------------------------------
     def write_snapshot(self, seq: int, body: bytes) -> None:
         """Store the state after record ``seq`` and drop what it makes redundant (records
-        up to ``seq``, older snapshots) in one transaction."""
+        up to ``seq``, older snapshots): :meth:`store_snapshot_file`, then
+        :meth:`commit_snapshot_file`."""
+        self.commit_snapshot_file(self.store_snapshot_file(seq, body))
+
+    def store_snapshot_file(self, seq: int, body: bytes) -> SnapshotFile:
+        """Write ``body`` as the snapshot after record ``seq`` to its file, fsync'ed and
+        renamed into place (so it is whole or absent), not yet registered. Touches no
+        database: safe to call from a worker thread while records are appended."""
+        crc = record_crc(seq, body)
+        name = snapshot_file_name(seq)
+        path = self.snapshot_dir / name
+        partial = path.with_suffix(".tmp")
+        try:
+            self.snapshot_dir.mkdir(exist_ok=True)
+            with open(partial, "wb") as f:
+                f.write(_FILE_HEADER.pack(_FILE_MAGIC, seq, crc, len(body)))
+                f.write(body)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(partial, path)
+            _fsync_dir(self.snapshot_dir)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                partial.unlink()
+            raise LogError(f"cannot write snapshot file {path}: {exc.strerror or exc}") from None
+        return SnapshotFile(seq, name, crc, len(body))
+
+    def commit_snapshot_file(self, snapshot: SnapshotFile) -> None:
+        """Register a stored snapshot file and drop what it makes redundant (records up to
+        its seq, older snapshots) in one small transaction; then unlink the older files."""
         db = self._db
         try:
             db.execute("BEGIN IMMEDIATE")
             try:
+                older = [
+                    str(row[0])
+                    for row in db.execute(
+                        "SELECT name FROM snapshot_files WHERE seq <= ? AND name != ?",
+                        (snapshot.seq, snapshot.name),
+                    )
+                ]
+                db.execute("DELETE FROM snapshot_files WHERE seq <= ?", (snapshot.seq,))
                 db.execute(
-                    "INSERT OR REPLACE INTO snapshots (seq, crc, body) VALUES (?, ?, ?)",
-                    (seq, record_crc(seq, body), body),
+                    "INSERT INTO snapshot_files (seq, crc, name, size) VALUES (?, ?, ?, ?)",
+                    (snapshot.seq, snapshot.crc, snapshot.name, snapshot.size),
                 )
-                db.execute("DELETE FROM log WHERE seq <= ?", (seq,))
-                db.execute("DELETE FROM snapshots WHERE seq < ?", (seq,))
+                db.execute("DELETE FROM log WHERE seq <= ?", (snapshot.seq,))
+                db.execute("DELETE FROM snapshots")  # inline ones (format 1) are older
+                self.set_meta("format_version", FORMAT_VERSION)
                 db.execute("COMMIT")
             except BaseException:
                 with contextlib.suppress(sqlite3.Error):
                     db.execute("ROLLBACK")
                 raise
         except sqlite3.Error as exc:
-            raise LogError(f"cannot write the snapshot at {seq} to {self.path}: {exc}") from None
+            raise LogError(
+                f"cannot register the snapshot at {snapshot.seq} in {self.path}: {exc}"
+            ) from None
+        for name in older:
+            with contextlib.suppress(OSError):
+                (self.snapshot_dir / name).unlink()
+
+    def discard_snapshot_file(self, snapshot: SnapshotFile) -> None:
+        """Remove a stored file that will not be registered."""
+        with contextlib.suppress(OSError):
+            (self.snapshot_dir / snapshot.name).unlink()
+
+    def remove_orphan_snapshot_files(self) -> tuple[str, ...]:
+        """Unlink snapshot files no row names (a crash between storing and registering
+        one) and partial ones; returns their names. Only this module's names are touched."""
+        named = {str(row[0]) for row in self._db.execute("SELECT name FROM snapshot_files")}
+        removed = []
+        with contextlib.suppress(FileNotFoundError):
+            for entry in sorted(os.listdir(self.snapshot_dir)):
+                if _SNAPSHOT_FILE.fullmatch(entry) is None or entry in named:
+                    continue
+                with contextlib.suppress(OSError):
+                    (self.snapshot_dir / entry).unlink()
+                    removed.append(entry)
+        return tuple(removed)
 
     def latest_snapshot(self) -> tuple[int, int, bytes] | None:
+        """``(seq, crc, body)`` of the newest snapshot, file or inline (the caller checks
+        the CRC). Raises LogError when the file a row names cannot be read whole."""
         row = self._db.execute(
+            "SELECT seq, crc, name, size FROM snapshot_files ORDER BY seq DESC LIMIT 1"
+        ).fetchone()
+        inline = self._db.execute(
             "SELECT seq, crc, body FROM snapshots ORDER BY seq DESC LIMIT 1"
         ).fetchone()
+        if inline is not None and (row is None or int(inline[0]) > int(row[0])):
+            seq, crc, body = inline
+            return int(seq), int(crc), body if isinstance(body, bytes) else bytes(body)
         if row is None:
             return None
-        seq, crc, body = row
-        return int(seq), int(crc), body if isinstance(body, bytes) else bytes(body)
+        seq, crc, name, size = int(row[0]), int(row[1]), str(row[2]), int(row[3])
+        path = self.snapshot_dir / name
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except OSError as exc:
+            raise LogError(f"cannot read snapshot file {path}: {exc.strerror or exc}") from None
+        if len(data) < _FILE_HEADER.size:
+            raise LogError(f"snapshot file {path} is shorter than its header")
+        magic, file_seq, file_crc, length = _FILE_HEADER.unpack_from(data)
+        if magic != _FILE_MAGIC or (file_seq, file_crc, length) != (seq, crc, size):
+            raise LogError(f"snapshot file {path} does not match its registration")
+        if len(data) != _FILE_HEADER.size + size:
+            raise LogError(f"snapshot file {path} holds {len(data)} bytes, not {size} + header")
+        return seq, crc, data[_FILE_HEADER.size :]
 
     # -- housekeeping ----------------------------------------------------------------------
     def checkpoint(self) -> None:
@@ -185,4 +320,12 @@ class CommandLog:
             self._db.close()
 
 
-__all__ = ["DB_NAME", "CommandLog", "DurabilityLevel", "LogError", "record_crc"]
+__all__ = [
+    "DB_NAME",
+    "SNAPSHOT_DIR",
+    "CommandLog",
+    "DurabilityLevel",
+    "LogError",
+    "SnapshotFile",
+    "record_crc",
+]

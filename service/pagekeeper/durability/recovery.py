@@ -12,13 +12,15 @@
                      returns (``state.journal = durability``)
     snapshot(state)  every ``snapshot_every`` records (the server's housekeeping task asks
                      :attr:`snapshot_due` and uses ``snapshot_in_background``, which
-                     encodes in a worker thread) and at a graceful shutdown: bounds the replay
+                     encodes and writes the file in a worker thread) and at a graceful
+                     shutdown: bounds the replay
     close()          checkpoint the WAL, unlock
 
 Layout of a data directory::
 
     LOCK            flock'ed by the running service; holds its pid
-    pagekeeper.db   (+ -wal, -shm) the command log and the latest snapshot
+    pagekeeper.db   (+ -wal, -shm) the command log, the latest snapshot's registration
+    snapshots/      the latest snapshot's body (snapshot-<seq>.pks)
     rings.txt       shared-memory files of the rings this data dir's service created
 """
 
@@ -45,9 +47,11 @@ from pagekeeper.core.errors import PagekeeperError
 from pagekeeper.durability.commands import RecordDecodeError, decode_command, encode_command
 from pagekeeper.durability.log import (
     FORMAT_VERSION,
+    READABLE_FORMATS,
     CommandLog,
     DurabilityLevel,
     LogError,
+    SnapshotFile,
     record_crc,
 )
 from pagekeeper.durability.snapshot import SnapshotError, decode_snapshot, encode_snapshot
@@ -163,9 +167,18 @@ class Durability:
             self.stale_ring_files = self._remove_stale_rings()
             self._log = CommandLog(self.data_dir, self.level)
             version = self._log.get_meta("format_version")
-            if version is not None and version != FORMAT_VERSION:
+            if version is not None and version not in READABLE_FORMATS:
                 raise DurabilityError(
-                    f"{self._log.path} has format {version}; this pagekeeper reads {FORMAT_VERSION}"
+                    f"{self._log.path} has format {version}; this pagekeeper reads "
+                    f"{' and '.join(READABLE_FORMATS)}"
+                )
+            orphans = self._log.remove_orphan_snapshot_files()
+            if orphans:
+                log.warning(
+                    "removed %d snapshot file(s) no record registers (a stop between "
+                    "writing and registering one): %s",
+                    len(orphans),
+                    ", ".join(orphans),
                 )
         except LogError as exc:
             self.close()
@@ -261,7 +274,10 @@ class Durability:
                 )
 
         snapshot_seq = 0
-        latest = commands_log.latest_snapshot()
+        try:
+            latest = commands_log.latest_snapshot()
+        except LogError as exc:
+            raise DurabilityError(f"unreadable snapshot: {exc}") from None
         if latest is not None:
             snapshot_seq, crc, body = latest
             where = f"{commands_log.path} (snapshot after record {snapshot_seq})"
@@ -393,54 +409,69 @@ class Durability:
     def snapshot(self, state: ServiceState) -> int:
         """Store the state as of the last record and drop the records it covers; returns
         that record's sequence number. Call between mutations (from the loop)."""
-        self._require_log()
+        commands_log = self._require_log()
         started = time.perf_counter()
         seq, covered = self._seq, self._since_snapshot
-        body = encode_snapshot(state.snapshot_state())
-        return self._store_snapshot(seq, covered, body, started, time.perf_counter() - started)
+        try:
+            stored = commands_log.store_snapshot_file(seq, encode_snapshot(state.snapshot_state()))
+        except LogError as exc:
+            log.error("snapshot failed (the log keeps every record): %s", exc)
+            return 0
+        return self._register_snapshot(stored, covered, started, time.perf_counter() - started)
 
     async def snapshot_in_background(self, state: ServiceState) -> int:
-        """``snapshot`` with the encoding off the event loop: the state's tree is taken
-        between mutations (it shares nothing mutable with the state), encoded in a worker
-        thread while calls go on, and stored back on the loop, covering the records up to
-        the one it was taken after (later records stay in the log). Returns 0 when nothing
-        was stored (a failed write, or the log failed meanwhile)."""
-        self._require_log()
+        """``snapshot`` with the work off the event loop: the state's tree is taken
+        between mutations (it shares nothing mutable with the state), encoded and written
+        to its file in a worker thread while calls go on, and registered back on the loop
+        (a small transaction), covering the records up to the one it was taken after
+        (later records stay in the log). Returns 0 when nothing was stored (a failed
+        write, or the log failed or closed meanwhile)."""
+        commands_log = self._require_log()
         started = time.perf_counter()
         seq, covered = self._seq, self._since_snapshot
         tree = state.snapshot_state()
         on_loop = time.perf_counter() - started  # the tree's capture
-        body = await asyncio.to_thread(encode_snapshot, tree)
-        if self.failure or self._log is None:
-            return 0
-        return self._store_snapshot(seq, covered, body, started, on_loop)
 
-    def _store_snapshot(
-        self, seq: int, covered: int, body: bytes, started: float, on_loop: float
+        def encode_and_store() -> SnapshotFile:
+            return commands_log.store_snapshot_file(seq, encode_snapshot(tree))
+
+        try:
+            stored = await asyncio.to_thread(encode_and_store)
+        except LogError as exc:
+            log.error("snapshot failed (the log keeps every record): %s", exc)
+            return 0
+        if self.failure or self._log is not commands_log:
+            commands_log.discard_snapshot_file(stored)
+            return 0
+        return self._register_snapshot(stored, covered, started, on_loop)
+
+    def _register_snapshot(
+        self, stored: SnapshotFile, covered: int, started: float, on_loop: float
     ) -> int:
-        """Write ``body`` as the snapshot after record ``seq``, which covers ``covered``
-        records; ``on_loop``: seconds the loop has already spent on it (this write adds
-        its own)."""
-        writing = time.perf_counter()
+        """Register the stored snapshot file, which covers ``covered`` records; ``on_loop``:
+        seconds the loop has already spent on it (this step adds its own)."""
+        registering = time.perf_counter()
         commands_log = self._require_log()
         try:
-            commands_log.write_snapshot(seq, body)
+            commands_log.commit_snapshot_file(stored)
         except LogError as exc:
             # A failed snapshot loses nothing (the records stay); say so and go on.
+            commands_log.discard_snapshot_file(stored)
             log.error("snapshot failed (the log keeps every record): %s", exc)
             return 0
         commands_log.checkpoint()
+        seq, size = stored.seq, stored.size
         self._since_snapshot = max(self._since_snapshot - covered, 0)
         stats = self.stats
         stats.num_snapshots += 1
         now = time.perf_counter()
         stats.last_snapshot_seconds = now - started
-        stats.last_snapshot_loop_seconds = on_loop + (now - writing)
-        stats.last_snapshot_bytes = len(body)
+        stats.last_snapshot_loop_seconds = on_loop + (now - registering)
+        stats.last_snapshot_bytes = size
         log.info(
             "snapshot after record %d: %d bytes in %.3fs (%.3fs of it on the event loop)",
             seq,
-            len(body),
+            size,
             stats.last_snapshot_seconds,
             stats.last_snapshot_loop_seconds,
         )
