@@ -79,8 +79,9 @@ class Settings:
     """Run the core's ``check_invariants()`` after every mutation (slow; for debugging)."""
     data_dir: str = "data"
     """Where the durable state lives (the command log in one SQLite file, the latest
-    snapshot in ``snapshots/``; see docs/reliability.md). Relative paths are relative to the working directory:
-    ``make serve`` keeps it in the repository's git-ignored ``data/``."""
+    snapshot in ``snapshots/``; see docs/reliability.md). Relative paths are relative to
+    the working directory: ``make serve`` keeps it in the repository's git-ignored
+    ``data/``."""
     durability: str = "process"
     """``none`` (nothing written; a restart starts empty), ``process`` (every acknowledged
     change survives the process being killed, ``kill -9`` included) or ``fsync`` (it also

@@ -10,7 +10,6 @@ from __future__ import annotations
 import array
 import sys
 from collections.abc import Callable, Sequence
-from itertools import chain
 
 import numpy as np
 
@@ -388,19 +387,28 @@ def _fill_grants(
         growth_ids = [g.request_id for g in request.growths]
     position = {rid: i for i, rid in enumerate(growth_ids)}
     ok = AllocationStatus.OK
-    growth_outcomes = outcomes[:num_growths]
-    # Comprehensions, not one loop of appends: hundreds of grants when many decodes cross.
-    listed = [o for o in growth_outcomes if o.status is not ok]
-    granted = [o for o in growth_outcomes if o.status is ok] if listed else growth_outcomes
-    if granted:
-        index = [position.get(o.request_id, -1) for o in granted]
-        per_group = [o.new_page_ids for o in granted]
-        if min(index) < 0 or len(set(map(len, per_group))) != 1:
+    index: list[int] = []
+    counts: list[int] = []
+    pages: list[int] = []
+    listed: list[AllocationOutcome] = []
+    num_groups = -1
+    for outcome in outcomes[:num_growths]:
+        if outcome.status is not ok:
+            listed.append(outcome)
+            continue
+        i = position.get(outcome.request_id)
+        per_group = outcome.new_page_ids
+        if i is None or (num_groups >= 0 and len(per_group) != num_groups):
             return None
-        runs = list(chain.from_iterable(per_group))
+        num_groups = len(per_group)
+        index.append(i)
+        for group_pages in per_group:
+            counts.append(len(group_pages))
+            pages.extend(group_pages)
+    if index:
         grants.growth_index = encode_i32(index)
-        grants.num_pages = encode_i32(list(map(len, runs)))
-        grants.page_ids = encode_i32(list(chain.from_iterable(runs)))
+        grants.num_pages = encode_i32(counts)
+        grants.page_ids = encode_i32(pages)
     listed.extend(outcomes[num_growths:])
     return listed
 
