@@ -48,7 +48,8 @@ class DurabilityCollector(Collector):
         )
         yield gauge(
             "last_snapshot_loop_seconds",
-            "Of which the event loop was held (the rest, encoding, ran in a worker thread).",
+            "Of which the event loop was held (the rest, encoding and writing its file, ran in "
+            "a worker thread).",
             stats.last_snapshot_loop_seconds,
         )
         append = GaugeMetricFamily(
