@@ -475,13 +475,13 @@ def test_allocate_decodes_many_crossings_match_allocate_one_by_one(lookahead):
     page), answers in the same order, and the same pool, as allocate() one by one."""
 
     def make() -> PageManager:
-        m = full(num_pages=60, max_model_len=256)
+        m = full(num_pages=90, max_model_len=256)
         for i in range(12):  # cached free pages to evict, some sharing a prefix
             m.admit(f"old{i}", [i % 3] * 4 + rng.integers(0, 5, 4 * (i % 3 + 1)).tolist())
         for i in range(12):
             m.free(f"old{i}")
-        for i in range(16):  # staggered lengths: some cross, some fill a page, some neither
-            m.admit(f"r{i}", [i % 3] * 4 + list(range(100, 100 + 3 + i % 5)))
+        for i in range(24):  # staggered lengths: some cross, some fill a page, some neither
+            m.admit(f"r{i}", [i % 3] * 4 + list(range(100, 100 + 3 + (i % 7 == 0) + i % 2)))
         m.take_events()
         return m
 
@@ -489,7 +489,7 @@ def test_allocate_decodes_many_crossings_match_allocate_one_by_one(lookahead):
     a = make()
     rng = np.random.default_rng(lookahead)
     b = make()
-    rids = [f"r{i}" for i in range(16)]
+    rids = [f"r{i}" for i in range(24)]
     num_crossings = num_refused = 0
     for _ in range(14):
         tokens = rng.integers(0, 5, len(rids)).tolist()
@@ -507,7 +507,7 @@ def test_allocate_decodes_many_crossings_match_allocate_one_by_one(lookahead):
             assert b.request_info(rid) == a.request_info(rid)
         assert b.pool.free_queue() == a.pool.free_queue()
         b.check_invariants()
-    assert num_crossings >= 3  # a step where several requests took pages together
+    assert num_crossings >= 8  # a step where many requests took their pages in one call
     assert num_refused > 0  # the pool ran dry: refusals were answered in order
     assert b.pool.num_evictions == a.pool.num_evictions > 0
 
