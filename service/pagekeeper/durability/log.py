@@ -296,17 +296,18 @@ class CommandLog:
         path = self.snapshot_dir / name
         try:
             with open(path, "rb") as f:
-                data = f.read()
+                header = f.read(_FILE_HEADER.size)
+                body = f.read()  # the body alone: no second copy of tens of MB
         except OSError as exc:
             raise LogError(f"cannot read snapshot file {path}: {exc.strerror or exc}") from None
-        if len(data) < _FILE_HEADER.size:
+        if len(header) < _FILE_HEADER.size:
             raise LogError(f"snapshot file {path} is shorter than its header")
-        magic, file_seq, file_crc, length = _FILE_HEADER.unpack_from(data)
+        magic, file_seq, file_crc, length = _FILE_HEADER.unpack(header)
         if magic != _FILE_MAGIC or (file_seq, file_crc, length) != (seq, crc, size):
             raise LogError(f"snapshot file {path} does not match its registration")
-        if len(data) != _FILE_HEADER.size + size:
-            raise LogError(f"snapshot file {path} holds {len(data)} bytes, not {size} + header")
-        return seq, crc, data[_FILE_HEADER.size :]
+        if len(body) != size:
+            raise LogError(f"snapshot file {path} holds {len(body)} body bytes, not {size}")
+        return seq, crc, body
 
     # -- housekeeping ----------------------------------------------------------------------
     def checkpoint(self) -> None:
