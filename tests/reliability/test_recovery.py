@@ -511,3 +511,26 @@ def test_a_stop_while_a_background_snapshot_of_the_same_record_is_written(tmp_pa
     again, durability = recover(tmp_path)
     assert durability.report.num_replayed == 0 and state_digest(again) == digest
     durability.close()
+
+
+def test_a_snapshot_that_cannot_be_written_keeps_every_record(tmp_path, caplog):
+    """A snapshot file that cannot be written (here: ``snapshots`` is a file, not a
+    directory) is reported and skipped, in the background or not; the records stay and a
+    restart replays them all."""
+    live, workload = new_state(FULL_POOL), Workload(39, FULL_POOL)
+    durability = Durability.open(tmp_path, "process", snapshot_every=10_000)
+    durability.recover(live)
+    durability.attach(live)
+    _drive(live, workload, 50)
+    (tmp_path / SNAPSHOT_DIR).write_text("in the way")
+    assert durability.snapshot(live) == 0
+    assert asyncio.run(durability.snapshot_in_background(live)) == 0
+    assert "snapshot failed (the log keeps every record)" in caplog.text
+    assert durability.stats.num_snapshots == 0
+    last, digest = durability.last_seq, state_digest(live)
+    live.journal = None
+    crash(durability)
+    (tmp_path / SNAPSHOT_DIR).unlink()
+    again, durability = recover(tmp_path)
+    assert durability.report.num_replayed == last and state_digest(again) == digest
+    durability.close()
