@@ -1416,8 +1416,26 @@ class ServiceState:
         """The whole state as a tree of plain values and numpy arrays: the core's tree plus
         clients, leases, generations, ownership, each client's stored step answer, the
         event buffer and the counters. :meth:`restore_state` gives it back exactly."""
+        return self.capture_snapshot()()
+
+    def capture_snapshot(self) -> Callable[[], dict[str, Any]]:
+        """:meth:`snapshot_state` in two parts: this call copies what later mutations would
+        change (between mutations, on the loop); the function it returns builds the tree
+        from that copy, and may run anywhere, while the state goes on (a worker thread).
+        The event buffer's events are immutable: the copy is of the buffer, and turning
+        them into columns, most of the work, is left to the function."""
         from pagekeeper.core.snapshot import events_to_tree
 
+        tree = self._snapshot_without_events()
+        events = list(self._events)
+
+        def build() -> dict[str, Any]:
+            tree["events"] = events_to_tree(events)
+            return tree
+
+        return build
+
+    def _snapshot_without_events(self) -> dict[str, Any]:
         records = self._requests
         return {
             "version": STATE_SNAPSHOT_VERSION,
@@ -1434,7 +1452,7 @@ class ServiceState:
             "next_client_number": self._next_client_number,
             "last_published_step_seq": self._last_published_step_seq,
             "kernel_sets": [[list(k), n] for k, n in self._kernel_sets.items()],
-            "events": events_to_tree(list(self._events)),
+            "events": None,  # filled by capture_snapshot's function
             "last_event_seq": self._last_event_seq,
             "counters": {name: getattr(self.counters, name) for name in _COUNTER_FIELDS},
         }

@@ -24,6 +24,7 @@ from pagekeeper.durability.log import (
     DurabilityLevel,
     record_crc,
 )
+from pagekeeper.durability.snapshot import digest_tree
 from pagekeeper.state import (
     Admission,
     Batch,
@@ -534,3 +535,17 @@ def test_a_snapshot_that_cannot_be_written_keeps_every_record(tmp_path, caplog):
     again, durability = recover(tmp_path)
     assert durability.report.num_replayed == last and state_digest(again) == digest
     durability.close()
+
+
+def test_a_captured_snapshot_is_the_state_at_capture_whenever_it_is_built(tmp_path):
+    """capture_snapshot copies what mutations change; the tree built from it later (in the
+    server, in a worker thread while steps go on) is the one snapshot_state gave at the
+    capture, event buffer included, however many events came and were trimmed since."""
+    live, workload = new_state(FULL_POOL), Workload(41, FULL_POOL)
+    _drive(live, workload, 150)
+    want = digest_tree(live.snapshot_state())
+    build = live.capture_snapshot()
+    first_event = live.event_buffer()[2]
+    _drive(live, workload, 300)
+    assert live.event_buffer()[2] > first_event  # older events were trimmed since
+    assert digest_tree(build()) == want != digest_tree(live.snapshot_state())

@@ -420,20 +420,21 @@ class Durability:
         return self._register_snapshot(stored, covered, started, time.perf_counter() - started)
 
     async def snapshot_in_background(self, state: ServiceState) -> int:
-        """``snapshot`` with the work off the event loop: the state's tree is taken
-        between mutations (it shares nothing mutable with the state), encoded and written
-        to its file in a worker thread while calls go on, and registered back on the loop
+        """``snapshot`` with the work off the event loop: the state is captured between
+        mutations (a copy that shares nothing mutable with it), turned into its tree,
+        encoded and written to its file in a worker thread while calls go on, and
+        registered back on the loop
         (a small transaction), covering the records up to the one it was taken after
         (later records stay in the log). Returns 0 when nothing was stored (a failed
         write, or the log failed or closed meanwhile)."""
         commands_log = self._require_log()
         started = time.perf_counter()
         seq, covered = self._seq, self._since_snapshot
-        tree = state.snapshot_state()
-        on_loop = time.perf_counter() - started  # the tree's capture
+        build_tree = state.capture_snapshot()
+        on_loop = time.perf_counter() - started  # the state's capture
 
         def encode_and_store() -> SnapshotFile:
-            return commands_log.store_snapshot_file(seq, encode_snapshot(tree))
+            return commands_log.store_snapshot_file(seq, encode_snapshot(build_tree()))
 
         try:
             stored = await asyncio.to_thread(encode_and_store)
