@@ -20,7 +20,7 @@ Layout of a data directory::
 
     LOCK            flock'ed by the running service; holds its pid
     pagekeeper.db   (+ -wal, -shm) the command log, the latest snapshot's registration
-    snapshots/      the latest snapshot's body (snapshot-<seq>.pks)
+    snapshots/      the latest snapshot's body (snapshot-<seq>-<nonce>.pks)
     rings.txt       shared-memory files of the rings this data dir's service created
 """
 
@@ -423,10 +423,9 @@ class Durability:
         """``snapshot`` with the work off the event loop: the state is captured between
         mutations (a copy that shares nothing mutable with it), turned into its tree,
         encoded and written to its file in a worker thread while calls go on, and
-        registered back on the loop
-        (a small transaction), covering the records up to the one it was taken after
-        (later records stay in the log). Returns 0 when nothing was stored (a failed
-        write, or the log failed or closed meanwhile)."""
+        registered back on the loop (a small transaction), covering the records up to the
+        one it was taken after (later records stay in the log). Returns 0 when nothing was
+        stored (a failed write, or the log failed or closed meanwhile)."""
         commands_log = self._require_log()
         started = time.perf_counter()
         seq, covered = self._seq, self._since_snapshot
