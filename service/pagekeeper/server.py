@@ -186,8 +186,6 @@ async def serve(
             "http_port": _port(http_address),
             "local_socket": local_server.path if local_server is not None else None,
         }
-        if ready_file:
-            write_ready_file(ready_file, info)
         log.info(
             "gRPC on %s, HTTP on %s%s; page hashing in %s, pool loops in %s",
             grpc_address,
@@ -197,6 +195,9 @@ async def serve(
             "C (pagekeeper.core._poolops)" if native_pool() else "pure Python",
         )
         print(f"{READY_LINE_PREFIX} {json.dumps(info)}", flush=True)
+        if ready_file:
+            # Last: whoever waits for the file finds the ready line already written.
+            write_ready_file(ready_file, info)
 
         await stop.wait()
         if runtime.fatal:
