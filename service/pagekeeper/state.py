@@ -1167,29 +1167,18 @@ class ServiceState:
                 except PagekeeperError:
                     answers = None  # checked up front; if not, the general path says why
                 if answers is not None:
-                    # Absent: fitted in its pages; None: refused, nothing changed for it.
-                    refused = [rid for rid, a in answers.items() if a is None]
-                    if refused or carriers.size:
-                        for rid, k in zip(run, run_ids.tolist(), strict=True):
-                            if answers.get(rid, True) is not None:
-                                record = requests[rid]
-                                record.num_tokens += k
-                                record.num_computed_tokens += k
-                    else:
-                        for record in map(requests.__getitem__, run):
-                            record.num_tokens += 1
-                            record.num_computed_tokens += 1
-                    left_out.update(refused)
-                    # A decode's grant: its new pages only (no cached tokens, no hits).
-                    ok, no_capacity = AllocationStatus.OK, AllocationStatus.NO_CAPACITY
-                    outcomes.extend(
-                        [
-                            AllocationOutcome(rid, no_capacity)
-                            if a is None
-                            else AllocationOutcome(rid, ok, 0, a.new_page_ids)
-                            for rid, a in answers.items()
-                        ]
-                    )
+                    for rid, k in zip(run, run_ids.tolist(), strict=True):
+                        # Absent: fitted in its pages; None: refused, nothing changed for it.
+                        if answers.get(rid, True) is not None:
+                            record = requests[rid]
+                            record.num_tokens += k
+                            record.num_computed_tokens += k
+                    for rid, allocation in answers.items():
+                        if allocation is None:
+                            left_out.add(rid)
+                            outcomes.append(AllocationOutcome(rid, AllocationStatus.NO_CAPACITY))
+                        else:
+                            outcomes.append(_outcome(allocation))
                     continue
             for i in range(start, stop):
                 outcome = self._apply_growth(cols.growth(i, offsets))
