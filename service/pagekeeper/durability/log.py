@@ -195,12 +195,6 @@ class CommandLog:
         return int(cursor.rowcount)
 
     # -- snapshots -------------------------------------------------------------------------
-    def write_snapshot(self, seq: int, body: bytes) -> None:
-        """Store the state after record ``seq`` and drop what it makes redundant (records
-        up to ``seq``, older snapshots): :meth:`store_snapshot_file`, then
-        :meth:`commit_snapshot_file`."""
-        self.commit_snapshot_file(self.store_snapshot_file(seq, body))
-
     def store_snapshot_file(self, seq: int, body: bytes) -> SnapshotFile:
         """Write ``body`` as the snapshot after record ``seq`` to its file, fsync'ed and
         renamed into place (so it is whole or absent), not yet registered. Touches no

@@ -114,6 +114,23 @@ class DurabilityStats:
         return {"p50": float(p50), "p99": float(p99), "max": float(arr.max())}
 
 
+def _store_snapshot_file(
+    commands_log: CommandLog, seq: int, build_tree: Callable[[], dict[str, Any]]
+) -> SnapshotFile | None:
+    """Build, encode and write the snapshot after record ``seq`` to its file (any thread:
+    it touches no database); None, said in the log, when the file cannot be written."""
+    try:
+        return commands_log.store_snapshot_file(seq, encode_snapshot(build_tree()))
+    except LogError as exc:
+        _snapshot_failed(exc)
+        return None
+
+
+def _snapshot_failed(exc: LogError) -> None:
+    # A failed snapshot loses nothing (the records stay); say so and go on.
+    log.error("snapshot failed (the log keeps every record): %s", exc)
+
+
 class Durability:
     """The durable command log of one data directory (see the module docstring)."""
 
@@ -412,10 +429,8 @@ class Durability:
         commands_log = self._require_log()
         started = time.perf_counter()
         seq, covered = self._seq, self._since_snapshot
-        try:
-            stored = commands_log.store_snapshot_file(seq, encode_snapshot(state.snapshot_state()))
-        except LogError as exc:
-            log.error("snapshot failed (the log keeps every record): %s", exc)
+        stored = _store_snapshot_file(commands_log, seq, state.capture_snapshot())
+        if stored is None:
             return 0
         return self._register_snapshot(stored, covered, started, time.perf_counter() - started)
 
@@ -431,14 +446,8 @@ class Durability:
         seq, covered = self._seq, self._since_snapshot
         build_tree = state.capture_snapshot()
         on_loop = time.perf_counter() - started  # the state's capture
-
-        def encode_and_store() -> SnapshotFile:
-            return commands_log.store_snapshot_file(seq, encode_snapshot(build_tree()))
-
-        try:
-            stored = await asyncio.to_thread(encode_and_store)
-        except LogError as exc:
-            log.error("snapshot failed (the log keeps every record): %s", exc)
+        stored = await asyncio.to_thread(_store_snapshot_file, commands_log, seq, build_tree)
+        if stored is None:
             return 0
         if self.failure or self._log is not commands_log:
             commands_log.discard_snapshot_file(stored)
@@ -455,9 +464,8 @@ class Durability:
         try:
             commands_log.commit_snapshot_file(stored)
         except LogError as exc:
-            # A failed snapshot loses nothing (the records stay); say so and go on.
             commands_log.discard_snapshot_file(stored)
-            log.error("snapshot failed (the log keeps every record): %s", exc)
+            _snapshot_failed(exc)
             return 0
         commands_log.checkpoint()
         seq, size = stored.seq, stored.size
