@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import sqlite3
+import time
 
 import numpy as np
 import pytest
@@ -295,6 +296,73 @@ def test_snapshot_files_left_unregistered_are_removed_at_start(tmp_path):
     left = sorted(p.name for p in (tmp_path / SNAPSHOT_DIR).iterdir())
     assert left == sorted([*registered, "notes.txt"])
     durability.close()
+
+
+def test_an_older_snapshot_file_stays_until_a_checkpoint_syncs_its_replacement(tmp_path):
+    """Registering a snapshot commits to the WAL, which a power loss may still take back
+    until a checkpoint has synced it; the older file the registration replaced must stay
+    until then, or a power loss leaves a database naming a deleted file. Here a reader
+    (an operator's ``sqlite3`` shell) holds back every checkpoint: the older file stays,
+    the power-loss image (the database file alone: no WAL frame was synced) recovers the
+    older snapshot's state exactly, and the first checkpoint that completes removes it."""
+    live, workload = new_state(FULL_POOL), Workload(43, FULL_POOL)
+    durability = Durability.open(tmp_path, "process", snapshot_every=10_000)
+    durability.recover(live)
+    durability.attach(live)
+    files = tmp_path / SNAPSHOT_DIR
+    _drive(live, workload, 60)
+    first_seq, first_digest = durability.snapshot(live), state_digest(live)
+    (first,) = files.iterdir()
+    reader = sqlite3.connect(tmp_path / DB_NAME, isolation_level=None)
+    reader.execute("BEGIN")
+    reader.execute("SELECT COUNT(*) FROM log").fetchone()
+    _drive(live, workload, 40)
+    second_seq = durability.snapshot(live)
+    assert second_seq > first_seq
+    assert durability.stats.num_snapshots == 2
+    assert first.exists() and len(list(files.iterdir())) == 2
+
+    image = tmp_path / "power-loss"
+    image.mkdir()
+    (image / DB_NAME).write_bytes((tmp_path / DB_NAME).read_bytes())
+    (image / SNAPSHOT_DIR).mkdir()
+    for path in files.iterdir():
+        (image / SNAPSHOT_DIR / path.name).write_bytes(path.read_bytes())
+    again, recovered = recover(image)
+    assert recovered.report.snapshot_seq == first_seq == recovered.last_seq
+    assert state_digest(again) == first_digest
+    assert [p.name for p in (image / SNAPSHOT_DIR).iterdir()] == [first.name]  # orphan gone
+    recovered.close()
+
+    reader.execute("COMMIT")
+    reader.close()
+    _drive(live, workload, 20)
+    third_seq = durability.snapshot(live)
+    (only,) = files.iterdir()
+    assert only.name.startswith(f"snapshot-{third_seq:020d}-")
+    durability.close()
+
+
+def test_a_checkpoint_behind_a_reader_reports_busy_without_waiting(tmp_path):
+    """A reader in the way makes the checkpoint report busy at once (the busy timeout
+    would hold the event loop for seconds) and leaves that timeout as it was."""
+    log = CommandLog(tmp_path, DurabilityLevel.PROCESS)
+    log.append(1, b"one")
+    assert log.checkpoint()
+    reader = sqlite3.connect(tmp_path / DB_NAME, isolation_level=None)
+    reader.execute("BEGIN")
+    reader.execute("SELECT COUNT(*) FROM log").fetchone()
+    log.append(2, b"two")
+    started = time.monotonic()
+    assert not log.checkpoint()
+    # Well under the 5 s busy timeout: it did not wait for the reader.
+    assert time.monotonic() - started < 2.5
+    assert log._db.execute("PRAGMA busy_timeout").fetchone()[0] == 5000
+    reader.execute("COMMIT")
+    reader.close()
+    assert log.checkpoint()
+    assert (tmp_path / f"{DB_NAME}-wal").stat().st_size == 0
+    log.close()
 
 
 def test_another_pool_or_a_second_instance_is_refused(tmp_path):

@@ -78,6 +78,8 @@ class DurabilityLevel(StrEnum):
     """Survives power loss (fsync at every commit)."""
 
 
+# The connection's busy timeout (sqlite3.connect's default of 5 s, said out loud).
+_BUSY_TIMEOUT_MS = 5000
 _SYNCHRONOUS = {DurabilityLevel.PROCESS: "NORMAL", DurabilityLevel.FSYNC: "FULL"}
 
 
@@ -125,7 +127,12 @@ class CommandLog:
         try:
             # isolation_level=None: autocommit, so each INSERT is one commit (one durable
             # record); multi-statement transactions are explicit BEGIN/COMMIT.
-            self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+            self._db = sqlite3.connect(
+                self.path,
+                isolation_level=None,
+                check_same_thread=False,
+                timeout=_BUSY_TIMEOUT_MS / 1000,
+            )
         except sqlite3.Error as exc:
             raise LogError(f"cannot open {self.path}: {exc}") from None
         try:
@@ -218,9 +225,12 @@ class CommandLog:
             raise LogError(f"cannot write snapshot file {path}: {exc.strerror or exc}") from None
         return SnapshotFile(seq, name, crc, len(body))
 
-    def commit_snapshot_file(self, snapshot: SnapshotFile) -> None:
+    def commit_snapshot_file(self, snapshot: SnapshotFile) -> tuple[str, ...]:
         """Register a stored snapshot file and drop what it makes redundant (records up to
-        its seq, older snapshots) in one small transaction; then unlink the older files."""
+        its seq, older snapshots) in one small transaction; returns the names of the older
+        files it unregistered. They stay on disk: until a checkpoint has synced this
+        transaction (see ``checkpoint``), a power loss may undo it, and the database would
+        name them again. ``remove_snapshot_files`` them after one."""
         db = self._db
         try:
             db.execute("BEGIN IMMEDIATE")
@@ -249,7 +259,12 @@ class CommandLog:
             raise LogError(
                 f"cannot register the snapshot at {snapshot.seq} in {self.path}: {exc}"
             ) from None
-        for name in older:
+        return tuple(older)
+
+    def remove_snapshot_files(self, names: tuple[str, ...]) -> None:
+        """Unlink snapshot files no longer registered (best effort: one left behind is
+        an orphan the next start-up removes)."""
+        for name in names:
             with contextlib.suppress(OSError):
                 (self.snapshot_dir / name).unlink()
 
@@ -304,11 +319,24 @@ class CommandLog:
         return seq, crc, body
 
     # -- housekeeping ----------------------------------------------------------------------
-    def checkpoint(self) -> None:
+    def checkpoint(self) -> bool:
         """Fold the WAL into the database file and truncate it (after a snapshot or at
-        shutdown: keeps the WAL, and so start-up, short)."""
-        with contextlib.suppress(sqlite3.Error):
-            self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        shutdown: keeps the WAL, and so start-up, short). Returns whether it completed:
+        then every committed transaction is in the database file, synced (SQLite syncs
+        the WAL before and the database after a checkpoint unless ``synchronous=OFF``),
+        so no power loss can undo it. It never waits: a reader in the way (an operator's
+        ``sqlite3`` shell, a backup) makes it report busy at once, where the connection's
+        busy timeout would hold the event loop for seconds; the next one catches up."""
+        db = self._db
+        try:
+            db.execute("PRAGMA busy_timeout=0")
+            try:
+                row = db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+            finally:
+                db.execute(f"PRAGMA busy_timeout={_BUSY_TIMEOUT_MS}")
+        except sqlite3.Error:
+            return False
+        return row is not None and int(row[0]) == 0
 
     def close(self) -> None:
         with contextlib.suppress(sqlite3.Error):

@@ -159,6 +159,8 @@ class Durability:
         self._log: CommandLog | None = None
         self._seq = 0
         self._since_snapshot = 0
+        # Snapshot files unregistered by a registration no checkpoint has synced yet.
+        self._retired: list[str] = []
 
     # -- opening ---------------------------------------------------------------------------
     @classmethod
@@ -462,12 +464,13 @@ class Durability:
         registering = time.perf_counter()
         commands_log = self._require_log()
         try:
-            commands_log.commit_snapshot_file(stored)
+            older = commands_log.commit_snapshot_file(stored)
         except LogError as exc:
             commands_log.discard_snapshot_file(stored)
             _snapshot_failed(exc)
             return 0
-        commands_log.checkpoint()
+        self._retired.extend(older)
+        self._checkpoint(commands_log)
         seq, size = stored.seq, stored.size
         self._since_snapshot = max(self._since_snapshot - covered, 0)
         stats = self.stats
@@ -485,6 +488,15 @@ class Durability:
         )
         return seq
 
+    def _checkpoint(self, commands_log: CommandLog) -> None:
+        """Checkpoint; once one completes, the registrations before it are synced and the
+        files they unregistered can go (before that, a power loss may revert one, and the
+        database would name its older file again; one left at a crash is an orphan the
+        next start-up removes)."""
+        if commands_log.checkpoint() and self._retired:
+            commands_log.remove_snapshot_files(tuple(self._retired))
+            self._retired.clear()
+
     def maybe_snapshot(self, state: ServiceState) -> int:
         return self.snapshot(state) if self.snapshot_due else 0
 
@@ -495,7 +507,7 @@ class Durability:
         if self._log is not None:
             if state is not None and self._since_snapshot and not self.failure:
                 self.snapshot(state)
-            self._log.checkpoint()
+            self._checkpoint(self._log)
             self._log.close()
             self._log = None
         if self._lock_fd is not None:
