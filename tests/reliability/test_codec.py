@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -33,6 +34,7 @@ from pagekeeper.state import (
     ForceFreeCommand,
     GroupKernelSupport,
     Growth,
+    GrowthColumns,
     HeartbeatCommand,
     KernelBackend,
     Limits,
@@ -353,3 +355,41 @@ def test_a_step_read_over_grpc_is_journaled_as_its_request_bytes():
     # (Damage inside the bytes is the record CRC's to catch; a cut record cannot parse.)
     with pytest.raises(RecordDecodeError):
         decode_command(body[:-5])
+
+
+def _with_growth_count(body: bytes, count: int, ids: object = None) -> bytes:
+    """The step record ``body`` with its growths' count (and, given, their ids) replaced."""
+    tree = decode(memoryview(body)[2:])
+    tree[5][0] = count
+    if ids is not None:
+        tree[5][1] = ids
+    return body[:2] + encode(tree)
+
+
+@pytest.mark.parametrize("form", ["growths", "columns"])
+def test_a_damaged_growth_count_is_refused_before_it_sizes_anything(form):
+    """A count that disagrees with the ids it counts is refused as a damaged record, and
+    nothing is allocated by it first (`make fuzz` found a count of ~2**60 raising
+    MemoryError out of the decoder)."""
+    ids = ("a", "b", "c")
+    if form == "growths":
+        growths = tuple(Growth(r, 1, tokens(i, 1)) for i, r in enumerate(ids))
+        step = StepCommand(1.0, "s", 1, 1, growths=growths)
+    else:
+        ones = np.ones(3, dtype=np.int32)
+        columns = GrowthColumns(ids, ones, np.arange(3, dtype=np.int32), ones, -ones, 0 * ones)
+        step = StepCommand(1.0, "s", 1, 1, growth_columns=columns)
+    body = encode_command(step)
+    assert _step_fields(decode_command(body)[0]) == _step_fields(step)
+    for count in (2**60, 10**7, 4, 2, -1):
+        tracemalloc.start()
+        try:
+            with pytest.raises(RecordDecodeError, match="wrong shape"):
+                decode_command(_with_growth_count(body, count))
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 1 << 20, f"count {count}: {peak} bytes allocated before the refusal"
+    # No growths counted, but ids there: damaged too (not read as a step without growths).
+    with pytest.raises(RecordDecodeError, match="count says none"):
+        decode_command(_with_growth_count(body, 0))

@@ -197,7 +197,10 @@ def _ids(ids: list[str]) -> Any:
 
 
 def _ids_from(tree: Any, n: int) -> list[str]:
+    """The ``n`` request ids of an id field; ValueError unless it holds exactly ``n``."""
     if n == 0:
+        if not (isinstance(tree, (str, list)) and len(tree) == 0):
+            raise ValueError("request ids where the count says none")
         return []
     ids = tree.split("\x00") if isinstance(tree, str) else [str(r) for r in tree]
     if len(ids) != n:
@@ -234,7 +237,10 @@ def _array_column(values: Any, n: int) -> Any:
 def _int32_column(tree: Any, n: int) -> Any:
     if isinstance(tree, int):
         return np.full(n, tree, dtype=np.int32)
-    return np.asarray(tree).astype(np.int32)
+    column = np.asarray(tree).astype(np.int32)
+    if column.shape != (n,):
+        raise ValueError("a growth column has the wrong length")
+    return column
 
 
 def _step_to_tree(cmd: StepCommand, result: StepResult | None) -> list[Any]:
@@ -337,9 +343,12 @@ def _step_from_tree(tree: list[Any]) -> tuple[StepCommand, Publication | None]:
     columns: GrowthColumns | None = None
     if growths_tree is not None and len(growths_tree) == 8:
         n, ids, num_new, tokens, token_lens, computed, lookahead, _ = growths_tree
+        # The ids first: they check the count against what the record holds before any
+        # column is sized by it (a damaged count must not size an allocation).
         n = int(n)
+        request_ids = _ids_from(ids, n)
         columns = GrowthColumns(
-            request_ids=tuple(_ids_from(ids, n)),
+            request_ids=tuple(request_ids),
             num_new_tokens=_int32_column(num_new, n),
             new_token_ids=np.asarray(tokens, dtype=np.int32),
             num_new_token_ids=_int32_column(token_lens, n),
@@ -349,6 +358,7 @@ def _step_from_tree(tree: list[Any]) -> tuple[StepCommand, Publication | None]:
     elif growths_tree is not None:
         n, ids, num_new, tokens, token_lens, computed, lookahead = growths_tree
         n = int(n)
+        request_ids = _ids_from(ids, n)  # checks the count first, as above
         lengths = _column_from(token_lens, n)
         if sum(lengths) != len(tokens):
             raise ValueError("growth token lengths do not add up")
@@ -359,7 +369,7 @@ def _step_from_tree(tree: list[Any]) -> tuple[StepCommand, Publication | None]:
         growths = tuple(
             Growth(rid, k, piece, None if c < 0 else c, la)
             for rid, k, piece, c, la in zip(
-                _ids_from(ids, n),
+                request_ids,
                 _column_from(num_new, n),
                 pieces,
                 _column_from(computed, n),
