@@ -142,7 +142,13 @@ async def serve(
     grpc_server = GrpcServer(runtime)
     grpc_address = await grpc_server.start(settings.grpc_address)
     local_server: LocalServer | None = None
-    http_socket = bind_http_socket(settings.http_address)
+    try:
+        http_socket = bind_http_socket(settings.http_address)
+    except OSError as exc:
+        await grpc_server.stop(0)
+        raise OSError(
+            f"cannot bind HTTP to {settings.http_address}: {exc.strerror or exc}"
+        ) from None
     http_address = _socket_address(http_socket, settings.http_address)
     config = uvicorn.Config(
         create_app(runtime),

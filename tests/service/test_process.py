@@ -59,6 +59,30 @@ def test_port_in_use_fails_cleanly(server_factory, tmp_path):
         server_factory("--grpc-address", "127.0.0.1:0", "--http-address", first.http_address)
 
 
+@pytest.mark.parametrize("which", ["grpc", "http"])
+def test_a_busy_address_is_named_in_one_line_without_a_traceback(which, tmp_path):
+    """Either port held by another program: exit 1 with one line naming the address, and
+    nothing else of ours on stderr (the gRPC case once ended in grpcio's RuntimeError
+    traceback; the HTTP case in a traceback from the gRPC server left to the collector)."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        address = f"127.0.0.1:{busy.getsockname()[1]}"
+        addresses = {"grpc": "127.0.0.1:0", "http": "127.0.0.1:0", which: address}
+        out = run_cli(
+            "serve",
+            "--grpc-address", addresses["grpc"],
+            "--http-address", addresses["http"],
+            "--data-dir", str(tmp_path / "data"),
+            "--publish-transport", "none",
+        )  # fmt: skip
+    assert out.returncode == 1, out.stderr
+    assert "Traceback" not in out.stderr and "Exception ignored" not in out.stderr, out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    name = {"grpc": "gRPC", "http": "HTTP"}[which]
+    assert last.startswith(f"pagekeeper: cannot start: cannot bind {name} to {address}"), last
+
+
 def test_ready_line_and_sigterm_drains(server_factory):
     server = server_factory()
     stdout = (server.workdir / "stdout.log").read_text()

@@ -161,10 +161,20 @@ class GrpcServer:
 
     async def start(self, address: str) -> str:
         """Bind and start; returns the bound address (the real port when 0 was asked)."""
-        port = self.server.add_insecure_port(address)
-        if not address.startswith("unix:"):
-            if port == 0:
-                raise OSError(f"cannot bind gRPC to {address}")
+        is_unix = address.startswith("unix:")
+        try:
+            port = self.server.add_insecure_port(address)
+            bound = port > 0 or is_unix
+        except RuntimeError:  # grpcio says only "Failed to bind" (its C core logs why)
+            bound = False
+        if not bound:
+            # Stopped now, on this loop: a server left to the collector would schedule
+            # its shutdown on a loop that is closed by then (a traceback at exit).
+            await self.server.stop(None)
+            raise OSError(
+                f"cannot bind gRPC to {address} (in use or unavailable: grpc logs the reason)"
+            )
+        if not is_unix:
             host = address.rpartition(":")[0]
             address = f"{host}:{port}"
         await self.set_serving(False)
