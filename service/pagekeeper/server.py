@@ -220,6 +220,9 @@ async def serve(
         with contextlib.suppress(asyncio.CancelledError):
             await http_task
         http_socket.close()
+        if settings.http_address.startswith("unix:"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(settings.http_address[len("unix:") :])  # ours: bound above
         runtime.close()
         if ready_file:
             with contextlib.suppress(FileNotFoundError):

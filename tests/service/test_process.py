@@ -11,6 +11,7 @@ import threading
 import time
 
 import grpc
+import httpx
 import pytest
 
 from pagekeeper_client._proto.pagekeeper.v1 import pagekeeper_pb2 as pb
@@ -125,6 +126,16 @@ def test_unix_socket_and_debug_invariants(server_factory, tmp_path):
         assert stub.GetPoolInfo(pb.GetPoolInfoRequest()).config.num_pages == 4096
     sched = Scheduler(server)
     assert sched.admit("u", list(range(50))).status == pb.ALLOCATION_STATUS_OK
+
+
+def test_http_on_a_unix_socket_is_removed_at_stop(server_factory, tmp_path):
+    path = tmp_path / "http.sock"
+    server = server_factory("--grpc-address", "127.0.0.1:0", "--http-address", f"unix:{path}")
+    assert server.http_address == f"unix:{path}"
+    with httpx.Client(transport=httpx.HTTPTransport(uds=str(path))) as http:
+        assert http.get("http://pagekeeper/readyz").json() == {"status": "ready"}
+    assert server.stop() == 0
+    assert not path.exists()
 
 
 def test_expired_scheduler_loses_its_requests(server_factory):
