@@ -393,3 +393,50 @@ def test_a_damaged_growth_count_is_refused_before_it_sizes_anything(form):
     # No growths counted, but ids there: damaged too (not read as a step without growths).
     with pytest.raises(RecordDecodeError, match="count says none"):
         decode_command(_with_growth_count(body, 0))
+
+
+def _leaf_paths(tree: object, path: tuple[int, ...] = ()) -> list[tuple[int, ...]]:
+    """Paths (list indices) to every leaf of a decoded record tree."""
+    if isinstance(tree, list):
+        return [p for i, item in enumerate(tree) for p in _leaf_paths(item, (*path, i))]
+    return [path]
+
+
+def test_records_with_a_leaf_replaced_are_refused_or_decoded_never_crash():
+    """Every kind of record the workload writes, with one leaf of its tree replaced by an
+    odd value (huge, negative, another type), re-encoded with a valid frame: the decoder
+    refuses it with RecordDecodeError or reads some command, and allocates nothing sized
+    by the odd value. Byte-level damage rarely lands on a count; this always does."""
+    rng = np.random.default_rng(11)
+    odd_values = [2**60, -(2**62), 10**7, -1, 0, 1, 3, "", "x\x00y", None, [], [1, 2], 1.5]
+    state, workload = new_state(HYBRID_POOL), Workload(5, HYBRID_POOL)
+    bodies = []
+    for _ in range(150):
+        command, result = workload.run_one(state)
+        if not isinstance(result, Exception):
+            bodies.append(encode_command(command, result))
+    decoded = refused = 0
+    tracemalloc.start()
+    try:
+        for body in bodies:
+            tree = decode(memoryview(body)[2:])
+            paths = _leaf_paths(tree)
+            for _ in range(12):
+                path = paths[int(rng.integers(len(paths)))]
+                damaged = decode(memoryview(body)[2:])
+                parent = damaged
+                for i in path[:-1]:
+                    parent = parent[i]
+                if path:
+                    parent[path[-1]] = odd_values[int(rng.integers(len(odd_values)))]
+                tracemalloc.reset_peak()
+                try:
+                    decode_command(body[:2] + encode(damaged))
+                    decoded += 1
+                except RecordDecodeError:
+                    refused += 1
+                peak = tracemalloc.get_traced_memory()[1]
+                assert peak < 8 << 20, f"{peak} bytes for a record with {path} replaced"
+    finally:
+        tracemalloc.stop()
+    assert refused > 100 and decoded + refused == 12 * len(bodies)

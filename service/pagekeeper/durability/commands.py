@@ -138,7 +138,9 @@ def decode_command(body: bytes | memoryview) -> tuple[Command, Publication | Non
         return _from_tree(kind, tree)
     except ValueDecodeError as exc:
         raise RecordDecodeError(f"{KIND_NAMES[kind]} record: {exc}") from None
-    except (TypeError, ValueError, IndexError, KeyError) as exc:
+    except (TypeError, ValueError, IndexError, KeyError, OverflowError, AttributeError) as exc:
+        # A tree of the wrong shape, or a number no field can hold (a CRC-valid record
+        # never has either: this is the decoder refusing a damaged one, not crashing).
         raise RecordDecodeError(
             f"{KIND_NAMES[kind]} record has the wrong shape: {type(exc).__name__}: {exc}"
         ) from None
