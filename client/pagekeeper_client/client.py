@@ -768,6 +768,11 @@ class SchedulerState:
                 f"request {request_id!r}: {computed} computed + {num_new_tokens} new tokens "
                 f"exceed its {num_tokens} tokens"
             )
+        if computed + num_new_tokens > self.max_model_len:
+            raise InvalidArgumentError(
+                f"request {request_id!r}: {computed} computed + {num_new_tokens} new tokens "
+                f"exceed max_model_len {self.max_model_len}"
+            )
         num_slots = min(computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
         nulled: list[tuple[int, int, int]] = []
         if self._is_simple:
@@ -899,6 +904,11 @@ class SchedulerState:
                 raise InvalidArgumentError(
                     f"request {request_id!r}: {t.num_tokens + 1} tokens exceed max_model_len "
                     f"{self.max_model_len}"
+                )
+            if t.num_computed_tokens >= self.max_model_len:
+                raise InvalidArgumentError(
+                    f"request {request_id!r}: {t.num_computed_tokens} computed + 1 new tokens "
+                    f"exceed max_model_len {self.max_model_len}"
                 )
             tracked.append(t)
         if len(set(request_ids)) != n:

@@ -1117,6 +1117,13 @@ class ServiceState:
                 f"request {ids[i]!r}: {int(computed[i])} computed + {int(num_new[i])} new "
                 f"tokens exceed its {int(num_tokens[i])} tokens"
             )
+        past = computed + num_new > max_len
+        if past.any():
+            i = _first_true(past)
+            raise InvalidArgument(
+                f"request {ids[i]!r}: {int(computed[i])} computed + {int(num_new[i])} new "
+                f"tokens exceed max_model_len {max_len}"
+            )
         return grown
 
     def _apply_growth_columns(
@@ -1138,7 +1145,9 @@ class ServiceState:
         # (or a client that always sends its mirror's count).
         given = np.flatnonzero(one_new & (num_ids >= 1) & (explicit >= 0))
         for i in given.tolist():
-            plain[i] = requests[ids[i]].num_computed_tokens + num_ids[i] - 1 == explicit[i]
+            plain[i] = requests[ids[i]].num_computed_tokens + int(num_ids[i]) - 1 == int(
+                explicit[i]
+            )
         lookahead = cols.num_lookahead_tokens
         cuts = np.flatnonzero((plain[1:] != plain[:-1]) | (lookahead[1:] != lookahead[:-1])) + 1
         bounds = [0, *cuts.tolist(), n]
@@ -1223,6 +1232,11 @@ class ServiceState:
             raise InvalidArgument(
                 f"request {rid!r}: {computed} computed + {growth.num_new_tokens} new tokens "
                 f"exceed its {num_tokens} tokens"
+            )
+        if computed + growth.num_new_tokens > max_len:
+            raise InvalidArgument(
+                f"request {rid!r}: {computed} computed + {growth.num_new_tokens} new tokens "
+                f"exceed max_model_len {max_len}"
             )
 
     def _validate_admission(self, admission: Admission, max_len: int) -> None:

@@ -559,6 +559,30 @@ def test_allocate_decodes_matches_an_in_process_manager(server_factory, tmp_path
         assert client.pool_info().counters.num_free_pages == reference.pool.num_free_pages
 
 
+def test_computed_tokens_past_max_model_len_are_refused_before_any_call(connect):
+    """As the service does: lookahead may take ``computed + new`` past the tokens, never
+    past max_model_len (checked by the mirror first, so nothing is queued)."""
+    client = connect()
+    max_len = client.pool.max_model_len
+    client.admit("ml-a", tokens(700, 10))
+    client.admit("ml-b", tokens(800, 10))
+    client.flush()
+    before = client.stats.num_rpcs
+    past = max_len - 9
+    with pytest.raises(InvalidArgumentError, match=f"10 computed \\+ {past} new tokens exceed"):
+        client.allocate_slots("ml-a", past, num_lookahead_tokens=past)
+    assert client.stats.num_rpcs == before and client.num_queued == 0
+    # Exactly up to max_model_len is accepted; then nothing more can be computed.
+    client.allocate_slots("ml-a", max_len - 10, num_lookahead_tokens=max_len - 10)
+    client.flush()
+    assert client.request("ml-a").num_computed_tokens == max_len
+    with pytest.raises(InvalidArgumentError, match=f"{max_len} computed \\+ 1 new tokens"):
+        client.allocate_decodes(["ml-b", "ml-a"], [1, 2])
+    assert client.request("ml-b").num_tokens == 10 and client.num_queued == 0
+    client.free_later("ml-a", "ml-b")
+    client.step()
+
+
 def test_allocate_decodes_bad_input_queues_nothing(connect):
     client = connect()
     for rid in ("bd-a", "bd-b"):

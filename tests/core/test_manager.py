@@ -548,6 +548,34 @@ def test_allocate_decodes_refuses_past_max_model_len_before_any_change():
     assert m.request_info("x").num_tokens == 8
 
 
+def test_computed_tokens_never_pass_max_model_len_even_with_lookahead():
+    """Speculative lookahead lets ``computed + new`` run past a request's tokens, never past
+    max_model_len: slots stop there, and a computed token needs a slot. (Accepted before,
+    the request reached 630 computed tokens in a 512-token pool, and its batch could no
+    longer be built.)"""
+    m = full(num_pages=40, max_model_len=64)
+    m.admit("x", list(range(30)))
+    pages = m.request_info("x").page_ids
+    queue = m.pool.free_queue()
+    past = r"'x': 30 computed \+ 40 new tokens exceed max_model_len 64"
+    with pytest.raises(InvalidArgument, match=past):
+        m.allocate("x", 40, num_lookahead_tokens=40)
+    assert m.request_info("x").page_ids == pages and m.pool.free_queue() == queue
+    assert m.request_info("x").num_computed_tokens == 30
+    # Up to max_model_len exactly is fine: speculative tokens computed ahead of the tokens.
+    assert m.allocate("x", 34, num_lookahead_tokens=34) is not None
+    assert m.request_info("x").num_computed_tokens == 64
+    m.build_batch(["x"])
+    # Nothing more to compute: a decode is refused, by allocate and allocate_decodes alike.
+    m.admit("y", [1, 2])
+    queue = m.pool.free_queue()
+    with pytest.raises(InvalidArgument, match=r"'x'.* 64 "):  # computed past its 31 tokens
+        m.allocate("x", 1, new_token_ids=[5])
+    with pytest.raises(InvalidArgument, match=r"'x': 64 computed \+ 1 new tokens exceed"):
+        m.allocate_decodes(["y", "x"], [5, 6])
+    assert m.request_info("y").num_tokens == 2 and m.pool.free_queue() == queue
+
+
 def test_allocate_decodes_hybrid_groups_match_allocate():
     def hybrid() -> PageManager:
         m = PageManager(

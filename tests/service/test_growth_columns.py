@@ -209,6 +209,23 @@ def replace_column(cols: GrowthColumns, **changes: object) -> GrowthColumns:
             InvalidArgument,
             "not both",
         ),
+        # Lookahead lets computed + new run past a's 8 tokens, never past max_model_len 96.
+        (
+            {
+                "growth_columns": replace_column(
+                    decodes(["a"], [1]),
+                    num_new_tokens=np.array([95], dtype=np.int32),
+                    num_lookahead_tokens=np.array([95], dtype=np.int32),
+                )
+            },
+            InvalidArgument,
+            "'a': 7 computed \\+ 95 new tokens exceed max_model_len 96",
+        ),
+        (
+            {"growths": (Growth("a", 95, tokens(0, 1), num_lookahead_tokens=95),)},
+            InvalidArgument,
+            "'a': 7 computed \\+ 95 new tokens exceed max_model_len 96",
+        ),
     ],
 )
 def test_bad_columns_change_nothing(kwargs, error, match) -> None:

@@ -52,6 +52,7 @@ from pagekeeper.core.types import (
 
 TokenIds = Sequence[int] | np.ndarray
 _TOKEN_IDS = attrgetter("token_ids")
+_NUM_COMPUTED = attrgetter("num_computed_tokens")
 # Fewer decodes crossing into a page together than this take theirs one by one: the
 # batched path's array work costs ~15 us, a page ~2.5 us (they break even at ~8 here).
 _MIN_BATCHED_CROSSINGS = 8
@@ -456,6 +457,13 @@ class PageManager:
                 f"request {request_id!r}: {computed} computed + {num_new_tokens} new tokens "
                 f"exceed its {num_tokens} tokens"
             )
+        if computed + num_new_tokens > max_len:
+            # Lookahead may run past the tokens (speculative ones), never past the longest
+            # request: slots stop at max_model_len, and a computed token needs one.
+            raise InvalidArgument(
+                f"request {request_id!r}: {computed} computed + {num_new_tokens} new tokens "
+                f"exceed max_model_len {max_len}"
+            )
         num_slots = computed + num_new_tokens + num_lookahead_tokens
         if num_slots > max_len:
             num_slots = max_len
@@ -561,6 +569,21 @@ class PageManager:
             raise InvalidArgument(
                 f"request {bad.request_id!r}: {num_after(bad)} tokens exceed max_model_len "
                 f"{max_len}"
+            )
+
+        # Each request computes one token more (after its held ones): within max_model_len
+        # too (its computed count can run ahead of its tokens after speculative lookahead).
+        def computed_after(r: _Request) -> int:
+            return r.num_computed_tokens + len(extras.get(r.request_id, ())) + 1
+
+        furthest = max(map(_NUM_COMPUTED, reqs), default=0) + 1
+        if extras:
+            furthest = max(furthest, *map(computed_after, (requests[rid] for rid in extras)))
+        if furthest > max_len:
+            bad = next(r for r in reqs if computed_after(r) > max_len)
+            raise InvalidArgument(
+                f"request {bad.request_id!r}: {computed_after(bad) - 1} computed + 1 new "
+                f"tokens exceed max_model_len {max_len}"
             )
         out: dict[str, Allocation | None] = {}
         group = self._single_full
