@@ -12,8 +12,9 @@ torn as a power loss leaves it), then CRASHES ``kill -9`` of the real service un
 (acknowledged steps present, tables equal to the schedulers' models, no page held twice,
 the workers' reference attention matching through the recovered tables). ``soak``: the load
 test for DURATION seconds. ``fuzz``: INPUTS random and mutated protobuf messages spread over
-every RPC (over gRPC, then again in frames on the same-node socket), plus INPUTS damaged log
-records and snapshots fed to recovery's decoders.
+every RPC (over gRPC, then again in frames on the same-node socket), INPUTS/10 x 4 Steps
+with odd field values per pool kind (full, hybrid; ``field_fuzz.py``), plus INPUTS damaged
+log records and snapshots fed to recovery's decoders.
 """
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ def _fuzz(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     from pagekeeper_client._proto.pagekeeper.v1 import pagekeeper_pb2 as pb
     from tests.helpers.grpc_util import Scheduler
     from tests.helpers.server import launch
+    from tests.reliability.field_fuzz import run_field_fuzz
     from tests.reliability.fuzz import SERVICE, _mutate, run_rpc_fuzz
     from tests.reliability.workload import Workload, new_state
 
@@ -139,6 +141,14 @@ def _fuzz(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         server.stop()
         shutil.rmtree(sockdir, ignore_errors=True)
 
+    # Well-formed steps with odd field values, in process (full and hybrid pools).
+    fields = [
+        run_field_fuzz(seed=args.seed + k, rounds=max(1, args.inputs // 10), hybrid=bool(k))
+        for k in (0, 1)
+    ]
+    problems = [p for f in fields for p in f["problems"]]
+    assert not problems, "mutated Step fields: " + "; ".join(problems[:5])
+
     # Recovery's decoders: damaged records and snapshots are refused as such, never crash.
     rng = np.random.default_rng(args.seed)
     state, workload = new_state(), Workload(args.seed)
@@ -165,6 +175,8 @@ def _fuzz(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "local_inputs_tried": local["inputs_tried"],
         "local_refused": local["refused"],
         "local_codes": local["codes"],
+        "field_mutated_steps": sum(f["steps"] for f in fields),
+        "field_mutated_refused": sum(f["refused"] for f in fields),
         "damaged_records_and_snapshots": args.inputs,
         "damaged_refused": refused,
         "damaged_still_decodable": decoded,
