@@ -1145,9 +1145,8 @@ class ServiceState:
         # (or a client that always sends its mirror's count).
         given = np.flatnonzero(one_new & (num_ids >= 1) & (explicit >= 0))
         for i in given.tolist():
-            plain[i] = requests[ids[i]].num_computed_tokens + int(num_ids[i]) - 1 == int(
-                explicit[i]
-            )
+            tracked = requests[ids[i]].num_computed_tokens  # Python ints: no int32 overflow
+            plain[i] = tracked + int(num_ids[i]) - 1 == int(explicit[i])
         lookahead = cols.num_lookahead_tokens
         cuts = np.flatnonzero((plain[1:] != plain[:-1]) | (lookahead[1:] != lookahead[:-1])) + 1
         bounds = [0, *cuts.tolist(), n]
