@@ -37,10 +37,11 @@ from pagekeeper_client._proto.pagekeeper.v1 import pagekeeper_pb2 as pb
 PAGE = 16
 FULL = PoolConfig(num_pages=256, groups=(GroupConfig(page_size=PAGE),), max_model_len=512)
 HYBRID = PoolConfig(
-    num_pages=256,
+    num_pages=320,
     groups=(
         GroupConfig(page_size=PAGE),
-        GroupConfig(GroupKind.SLIDING_WINDOW, page_size=PAGE, window=32),
+        GroupConfig(GroupKind.SLIDING_WINDOW, page_size=PAGE, window=40),
+        GroupConfig(GroupKind.MAMBA, page_size=2 * PAGE, enable_state_caching=True),
     ),
     max_model_len=512,
 )
