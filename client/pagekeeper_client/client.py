@@ -227,9 +227,23 @@ def _int32s(n: int) -> struct.Struct:
     return struct.Struct(f"<{n}i")
 
 
+_INT32_MAX = 2**31 - 1
+
+
 def encode_i32(values: TokenIds | Iterable[int]) -> bytes:
     """Raw little-endian int32 bytes (the wire's array encoding)."""
     if isinstance(values, np.ndarray):
+        dtype = values.dtype
+        if dtype.kind not in "iu":
+            raise InvalidArgumentError(f"token ids must be ints that fit in int32, not {dtype}")
+        # A wider array is cast only when every value fits (a cast would wrap silently).
+        is_wider = dtype.itemsize > 4 or (dtype.kind == "u" and dtype.itemsize == 4)
+        if (
+            is_wider
+            and values.size
+            and not -_INT32_MAX - 1 <= values.min() <= values.max() <= _INT32_MAX
+        ):
+            raise InvalidArgumentError("token ids must be ints that fit in int32")
         return values.astype(_I32, copy=False).tobytes()
     if not isinstance(values, list | tuple):
         values = list(values)
@@ -239,6 +253,18 @@ def encode_i32(values: TokenIds | Iterable[int]) -> bytes:
         return _int32s(len(values)).pack(*values)
     except struct.error:
         raise InvalidArgumentError("token ids must be ints that fit in int32") from None
+
+
+def _check_int32(name: str, value: object, low: int = 0, where: str = "") -> int:
+    """``value`` as an int in [``low``, 2**31 - 1] (the wire's int32 fields), else
+    InvalidArgumentError naming the field (before anything is queued or mirrored)."""
+    try:
+        number = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise InvalidArgumentError(f"{where}{name} must be an int, got {value!r}") from None
+    if not low <= number <= _INT32_MAX:
+        raise InvalidArgumentError(f"{where}{name} must be in [{low}, 2**31 - 1], got {number}")
+    return number
 
 
 def decode_i32(data: bytes) -> Int32Array:
@@ -749,8 +775,12 @@ class SchedulerState:
                 f"request {request_id!r}: num_new_tokens must be an int >= 1, got "
                 f"{num_new_tokens!r}"
             )
-        if num_lookahead_tokens < 0:
-            raise InvalidArgumentError(f"request {request_id!r}: num_lookahead_tokens < 0")
+        if type(num_lookahead_tokens) is not int or not 0 <= num_lookahead_tokens <= _INT32_MAX:
+            # Refused before anything is queued: a value the wire cannot carry would stop
+            # every later flush.
+            _check_int32(
+                "num_lookahead_tokens", num_lookahead_tokens, 0, f"request {request_id!r}: "
+            )
         token_bytes = encode_i32(new_token_ids) if len(new_token_ids) else b""
         num_tokens = t.num_tokens + len(token_bytes) // 4
         if num_tokens > self.max_model_len:
@@ -891,8 +921,7 @@ class SchedulerState:
         n = len(request_ids)
         if len(token_ids) != n:
             raise InvalidArgumentError(f"{len(token_ids)} token ids for {n} decoding requests")
-        if num_lookahead_tokens < 0:
-            raise InvalidArgumentError("num_lookahead_tokens must be >= 0")
+        _check_int32("num_lookahead_tokens", num_lookahead_tokens)
         token_bytes = encode_i32(token_ids)
         requests = self.requests
         tracked = []
@@ -909,6 +938,13 @@ class SchedulerState:
                 raise InvalidArgumentError(
                     f"request {request_id!r}: {t.num_computed_tokens} computed + 1 new tokens "
                     f"exceed max_model_len {self.max_model_len}"
+                )
+            if t.num_computed_tokens > t.num_tokens + num_lookahead_tokens:
+                # Computed ran ahead (speculative lookahead) and was not set back: as the
+                # service would refuse it, before it is queued.
+                raise InvalidArgumentError(
+                    f"request {request_id!r}: {t.num_computed_tokens} computed + 1 new tokens "
+                    f"exceed its {t.num_tokens + 1} tokens"
                 )
             tracked.append(t)
         if len(set(request_ids)) != n:
@@ -1066,6 +1102,7 @@ class SchedulerState:
             raise InvalidArgumentError(
                 f"request {request_id!r}: num_new_tokens {num_new_tokens} outside [0, {num_tokens}]"
             )
+        _check_int32("num_lookahead_tokens", num_lookahead_tokens, 0, f"request {request_id!r}: ")
         message = pb.Admission(
             request_id=request_id,
             token_ids=encode_i32(token_ids),
@@ -1854,6 +1891,8 @@ class PagekeeperClient:
     ) -> BlockTable:
         """One request's physical and kernel tables as the service holds them (queued
         operations not included)."""
+        _check_int32("group_id", group_id)
+        _check_int32("kernel_block_size", kernel_block_size)
         return block_table_from_pb(
             self._call(
                 "GetBlockTable",

@@ -583,6 +583,42 @@ def test_computed_tokens_past_max_model_len_are_refused_before_any_call(connect)
     client.step()
 
 
+def test_values_the_wire_cannot_carry_are_refused_before_anything_is_queued(connect):
+    """A lookahead or kernel block size past int32, or a decode after speculative tokens
+    that were not set back: refused by the client with a clear error and nothing queued
+    (a lookahead of 2**40 used to be queued and then stop every later flush: the column
+    could not be encoded)."""
+    client = connect()
+    client.admit("wc-a", tokens(600, 40))
+    client.flush()
+    before = client.stats.num_rpcs
+    with pytest.raises(InvalidArgumentError, match=r"num_lookahead_tokens must be in \[0"):
+        client.allocate_slots("wc-a", 1, num_lookahead_tokens=2**40)
+    with pytest.raises(InvalidArgumentError, match="num_lookahead_tokens must be an int"):
+        client.allocate_slots("wc-a", 1, num_lookahead_tokens=1.5)
+    with pytest.raises(InvalidArgumentError, match="num_lookahead_tokens"):
+        client.allocate_decodes(["wc-a"], [1], num_lookahead_tokens=2**40)
+    with pytest.raises(InvalidArgumentError, match="num_lookahead_tokens"):
+        client.admit("wc-b", tokens(0, 8), num_lookahead_tokens=2**40)
+    with pytest.raises(InvalidArgumentError, match="int32"):
+        client.admit("wc-b", np.array([5, 2**33], dtype=np.int64))
+    with pytest.raises(InvalidArgumentError, match="kernel_block_size"):
+        client.block_table("wc-a", kernel_block_size=2**40)
+    assert client.stats.num_rpcs == before and client.num_queued == 0
+    assert not client.has_request("wc-b")
+    # One token computed ahead with room for it (speculative), not set back: the next
+    # plain decode is refused here, as the service would refuse it, and nothing queues.
+    client.allocate_slots("wc-a", 1, num_lookahead_tokens=2)
+    client.flush()
+    assert client.request("wc-a").num_computed_tokens == 41
+    with pytest.raises(InvalidArgumentError, match="41 computed \\+ 1 new tokens exceed its 41"):
+        client.allocate_decodes(["wc-a"], [9])
+    assert client.num_queued == 0
+    client.allocate_slots("wc-a", 1, new_token_ids=[9], num_computed_tokens=40)
+    client.free_later("wc-a")
+    client.step()  # the queue still flushes
+
+
 def test_allocate_decodes_bad_input_queues_nothing(connect):
     client = connect()
     for rid in ("bd-a", "bd-b"):
