@@ -41,6 +41,7 @@ from pagekeeper_client.client import (
     TOKEN_ENV,
     RequestView,
     SchedulerState,
+    _check_int32,
     _role,
     auth_metadata,
     block_table_from_pb,
@@ -456,6 +457,8 @@ class AsyncPagekeeperClient:
     async def block_table(
         self, request_id: str, group_id: int = 0, kernel_block_size: int = 0
     ) -> BlockTable:
+        _check_int32("group_id", group_id)
+        _check_int32("kernel_block_size", kernel_block_size)
         return block_table_from_pb(
             await self._call(
                 "GetBlockTable",

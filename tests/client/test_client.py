@@ -312,6 +312,11 @@ def test_async_allocate_decodes(pagekeeper_server):
                 table = await client.block_table(rid)
                 assert table.num_tokens == 33
                 assert table.page_ids.tolist() == client.page_ids(rid).tolist()
+            with pytest.raises(InvalidArgumentError, match="kernel_block_size"):
+                await client.block_table("ad-a", kernel_block_size=2**40)
+            with pytest.raises(InvalidArgumentError, match="num_lookahead_tokens"):
+                await client.allocate_decodes(["ad-a"], [5], num_lookahead_tokens=2**40)
+            assert client.num_queued == 0
             await client.free("ad-a", "ad-b", "ad-c")
 
     asyncio.run(main())
