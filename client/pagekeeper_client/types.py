@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
+from pagekeeper_client.errors import InvalidArgumentError
 from pagekeeper_client.ring import RingDescriptor
 
 Int32Array = npt.NDArray[np.int32]
@@ -170,10 +171,15 @@ class KernelBackend:
         exact: list[int] = []
         multiples: list[int] = []
         for item in filter(None, (s.strip() for s in sizes.split(","))):
-            if item[0] in "xX*":
-                multiples.append(int(item[1:]))
-            else:
-                exact.append(int(item))
+            try:
+                if item[0] in "xX*":
+                    multiples.append(int(item[1:]))
+                else:
+                    exact.append(int(item))
+            except ValueError:
+                raise InvalidArgumentError(
+                    f"backend spec {spec!r}: {item!r} is not a block size (16) or a multiple (x16)"
+                ) from None
         return cls(name=name, block_sizes=tuple(exact), multiple_of=tuple(multiples))
 
 
@@ -202,8 +208,21 @@ def normalize_backends(
                 converted.append(KernelBackend(block_sizes=(spec,)))
             else:
                 converted.append(KernelBackend(block_sizes=tuple(int(s) for s in spec)))
+        # Checked here, with the field named, rather than by protobuf ("Value out of range").
+        if not 0 <= int(group_id) <= _INT32_MAX:
+            raise InvalidArgumentError(f"group id {group_id} is not in [0, 2**31 - 1]")
+        for backend in converted:
+            for size in (*backend.block_sizes, *backend.multiple_of):
+                if not 1 <= size <= _INT32_MAX:
+                    raise InvalidArgumentError(
+                        f"group {group_id}: backend {backend.name!r}: kernel block size {size} "
+                        "is not in [1, 2**31 - 1]"
+                    )
         out[int(group_id)] = tuple(converted)
     return out
+
+
+_INT32_MAX = 2**31 - 1
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,6 +9,7 @@ import torch
 from pagekeeper_client import (
     AllocationStatus,
     FailedPreconditionError,
+    InvalidArgumentError,
     KernelBackend,
     PagekeeperClient,
     register_worker,
@@ -109,6 +110,19 @@ def test_worker_registration_errors(server_factory):
     if not cuda_available():
         with pytest.raises(RingError, match="CUDA"):
             register_worker(server.grpc_address, "cuda:0", {0: [16]})
+    # Sizes and group ids the wire cannot carry, and specs that do not parse: the client
+    # names the field (protobuf's "Value out of range" or int()'s message before).
+    for backends, match in (
+        ({0: [KernelBackend("x", (2**40,))]}, "kernel block size 1099511627776"),
+        ({0: [KernelBackend("x", (0,))]}, "kernel block size 0"),
+        ({2**40: [16]}, "group id 1099511627776"),
+        ({-1: [16]}, "group id -1"),
+    ):
+        with pytest.raises(InvalidArgumentError, match=match):
+            register_worker(server.grpc_address, "cpu", backends)
+    with pytest.raises(InvalidArgumentError, match="'abc' is not a block size"):
+        KernelBackend.parse("FLASH_ATTN:x16,abc")
+    assert KernelBackend.parse("FLASH_ATTN:16,x32") == KernelBackend("FLASH_ATTN", (16,), (32,))
 
 
 @pytest.mark.skipif(not cuda_available(), reason="needs a CUDA device")
