@@ -556,34 +556,31 @@ class PageManager:
                     raise InvalidArgument(f"held tokens for {rid!r}, which does not decode here")
                 extras[rid] = _as_token_list(given, f"request {rid!r}: held token ids")
         max_len = self._max_model_len
+        held_most = max(map(len, extras.values()), default=0)
 
-        def num_after(r: _Request) -> int:
-            return len(r.token_ids) + len(extras.get(r.request_id, ())) + 1
+        def first_past(counts: list[int]) -> int | None:
+            """The first request whose count, with its held tokens and this decode's, passes
+            max_model_len (None: none; one C-speed max unless the largest count might)."""
+            if max(counts, default=0) + held_most + 1 <= max_len:
+                return None
+            held = [len(extras.get(r.request_id, ())) for r in reqs]
+            return next((i for i, c in enumerate(counts) if c + held[i] + 1 > max_len), None)
 
-        # The longest request first, at C speed; held tokens add to a few requests only.
-        longest = max(map(len, map(_TOKEN_IDS, reqs)), default=0) + 1
-        if extras:
-            longest = max(longest, *map(num_after, (requests[rid] for rid in extras)))
-        if longest > max_len:
-            bad = next(r for r in reqs if num_after(r) > max_len)
+        # The tokens after this decode, and the computed ones (a count that can run ahead
+        # of the tokens after speculative lookahead): both within max_model_len.
+        lengths = list(map(len, map(_TOKEN_IDS, reqs)))
+        if (i := first_past(lengths)) is not None:
+            num_held = len(extras.get(reqs[i].request_id, ()))
             raise InvalidArgument(
-                f"request {bad.request_id!r}: {num_after(bad)} tokens exceed max_model_len "
-                f"{max_len}"
+                f"request {reqs[i].request_id!r}: {lengths[i] + num_held + 1} tokens exceed "
+                f"max_model_len {max_len}"
             )
-
-        # Each request computes one token more (after its held ones): within max_model_len
-        # too (its computed count can run ahead of its tokens after speculative lookahead).
-        def computed_after(r: _Request) -> int:
-            return r.num_computed_tokens + len(extras.get(r.request_id, ())) + 1
-
-        furthest = max(map(_NUM_COMPUTED, reqs), default=0) + 1
-        if extras:
-            furthest = max(furthest, *map(computed_after, (requests[rid] for rid in extras)))
-        if furthest > max_len:
-            bad = next(r for r in reqs if computed_after(r) > max_len)
+        computed_counts = list(map(_NUM_COMPUTED, reqs))
+        if (i := first_past(computed_counts)) is not None:
+            num_held = len(extras.get(reqs[i].request_id, ()))
             raise InvalidArgument(
-                f"request {bad.request_id!r}: {computed_after(bad) - 1} computed + 1 new "
-                f"tokens exceed max_model_len {max_len}"
+                f"request {reqs[i].request_id!r}: {computed_counts[i] + num_held} computed + 1 "
+                f"new tokens exceed max_model_len {max_len}"
             )
         out: dict[str, Allocation | None] = {}
         group = self._single_full
