@@ -86,6 +86,7 @@ from pagekeeper_client.local import LocalChannel
 from pagekeeper_client.ring import RingDescriptor, RingGeometry, StepTables, TableArrays
 from pagekeeper_client.types import (
     EMPTY_PAGES,
+    INT32_MAX,
     Admission,
     AllCleared,
     AllocationResult,
@@ -227,9 +228,6 @@ def _int32s(n: int) -> struct.Struct:
     return struct.Struct(f"<{n}i")
 
 
-_INT32_MAX = 2**31 - 1
-
-
 def encode_i32(values: TokenIds | Iterable[int]) -> bytes:
     """Raw little-endian int32 bytes (the wire's array encoding)."""
     if isinstance(values, np.ndarray):
@@ -241,7 +239,7 @@ def encode_i32(values: TokenIds | Iterable[int]) -> bytes:
         if (
             is_wider
             and values.size
-            and not -_INT32_MAX - 1 <= values.min() <= values.max() <= _INT32_MAX
+            and not -INT32_MAX - 1 <= values.min() <= values.max() <= INT32_MAX
         ):
             raise InvalidArgumentError("token ids must be ints that fit in int32")
         return values.astype(_I32, copy=False).tobytes()
@@ -262,7 +260,7 @@ def _check_int32(name: str, value: object, low: int = 0, where: str = "") -> int
         number = operator.index(value)  # type: ignore[arg-type]
     except TypeError:
         raise InvalidArgumentError(f"{where}{name} must be an int, got {value!r}") from None
-    if not low <= number <= _INT32_MAX:
+    if not low <= number <= INT32_MAX:
         raise InvalidArgumentError(f"{where}{name} must be in [{low}, 2**31 - 1], got {number}")
     return number
 
@@ -775,7 +773,7 @@ class SchedulerState:
                 f"request {request_id!r}: num_new_tokens must be an int >= 1, got "
                 f"{num_new_tokens!r}"
             )
-        if type(num_lookahead_tokens) is not int or not 0 <= num_lookahead_tokens <= _INT32_MAX:
+        if type(num_lookahead_tokens) is not int or not 0 <= num_lookahead_tokens <= INT32_MAX:
             # Refused before anything is queued: a value the wire cannot carry would stop
             # every later flush.
             _check_int32(

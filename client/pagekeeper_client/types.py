@@ -18,6 +18,8 @@ from pagekeeper_client.errors import InvalidArgumentError
 from pagekeeper_client.ring import RingDescriptor
 
 Int32Array = npt.NDArray[np.int32]
+INT32_MAX = 2**31 - 1
+"""The largest value of the wire's int32 fields and arrays."""
 
 EMPTY_PAGES: Int32Array = np.empty(0, dtype=np.int32)
 EMPTY_PAGES.flags.writeable = False
@@ -209,20 +211,17 @@ def normalize_backends(
             else:
                 converted.append(KernelBackend(block_sizes=tuple(int(s) for s in spec)))
         # Checked here, with the field named, rather than by protobuf ("Value out of range").
-        if not 0 <= int(group_id) <= _INT32_MAX:
+        if not 0 <= int(group_id) <= INT32_MAX:
             raise InvalidArgumentError(f"group id {group_id} is not in [0, 2**31 - 1]")
         for backend in converted:
             for size in (*backend.block_sizes, *backend.multiple_of):
-                if not 1 <= size <= _INT32_MAX:
+                if not 1 <= size <= INT32_MAX:
                     raise InvalidArgumentError(
                         f"group {group_id}: backend {backend.name!r}: kernel block size {size} "
                         "is not in [1, 2**31 - 1]"
                     )
         out[int(group_id)] = tuple(converted)
     return out
-
-
-_INT32_MAX = 2**31 - 1
 
 
 @dataclass(frozen=True, slots=True)
