@@ -165,13 +165,14 @@ class FieldFuzz:
 
     def mutate(self, message: Message) -> str:
         """Change one field somewhere in ``message``; says which and how."""
-        fields = _scalar_fields(message)
-        path, field = fields[int(self.rng.integers(len(fields)))]
-        owner = message
-        for name, index in path:
-            owner = getattr(owner, name) if index is None else getattr(owner, name)[index]
-        where = ".".join(f"{n}[{i}]" if i is not None else n for n, i in path)
-        where = f"{where}.{field.name}" if where else field.name
+        fields = [
+            (path, node, field)
+            for path, node in _message_nodes(message)
+            for field in node.DESCRIPTOR.fields
+            if field.type != FieldDescriptor.TYPE_MESSAGE
+        ]
+        path, owner, field = fields[int(self.rng.integers(len(fields)))]
+        where = f"{path}{field.name}"
         pick = self.rng.integers
         if field.is_repeated:
             entries = getattr(owner, field.name)
@@ -250,25 +251,6 @@ class FieldFuzz:
                     ],
                 )
             )
-
-
-def _scalar_fields(
-    message: Message, path: tuple[tuple[str, int | None], ...] = ()
-) -> list[tuple[tuple[tuple[str, int | None], ...], FieldDescriptor]]:
-    """Every non-message field of ``message`` and of the sub-messages it holds."""
-    out = []
-    for field in message.DESCRIPTOR.fields:
-        if field.type == FieldDescriptor.TYPE_MESSAGE:
-            if field.is_repeated:
-                for i, sub in enumerate(getattr(message, field.name)):
-                    out.extend(_scalar_fields(sub, (*path, (field.name, i))))
-            elif message.HasField(field.name):
-                out.extend(
-                    _scalar_fields(getattr(message, field.name), (*path, (field.name, None)))
-                )
-        else:
-            out.append((path, field))
-    return out
 
 
 def _message_nodes(message: Message, path: str = "") -> list[tuple[str, Message]]:
