@@ -401,3 +401,22 @@ def test_stream_view_rules() -> None:
     publisher.close()
     with pytest.raises(FailedPrecondition):
         publisher.wait_message(0, timeout=0)
+
+
+def test_cuda_memory_handles_torch_would_misread_are_refused() -> None:
+    """torch copies a handle out of its bytes without checking their length (a truncated one
+    opened on an H200); the importer checks the forms it knows, without needing a GPU."""
+    from pagekeeper_client.transports.cuda_ipc import check_memory_handle
+
+    raw = bytes(range(1, 65))  # a cudaIpcMemHandle_t (64 bytes)
+    for version in (1, 2):  # torch's versioned form of a cudaMalloc block (2 in torch 2.11)
+        check_memory_handle(bytes([version]) + b"c" + raw)
+    check_memory_handle(b"\x02e" + raw * 3)  # an expandable segment's: left to torch
+    for bad, match in (
+        (b"", "0 bytes is not"),
+        (b"\x02c", "2 bytes is not"),
+        (b"\x02c" + raw[:-1], "is 66 bytes, got 65"),
+        (b"\x02c" + raw + b"\0", "is 66 bytes, got 67"),
+    ):
+        with pytest.raises(DescriptorError, match=match):
+            check_memory_handle(bad)

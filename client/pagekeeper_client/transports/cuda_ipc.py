@@ -53,6 +53,28 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 CUDA_IPC_EVENT_HANDLE_SIZE = 64
 """``sizeof(cudaIpcEventHandle_t)``."""
 
+CUDA_IPC_MEM_HANDLE_SIZE = 64
+"""``sizeof(cudaIpcMemHandle_t)``."""
+
+_TORCH_CUDA_MALLOC = ord("c")
+"""The type byte of torch's handle of a cudaMalloc block: ``[format version, 'c']`` and
+then exactly one cudaIpcMemHandle_t (66 bytes; format version 2 in torch 2.11, seen on an
+H200). An expandable segment's handle (type 'e') has another layout."""
+
+
+def check_memory_handle(handle: bytes) -> None:
+    """Refuse a memory handle torch would misread. torch copies the cudaIpcMemHandle_t out of
+    the bytes without checking their length (a truncated handle opened on an H200), so the
+    importer checks the form it knows: a cudaMalloc block's handle is the two-byte header and
+    one whole cudaIpcMemHandle_t. Other types are left to torch."""
+    if len(handle) < 3:
+        raise DescriptorError(f"ipc_handle: {len(handle)} bytes is not a torch CUDA IPC handle")
+    want = 2 + CUDA_IPC_MEM_HANDLE_SIZE
+    if handle[1] == _TORCH_CUDA_MALLOC and len(handle) != want:
+        raise DescriptorError(
+            f"ipc_handle: torch's handle of a cudaMalloc block is {want} bytes, got {len(handle)}"
+        )
+
 
 def local_device_index(gpu_uuid: str) -> int:
     """This process's index of the GPU with that UUID (indices differ between processes
@@ -81,6 +103,7 @@ class CudaIpcTableView(SeqlockReader):
             )
         if not torch.cuda.is_available():
             raise DescriptorError("cuda_ipc: CUDA is not available in this process")
+        check_memory_handle(bytes(descriptor.ipc_handle))
         for slot, event in enumerate(descriptor.event_handles):
             if len(event) != CUDA_IPC_EVENT_HANDLE_SIZE:
                 raise DescriptorError(
