@@ -21,11 +21,22 @@ publishes, a worker process waiting in ``wait(step)`` returns the copied tables;
 from the start of ``publish`` to the worker holding them (one monotonic clock), with the
 worker still spinning, and after 5 ms idle (it sleeps in its backoff by then).
 
+With CUDA (``--cuda``, the default where torch sees a GPU), the same step onto the device,
+each row measured until the tables are on the GPU (the reader's stream synchronized):
+
+* ``H2D copy (baseline)``: the three arrays copied from pinned host tensors into device
+  tensors (the least any path that lands the bytes on the GPU costs);
+* ``cuda_ipc publish``: the service's write into the device ring (staging memcpy, async H2D
+  copies, the slot's event) and that copy stream synchronized;
+* cross-process: publish start -> a worker process holds the step's device tensors, over
+  ``cuda_ipc`` (views of the imported ring, ordered after the service's event) and over
+  ``shm`` read onto the device (pinned staging, one H2D copy per array).
+
 Goal (issue 4): the shared-memory path within 2x of memcpy. The path that makes the tables
 readable in the worker moves the bytes once (the publish), like the baseline; a worker that
 also wants a private copy pays a second memcpy, so that row sits near 2x by construction.
 
-Run: ``.venv/bin/python bench/bench_publish.py [--iterations N]``
+Run: ``.venv/bin/python bench/bench_publish.py [--iterations N] [--cuda | --no-cuda]``
 """
 
 from __future__ import annotations
@@ -93,15 +104,55 @@ def _reader(descriptor: Any, num_steps: int, conn: Any) -> None:
     view.close()
 
 
+def _device_reader(descriptor: Any, num_steps: int, conn: Any) -> None:
+    """Worker process on cuda:0: wait for each step's tables as device tensors, synchronize
+    the stream (the bytes are on the GPU), note the time, acknowledge."""
+    import torch
+
+    torch.cuda.init()
+    view = open_table_view(descriptor)
+    stream = torch.cuda.current_stream(0)
+    torch.empty(1, device="cuda:0")  # the context exists before timing starts
+    conn.send("ready")
+    done = []
+    try:
+        for step in range(num_steps):
+            tables = view.wait_tensors(step, timeout=30, device="cuda:0")
+            stream.synchronize()
+            done.append(time.perf_counter())
+            if tables.tables[0].block_table.device.type != "cuda":
+                raise RuntimeError("tables are not on the device")
+            del tables
+            conn.send(step)
+    except Exception as exc:
+        conn.send(f"{type(exc).__name__}: {exc}")
+        raise
+    conn.send(done)
+    view.close()
+
+
 def cross_process_latency(
-    num_steps: int, batch: BatchTables, shm_dir: str, idle_seconds: float
+    num_steps: int,
+    batch: BatchTables,
+    shm_dir: str,
+    idle_seconds: float,
+    *,
+    kind: str = "shm",
+    on_device: bool = False,
 ) -> list[float]:
     """Publish step by step (each after the worker acknowledged the previous one and
     ``idle_seconds`` passed); return publish-start -> worker-has-tables per step."""
-    publisher = ShmPublisher(GEOMETRY, shm_dir=shm_dir)
+    publisher: Any
+    if kind == "cuda_ipc":
+        from pagekeeper.publish.cuda_ipc import CudaIpcPublisher
+
+        publisher = CudaIpcPublisher(GEOMETRY, device="cuda:0", shm_dir=shm_dir)
+    else:
+        publisher = ShmPublisher(GEOMETRY, shm_dir=shm_dir)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    process = ctx.Process(target=_reader, args=(publisher.descriptor(), num_steps, child))
+    target = _device_reader if on_device else _reader
+    process = ctx.Process(target=target, args=(publisher.descriptor(), num_steps, child))
     process.start()
     assert parent.recv() == "ready"
     starts = []
@@ -125,7 +176,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--iterations", type=int, default=300)
     parser.add_argument("--latency-steps", type=int, default=300)
+    parser.add_argument(
+        "--cuda",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="add the GPU rows (default: when torch sees a CUDA device)",
+    )
     args = parser.parse_args()
+    if args.cuda is None:
+        import torch
+
+        args.cuda = torch.cuda.is_available()
 
     rng = np.random.default_rng(0)
     batch = make_batch(rng)
@@ -218,6 +279,82 @@ def main() -> None:
         f"memcpy: {zero_copy:.2f}x, {goal}; with a private copy in the worker (two copies "
         f"by construction): {copied:.2f}x"
     )
+    if args.cuda:
+        cuda_rows(args, batch, nbytes, shm_dir)
+
+
+def cuda_rows(args: argparse.Namespace, batch: BatchTables, nbytes: int, shm_dir: str) -> None:
+    """The same step onto cuda:0 (see the module docstring)."""
+    import torch
+
+    from pagekeeper.publish.cuda_ipc import CudaIpcPublisher
+
+    device = torch.device("cuda:0")
+    props = torch.cuda.get_device_properties(device)
+    host = [
+        torch.from_numpy(a).pin_memory()
+        for a in (batch.block_table, batch.row_lengths, batch.slot_mapping)
+    ]
+    dev = [torch.empty_like(t, device=device) for t in host]
+    stream = torch.cuda.Stream(device)
+    publisher = CudaIpcPublisher(GEOMETRY, device="cuda:0", shm_dir=shm_dir)
+    counter = {"cuda_ipc": 0}
+
+    def h2d() -> None:
+        with torch.cuda.stream(stream):
+            for d, h in zip(dev, host, strict=True):
+                d.copy_(h, non_blocking=True)
+        stream.synchronize()
+
+    def cuda_publish() -> None:
+        counter["cuda_ipc"] += 1
+        publisher.publish(counter["cuda_ipc"], [batch])
+        publisher._stream.synchronize()
+
+    variants: list[tuple[str, Callable[[], None]]] = [
+        ("H2D copy (baseline, pinned)", h2d),
+        ("cuda_ipc publish (copy on the GPU)", cuda_publish),
+    ]
+    samples: dict[str, list[float]] = {name: [] for name, _ in variants}
+    for _ in range(20):
+        for _, fn in variants:
+            fn()
+    for _ in range(args.iterations):
+        for name, fn in variants:
+            t0 = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - t0)
+    publisher.close()
+    latencies = {
+        "cuda_ipc cross-process, worker spinning": cross_process_latency(
+            args.latency_steps, batch, shm_dir, 0.0, kind="cuda_ipc", on_device=True
+        ),
+        "shm -> device cross-process, spinning": cross_process_latency(
+            args.latency_steps, batch, shm_dir, 0.0, kind="shm", on_device=True
+        ),
+        "cuda_ipc cross-process, worker idle 5 ms": cross_process_latency(
+            args.latency_steps // 3, batch, shm_dir, 0.005, kind="cuda_ipc", on_device=True
+        ),
+    }
+    base = statistics.median(samples["H2D copy (baseline, pinned)"])
+    print(
+        f"onto {props.name} (torch {torch.__version__}, CUDA {torch.version.cuda}), "
+        f"median of {args.iterations}; tables on the device when each row ends"
+    )
+    print(f"{'variant':<40} {'median us':>10} {'x H2D':>9} {'GB/s':>7}")
+    for name, _ in variants:
+        median = statistics.median(samples[name])
+        print(
+            f"{name:<40} {median * 1e6:>10.1f} {median / base:>9.2f} {nbytes / median / 1e9:>7.2f}"
+        )
+    print("publish start -> the step's device tensors in a worker process (stream synced):")
+    for name, latency in latencies.items():
+        median = statistics.median(latency)
+        p90 = sorted(latency)[int(0.9 * len(latency))]
+        print(
+            f"{name:<40} {median * 1e6:>10.1f} {median / base:>9.2f} "
+            f"{nbytes / median / 1e9:>7.2f}   (p90 {p90 * 1e6:.1f} us)"
+        )
 
 
 if __name__ == "__main__":

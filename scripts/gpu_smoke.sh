@@ -8,11 +8,17 @@
 # validation, two reader processes), the GPU tests (shm ring pinned and copied to the
 # device in both pin modes; cuda_ipc views that are the imported ring; the reference paged
 # attention on the GPU reading its tables in place from a cuda_ipc ring, in two worker
-# processes), and the shm/cpu_ipc contract for comparison. Fails if anything is skipped:
+# processes), the workers against a real service (a GPU worker reading an shm ring onto
+# the device; GPU workers reading the service's own cuda_ipc ring in place, across a ring
+# re-creation), and the shm/cpu_ipc contract for comparison. Fails if anything is skipped:
 # on a GPU machine nothing may be.
+#
+# Without the project's virtualenv (a GPU machine with its own torch), point PYTHON at that
+# interpreter; the packages come from PYTHONPATH=service:client:. and the installed ones.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-.venv/bin/python}"
+export PYTHONPATH="service:client:.${PYTHONPATH:+:$PYTHONPATH}"
 
 "$PYTHON" - <<'PY'
 import torch
@@ -30,6 +36,7 @@ set +e
 timeout 600 "$PYTHON" -m pytest -q -rs -p no:cacheprovider \
     tests/publish/test_publish_gpu.py \
     tests/publish/test_publish_contract.py \
+    tests/client/test_worker.py \
     2>&1 | tee "$log"
 status=${PIPESTATUS[0]}
 set -e

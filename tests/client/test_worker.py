@@ -142,3 +142,51 @@ def test_gpu_worker_gets_device_tensors(server_factory):  # pragma: no cover - G
         assert tables.table(0).block_table[0, :3].cpu().tolist() == pages
         assert tables.table(0).slot_mapping.cpu().tolist() == expected_slots(pages, 0, 33)
         assert np.array_equal(tables.table(0).row_lengths.cpu().numpy(), [3])
+
+
+@pytest.mark.skipif(not cuda_available(), reason="needs a CUDA device")
+def test_gpu_workers_read_the_services_cuda_ipc_ring(server_factory):  # pragma: no cover
+    """The service process owns a device ring (``cuda_ipc``); two workers on cuda:0 read each
+    step's tables in place (views of the one imported allocation), a third with another
+    kernel block size makes the service re-create the ring and the first worker re-maps."""
+    server = server_factory(
+        "--num-pages", "128", "--publish-device", "cuda:0", publish_transport="cuda_ipc"
+    )
+    with (
+        register_worker(server.grpc_address, "cuda:0", {0: [KernelBackend("REF", (8,))]}) as w1,
+        register_worker(server.grpc_address, "cuda:0", {0: [8]}) as w2,
+        PagekeeperClient(server.grpc_address) as scheduler,
+    ):
+        assert w1.view.kind == w2.view.kind == "cuda_ipc"
+        scheduler.register("scheduler")
+        prefix = tokens(1, 48)
+        scheduler.admit("g-a", prefix + tokens(2, 10))
+        scheduler.admit("g-b", prefix + tokens(3, 20))
+        first = scheduler.step(batch=["g-a", "g-b"])
+        for w in (w1, w2):
+            tables = w.wait(first.step_id, timeout=10)
+            assert tables.table(0).block_table.device == torch.device("cuda:0")
+            torch.cuda.current_stream().synchronize()
+            check_step(tables, scheduler, [("g-a", 0, 58), ("g-b", 48, 68)], 8)
+        ptrs = set()
+        for n in range(20):  # more steps than ring slots; both cross into new pages
+            for rid in ("g-a", "g-b"):
+                scheduler.allocate_slots(rid, 1, new_token_ids=[n + 1])
+            step = scheduler.step(batch=["g-b", "g-a"])
+            for w in (w1, w2):
+                tables = w.wait(step.step_id, timeout=10)
+                ptrs.add(tables.table(0).block_table.data_ptr())
+                torch.cuda.current_stream().synchronize()
+                rows = [("g-b", 68 + n, 69 + n), ("g-a", 58 + n, 59 + n)]
+                check_step(tables, scheduler, rows, 8)
+        # Views of the ring's slots, not fresh copies: a handful of addresses over 40 reads.
+        assert len(ptrs) <= 2 * 4
+        with register_worker(server.grpc_address, "cuda:0", {0: [4]}) as w3:
+            assert w3.kernel_block_sizes == (4,)
+            scheduler.allocate_slots("g-a", 1, new_token_ids=[7])
+            step = scheduler.step(batch=["g-a"])
+            for w, kbs in ((w3, 4), (w1, 8)):
+                tables = w.wait(step.step_id, timeout=10)
+                torch.cuda.current_stream().synchronize()
+                check_step(tables, scheduler, [("g-a", 78, 79)], kbs)
+            assert w1.view.num_reopens == 1
