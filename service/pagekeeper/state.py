@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from itertools import pairwise
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from typing import Any, Protocol
 
 import numpy as np
@@ -358,11 +358,43 @@ class AllocationOutcome:
 
 
 @dataclass(frozen=True, slots=True)
+class GrowthGrants:
+    """Growths of the column form that took one new page each together with others (a
+    single full-attention group), kept as columns rather than an outcome apiece."""
+
+    growth_ids: Sequence[str]
+    """Every growth's request id, in the order of the step's growth columns."""
+    growth_index: list[int]
+    """Each granted growth's position in ``growth_ids``, ascending."""
+    page_ids: list[int]
+    """The page each was handed."""
+    num_listed_growths: int
+    """How many of the step result's ``listed`` outcomes are growths (the rest: admissions)."""
+
+    def merge(self, listed: tuple[AllocationOutcome, ...]) -> tuple[AllocationOutcome, ...]:
+        """``listed`` with these growths' outcomes put in their places (growth order)."""
+        n = self.num_listed_growths
+        position = {rid: i for i, rid in enumerate(self.growth_ids)}
+        ok = AllocationStatus.OK
+        ids = self.growth_ids
+        keyed = [(position[o.request_id], o) for o in listed[:n]]
+        keyed += [
+            (i, AllocationOutcome(ids[i], ok, 0, ((page,),)))
+            for i, page in zip(self.growth_index, self.page_ids, strict=True)
+        ]
+        keyed.sort(key=_FIRST)
+        return tuple(o for _, o in keyed) + listed[n:]
+
+
+_FIRST = itemgetter(0)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
 class StepResult:
     step_id: int
-    results: tuple[AllocationOutcome, ...]
-    """Growths that got pages or were refused (in order), then every admission (in order).
-    A growth not listed succeeded without needing a new page."""
+    listed: tuple[AllocationOutcome, ...]
+    """The outcomes not in ``grants``: growths that got pages or were refused (in order),
+    then every admission (in order)."""
     is_published: bool = False
     published_slot: int = -1
     unscheduled_request_ids: tuple[str, ...] = ()
@@ -371,6 +403,37 @@ class StepResult:
     publish_error: str = ""
     is_retry: bool = False
     """True when answered from memory (a retried step id)."""
+    grants: GrowthGrants | None = None
+    """Growths granted one page each, as columns (None: every outcome is in ``listed``)."""
+
+    @property
+    def results(self) -> tuple[AllocationOutcome, ...]:
+        """Every growth that got pages or was refused (in order), then every admission (in
+        order). A growth not listed succeeded without needing a new page."""
+        if self.grants is None:
+            return self.listed
+        return self.grants.merge(self.listed)
+
+    def _key(self) -> tuple[Any, ...]:
+        return (
+            self.step_id,
+            self.results,
+            self.is_published,
+            self.published_slot,
+            self.unscheduled_request_ids,
+            self.num_free_pages,
+            self.last_event_seq,
+            self.publish_error,
+            self.is_retry,
+        )
+
+    def __eq__(self, other: object) -> bool:
+        """The same answer, however its grants are held."""
+        if not isinstance(other, StepResult):
+            return NotImplemented
+        return self._key() == other._key()
+
+    __hash__ = None  # type: ignore[assignment]
 
 
 @dataclass(frozen=True, slots=True)
@@ -899,8 +962,12 @@ class ServiceState:
             if outcome.status is not AllocationStatus.OK:
                 left_out.add(growth.request_id)
             outcomes.append(outcome)
+        grants: GrowthGrants | None = None
         if columns is not None:
-            self._apply_growth_columns(columns, outcomes, left_out)
+            granted: tuple[list[int], list[int]] = ([], [])
+            self._apply_growth_columns(columns, outcomes, left_out, granted)
+            if granted[0]:
+                grants = GrowthGrants(columns.request_ids, *granted, len(outcomes))
         for admission in cmd.admissions:
             outcome = self._apply_admission(client, admission)
             if outcome.status is not AllocationStatus.OK:
@@ -925,7 +992,8 @@ class ServiceState:
         self._take_events()
         result = StepResult(
             step_id=cmd.step_id,
-            results=tuple(outcomes),
+            listed=tuple(outcomes),
+            grants=grants,
             is_published=is_published,
             published_slot=slot,
             unscheduled_request_ids=unscheduled,
@@ -1127,10 +1195,16 @@ class ServiceState:
         return grown
 
     def _apply_growth_columns(
-        self, cols: GrowthColumns, outcomes: list[AllocationOutcome], left_out: set[str]
+        self,
+        cols: GrowthColumns,
+        outcomes: list[AllocationOutcome],
+        left_out: set[str],
+        granted: tuple[list[int], list[int]],
     ) -> None:
         """Apply the growths in order; each run of plain decodes (one new token, tracked
-        computed count, the same lookahead) goes to the core in one call."""
+        computed count, the same lookahead) goes to the core in one call. Growths that took
+        one page each together go to ``granted`` (positions among the columns, pages)
+        instead of ``outcomes``."""
         n = len(cols)
         if n == 0:
             return
@@ -1165,16 +1239,22 @@ class ServiceState:
                     ].tolist()
                     for k in carriers.tolist()
                 }
+                crossed: tuple[list[int], list[int]] = ([], [])
                 try:
                     answers = manager.allocate_decodes(
                         run,
                         tokens.tolist(),
                         num_lookahead_tokens=int(lookahead[start]),
                         held_token_ids=held,
+                        crossed=crossed,
                     )
                 except PagekeeperError:
                     answers = None  # checked up front; if not, the general path says why
                 if answers is not None:
+                    rows, pages = crossed
+                    if rows:
+                        granted[0].extend(rows if start == 0 else [start + r for r in rows])
+                        granted[1].extend(pages)
                     for rid, k in zip(run, run_ids.tolist(), strict=True):
                         # Absent: fitted in its pages; None: refused, nothing changed for it.
                         if answers.get(rid, True) is not None:
@@ -1844,7 +1924,7 @@ def step_result_from_tree(tree: list[Any]) -> StepResult:
     ) = tree
     return StepResult(
         step_id=int(step_id),
-        results=tuple(
+        listed=tuple(
             AllocationOutcome(
                 request_id=str(rid),
                 status=AllocationStatus(status),

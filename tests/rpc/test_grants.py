@@ -19,7 +19,7 @@ def i32(data: bytes) -> list[int]:
 def result(*outcomes: AllocationOutcome) -> StepResult:
     return StepResult(
         step_id=3,
-        results=outcomes,
+        listed=outcomes,
         is_published=False,
         published_slot=-1,
         unscheduled_request_ids=(),
@@ -106,3 +106,39 @@ def test_the_command_made_of_the_request_gives_the_same_answer() -> None:
         result(*OUTCOMES), cases[0][1], convert.step_from_pb(cases[0][1], 0.0)
     )
     assert i32(granted.grants.growth_index) == [1, 4]
+
+
+def test_growths_the_state_kept_as_columns_travel_as_they_are() -> None:
+    """A result whose crossings the state kept as columns (``GrowthGrants``): the grant
+    columns come from them directly, merged in growth order with any listed grant, and
+    without the flag every outcome is listed in growth order, as if built one by one."""
+    from dataclasses import replace
+
+    from pagekeeper.state import GrowthGrants
+
+    ids = list("abcde")
+    refused = AllocationOutcome("d", NO_CAPACITY)
+    admitted = OUTCOMES[3]
+    only_columns = replace(
+        result(refused, admitted), grants=GrowthGrants(ids, [0, 1, 4], [7, 8, 9], 1)
+    )
+    req = request(ids, ["x"])
+    response = convert.step_result_to_pb(only_columns, req)
+    assert i32(response.grants.growth_index) == [0, 1, 4]
+    assert i32(response.grants.num_pages) == [1, 1, 1]
+    assert i32(response.grants.page_ids) == [7, 8, 9]
+    assert [r.request_id for r in response.results] == ["d", "x"]
+    # A listed grant of several pages (growth 2) between the columns' growths.
+    listed_too = replace(
+        result(AllocationOutcome("c", OK, new_page_ids=((5, 6),)), refused, admitted),
+        grants=GrowthGrants(ids, [0, 1, 4], [7, 8, 9], 2),
+    )
+    response = convert.step_result_to_pb(listed_too, req)
+    assert i32(response.grants.growth_index) == [0, 1, 2, 4]
+    assert i32(response.grants.num_pages) == [1, 1, 2, 1]
+    assert i32(response.grants.page_ids) == [7, 8, 5, 6, 9]
+    assert [o.request_id for o in listed_too.results] == ["a", "b", "c", "d", "e", "x"]
+    req.grants_in_columns = False
+    response = convert.step_result_to_pb(listed_too, req)
+    assert [r.request_id for r in response.results] == ["a", "b", "c", "d", "e", "x"]
+    assert i32(response.results[2].new_page_ids[0]) == [5, 6]

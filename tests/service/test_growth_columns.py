@@ -293,3 +293,70 @@ def test_columns_round_trip_through_the_journal_codec() -> None:
     assert decoded.growth_columns is not None
     assert decoded.growth_columns.new_token_ids.tolist() == [3, 4]
     assert decoded.growth_columns.num_computed_tokens.tolist() == [-1, -1]
+
+
+def test_decodes_crossing_together_are_granted_as_columns() -> None:
+    """Eight or more plain decodes taking one page each together: the state keeps them as
+    columns (no outcome apiece), and the answer is the same as the messages' in every form
+    it takes -- the outcomes in growth order (merged with a multi-page lookahead growth, a
+    refusal and an admission), the wire's grant columns, the snapshot tree, a retry."""
+    from pagekeeper.rpc import convert
+    from pagekeeper.state import step_result_from_tree, step_result_to_tree
+    from pagekeeper_client._proto.pagekeeper.v1 import pagekeeper_pb2 as pb
+
+    config = PoolConfig(num_pages=71, groups=(GroupConfig(GroupKind.FULL, 4),), max_model_len=96)
+    states = [ServiceState(config, Limits(), debug_invariants=True) for _ in range(2)]
+    clients = [scheduler(s) for s in states]
+    rids = [f"r{i:02d}" for i in range(24)]
+    admissions = tuple(Admission(r, tokens(10 * i, 8)) for i, r in enumerate(rids))
+    for state, me in zip(states, clients, strict=True):
+        state.step(StepCommand(1.0, me[0], me[1], 1, admissions=admissions))
+    # 24 requests at a page boundary (2 pages each, 48 held, 22 free): the ninth takes 2
+    # pages (lookahead 4), the others one each, and the last three find none (a refusal
+    # ends the batch of 12 before it).
+    growths = [
+        Growth(r, 1, tokens(500 + i, 1), num_lookahead_tokens=4 if i == 8 else 0)
+        for i, r in enumerate(rids)
+    ]
+    results = []
+    for state, me, columnar in zip(states, clients, (False, True), strict=True):
+        kw: dict[str, object] = (
+            {"growth_columns": columns_of(growths)} if columnar else {"growths": tuple(growths)}
+        )
+        extra = (Admission("late", tokens(900, 3)),)
+        command = StepCommand(2.0, me[0], me[1], 2, admissions=extra, **kw)
+        results.append((state.step(command), command))
+    (by_message, _), (by_column, command) = results
+    assert by_message.grants is None and by_column.grants is not None
+    assert len(by_column.grants.growth_index) >= 8
+    assert len(by_column.listed) < len(by_message.listed)
+    assert by_column == by_message and by_column.results == by_message.results
+    statuses = {o.request_id: o.status for o in by_column.results}
+    assert [r for r in rids if statuses[r] is AllocationStatus.NO_CAPACITY] == rids[21:]
+    assert by_column.results[-1].request_id == "late"  # refused too: the pool is dry
+    assert [o.request_id for o in by_column.results][:-1] == [
+        r for r in rids if r in {o.request_id for o in by_column.results}
+    ]
+    # The wire: grant columns (growth order) and the listed rest, as from the messages.
+    request = pb.StepRequest(client_id=command.client_id, step_id=2, grants_in_columns=True)
+    request.growth_columns.request_ids.extend(rids)
+    request.admissions.add(request_id="late")
+    fast = convert.step_result_to_pb(by_column, request, command)
+    slow = convert.step_result_to_pb(by_message, request)
+    assert fast == slow and fast.HasField("grants")
+    assert convert.step_result_to_pb(by_column, request) == slow  # no command: ids compared
+    request.grants_in_columns = False
+    assert convert.step_result_to_pb(by_column, request) == convert.step_result_to_pb(
+        by_message, request
+    )
+    other = pb.StepRequest(client_id=command.client_id, step_id=2, grants_in_columns=True)
+    other.growth_columns.request_ids.extend(reversed(rids))  # does not line up: all listed
+    other.admissions.add(request_id="late")
+    assert not convert.step_result_to_pb(by_column, other).HasField("grants")
+    # Snapshot tree and retry: the same answer.
+    assert step_result_from_tree(step_result_to_tree(by_column)) == by_message
+    retried = states[1].step(command)
+    assert retried.is_retry and retried.results == by_message.results
+    assert states[0].manager.pool.free_queue() == states[1].manager.pool.free_queue()
+    for rid in rids:
+        assert states[0].request_info(rid) == states[1].request_info(rid)

@@ -514,6 +514,7 @@ class PageManager:
         *,
         num_lookahead_tokens: int = 0,
         held_token_ids: Mapping[str, TokenIds] | None = None,
+        crossed: tuple[list[int], list[int]] | None = None,
     ) -> dict[str, Allocation | None]:
         """One decode step for many running requests at once: request ``i`` appends
         ``new_token_ids[i]`` and is given room for one more computed token (+ lookahead).
@@ -532,6 +533,11 @@ class PageManager:
         Returns only the exceptions: ``{request_id: Allocation}`` for requests that were
         handed new pages, ``{request_id: None}`` for those the pool could not serve (nothing
         changed for them; preempt them). A request not in the answer fits in its pages.
+
+        ``crossed``: two lists ``(rows, pages)`` to extend instead of answering the
+        requests that took their one new page together with others in one pool call
+        (single full-attention group only): request ``request_ids[rows[k]]`` was handed
+        page ``pages[k]``, and it is left out of the answer (no object per request).
         """
         tokens = _as_token_list(new_token_ids, "new_token_ids")
         if len(tokens) != len(request_ids):
@@ -617,6 +623,7 @@ class PageManager:
         hps = self.hash_page_size
         crossing: list[str] = []
         crossing_held: list[int] = []
+        crossing_rows: list[int] = []
 
         def take_crossing_pages() -> None:
             if len(crossing) < _MIN_BATCHED_CROSSINGS:
@@ -625,12 +632,17 @@ class PageManager:
                     out[rid] = Allocation(rid, 0, (tuple(new_pages),))
             else:
                 pages = group.allocate_next_pages(crossing, crossing_held)
-                for rid, page in zip(crossing, pages, strict=True):
-                    out[rid] = Allocation(rid, 0, ((page,),))
+                if crossed is not None:
+                    crossed[0].extend(crossing_rows)
+                    crossed[1].extend(pages)
+                else:
+                    for rid, page in zip(crossing, pages, strict=True):
+                        out[rid] = Allocation(rid, 0, ((page,),))
             crossing.clear()
             crossing_held.clear()
+            crossing_rows.clear()
 
-        for req, token in zip(reqs, tokens, strict=True):
+        for row, (req, token) in enumerate(zip(reqs, tokens, strict=True)):
             rid = req.request_id
             computed = req.num_computed_tokens
             extra = extras.get(rid) if extras else None
@@ -659,6 +671,7 @@ class PageManager:
                 if num_new == 1:
                     crossing.append(rid)
                     crossing_held.append(held)
+                    crossing_rows.append(row)
                 else:
                     if crossing:
                         take_crossing_pages()

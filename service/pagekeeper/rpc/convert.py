@@ -27,6 +27,7 @@ from pagekeeper.state import (
     GroupKernelSupport,
     Growth,
     GrowthColumns,
+    GrowthGrants,
     KernelBackend,
     Limits,
     ServiceCounters,
@@ -352,11 +353,16 @@ def step_result_to_pb(
         is_retry=result.is_retry,
     )
     add = response.results.add  # built in place: no copy of each result into the response
-    outcomes = result.results
+    outcomes = result.listed
+    granted = result.grants
     if request is not None and request.grants_in_columns:
-        listed = _fill_grants(response.grants, outcomes, request, command)
+        listed = _fill_grants(response.grants, outcomes, request, command, granted)
         if listed is not None:
             outcomes = listed
+        elif granted is not None:
+            outcomes = result.results
+    elif granted is not None:
+        outcomes = result.results
     for outcome in outcomes:
         _fill_outcome(add(), outcome)
     return response
@@ -367,12 +373,17 @@ def _fill_grants(
     outcomes: Sequence[AllocationOutcome],
     request: pb.StepRequest,
     command: StepCommand | None,
+    granted: GrowthGrants | None = None,
 ) -> list[AllocationOutcome] | None:
-    """Put the OK growth outcomes in ``grants``; returns the outcomes ``results`` still
-    lists (refused growths, then the admissions), or None when the outcomes do not line up
-    with ``request`` (then every outcome goes to ``results``, which is always right)."""
+    """Put the OK growth outcomes (and ``granted``, the growths the state kept as columns)
+    in ``grants``; returns the outcomes ``results`` still lists (refused growths, then the
+    admissions), or None when the outcomes do not line up with ``request`` (then every
+    outcome goes to ``results``, which is always right)."""
     num_growths = len(outcomes) - len(request.admissions)
-    if num_growths <= 0:
+    if granted is not None:
+        if num_growths != granted.num_listed_growths:
+            return None
+    elif num_growths <= 0:
         return None
     growth_ids: Sequence[str]
     if command is not None:
@@ -385,27 +396,57 @@ def _fill_grants(
         growth_ids = request.growth_columns.request_ids
     else:
         growth_ids = [g.request_id for g in request.growths]
-    position = {rid: i for i, rid in enumerate(growth_ids)}
+    if (
+        granted is not None
+        and growth_ids is not granted.growth_ids
+        and list(growth_ids) != list(granted.growth_ids)
+    ):
+        return None  # a retry naming other growths than the step it repeats
     ok = AllocationStatus.OK
     index: list[int] = []
     counts: list[int] = []
     pages: list[int] = []
     listed: list[AllocationOutcome] = []
     num_groups = -1
-    for outcome in outcomes[:num_growths]:
-        if outcome.status is not ok:
-            listed.append(outcome)
-            continue
-        i = position.get(outcome.request_id)
-        per_group = outcome.new_page_ids
-        if i is None or (num_groups >= 0 and len(per_group) != num_groups):
-            return None
-        num_groups = len(per_group)
-        index.append(i)
-        for group_pages in per_group:
-            counts.append(len(group_pages))
-            pages.extend(group_pages)
-    if index:
+    if num_growths > 0:
+        position = {rid: i for i, rid in enumerate(growth_ids)}
+        for outcome in outcomes[:num_growths]:
+            if outcome.status is not ok:
+                listed.append(outcome)
+                continue
+            i = position.get(outcome.request_id)
+            per_group = outcome.new_page_ids
+            if i is None or (num_groups >= 0 and len(per_group) != num_groups):
+                return None
+            num_groups = len(per_group)
+            index.append(i)
+            for group_pages in per_group:
+                counts.append(len(group_pages))
+                pages.extend(group_pages)
+    if granted is not None:
+        if index and num_groups != 1:
+            return None  # the state grants columns for one group only
+        if not index:
+            grants.growth_index = encode_i32(granted.growth_index)
+            grants.num_pages = np.ones(len(granted.page_ids), I32).tobytes()
+            grants.page_ids = encode_i32(granted.page_ids)
+        else:
+            # Both kinds, one growth each per entry: merged into growth order, each
+            # entry's pages moved with it.
+            all_index = np.array(index + granted.growth_index, np.int64)
+            all_counts = np.array(counts + [1] * len(granted.page_ids), np.int64)
+            all_pages = np.array(pages + granted.page_ids, np.int64)
+            order = np.argsort(all_index, kind="stable")
+            starts = np.cumsum(all_counts) - all_counts
+            sorted_counts = all_counts[order]
+            firsts = np.repeat(starts[order], sorted_counts)
+            within = np.arange(len(all_pages)) - np.repeat(
+                np.cumsum(sorted_counts) - sorted_counts, sorted_counts
+            )
+            grants.growth_index = encode_i32(all_index[order])
+            grants.num_pages = encode_i32(sorted_counts)
+            grants.page_ids = encode_i32(all_pages[firsts + within])
+    elif index:
         grants.growth_index = encode_i32(index)
         grants.num_pages = encode_i32(counts)
         grants.page_ids = encode_i32(pages)
