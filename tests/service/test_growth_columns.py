@@ -360,3 +360,84 @@ def test_decodes_crossing_together_are_granted_as_columns() -> None:
     assert states[0].manager.pool.free_queue() == states[1].manager.pool.free_queue()
     for rid in rids:
         assert states[0].request_info(rid) == states[1].request_info(rid)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3, 4])
+def test_lockstep_decodes_match_messages_step_for_step(seed: int) -> None:
+    """Requests decoding in lock step cross into pages together, so the column form keeps
+    many steps' crossings as columns (``GrowthGrants``), between lookahead growths,
+    held-token carriers, refusals when the pool runs dry, frees and admissions: every step's
+    answer (in every form), request and pool equal the same growths as messages."""
+    from pagekeeper.rpc import convert
+    from pagekeeper.state import step_result_from_tree, step_result_to_tree
+    from pagekeeper_client._proto.pagekeeper.v1 import pagekeeper_pb2 as pb
+
+    config = PoolConfig(num_pages=160, groups=(GroupConfig(GroupKind.FULL, 4),), max_model_len=96)
+    states = [ServiceState(config, Limits(), debug_invariants=True) for _ in range(2)]
+    clients = [scheduler(s) for s in states]
+    rng = np.random.default_rng(seed)
+    running: dict[str, int] = {}
+    num_granted = 0
+    serial = 0
+    for step_id in range(1, 80):
+        frees = tuple(r for r in running if rng.random() < 0.03)
+        growths = []
+        for rid in running:
+            if rid in frees or running[rid] >= 80:
+                continue
+            kind = rng.random()
+            if kind < 0.85:
+                growths.append(Growth(rid, 1, tokens(int(rng.integers(0, 30)), 1)))
+            elif kind < 0.92:
+                k = int(rng.integers(1, 3))
+                toks = tokens(int(rng.integers(0, 30)), k + 1)
+                growths.append(Growth(rid, 1, toks, num_computed_tokens=running[rid] + k))
+            else:
+                growths.append(Growth(rid, 1, tokens(7, 1), num_lookahead_tokens=3))
+        admissions = []
+        if len(running) < 40 and rng.random() < 0.5:
+            # Several at once, of one length: they decode in lock step from here.
+            length = 4 * int(rng.integers(2, 6))
+            for _ in range(int(rng.integers(8, 16))):
+                serial += 1
+                admissions.append(Admission(f"q{serial}", tokens(serial * 7, length)))
+        answers = []
+        for state, me, columnar in zip(states, clients, (False, True), strict=True):
+            kw: dict[str, object] = (
+                {"growth_columns": columns_of(growths)} if columnar else {"growths": tuple(growths)}
+            )
+            command = StepCommand(
+                1.0, me[0], me[1], step_id, frees, admissions=tuple(admissions), **kw
+            )
+            answers.append((state.step(command), command))
+        (by_message, _), (by_column, command) = answers
+        num_granted += 0 if by_column.grants is None else len(by_column.grants.growth_index)
+        assert by_column == by_message
+        assert step_result_from_tree(step_result_to_tree(by_column)) == by_message
+        request = pb.StepRequest(client_id=command.client_id, step_id=step_id)
+        request.grants_in_columns = True
+        request.growth_columns.request_ids.extend(g.request_id for g in growths)
+        for a in admissions:
+            request.admissions.add(request_id=a.request_id)
+        assert convert.step_result_to_pb(by_column, request, command) == (
+            convert.step_result_to_pb(by_message, request)
+        )
+        for rid in frees:
+            del running[rid]
+        statuses = {o.request_id: o.status for o in by_message.results}
+        for g in growths:
+            if statuses.get(g.request_id, AllocationStatus.OK) is AllocationStatus.OK:
+                running[g.request_id] += len(g.new_token_ids)
+            else:
+                del running[g.request_id]  # preempted
+                for state, me in zip(states, clients, strict=True):
+                    state.manager.free(g.request_id)
+                    del state._requests[g.request_id]
+                    state._clients[me[0]].request_ids.discard(g.request_id)
+        for a in admissions:
+            if statuses[a.request_id] is AllocationStatus.OK:
+                running[a.request_id] = len(a.token_ids)
+        for rid in running:
+            assert states[0].request_info(rid) == states[1].request_info(rid)
+        assert states[0].manager.pool.free_queue() == states[1].manager.pool.free_queue()
+    assert num_granted >= 30, "the workload should cross into pages together often"
