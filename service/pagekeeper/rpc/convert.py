@@ -353,7 +353,7 @@ def step_result_to_pb(
         is_retry=result.is_retry,
     )
     add = response.results.add  # built in place: no copy of each result into the response
-    outcomes = result.listed
+    outcomes: Sequence[AllocationOutcome] = result.listed
     granted = result.grants
     if request is not None and request.grants_in_columns:
         listed = _fill_grants(response.grants, outcomes, request, command, granted)
