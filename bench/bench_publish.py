@@ -172,6 +172,48 @@ def cross_process_latency(
     return [d - s for s, d in zip(starts, done, strict=True)]
 
 
+def sample(
+    variants: list[tuple[str, Callable[[], None]]], iterations: int
+) -> dict[str, list[float]]:
+    """Seconds per call of each variant, interleaved (A B C … A B C) after 20 warm-up rounds
+    (page faults, allocators, imports), so machine drift hits every variant alike."""
+    samples: dict[str, list[float]] = {name: [] for name, _ in variants}
+    for _ in range(20):
+        for _, fn in variants:
+            fn()
+    for _ in range(iterations):
+        for name, fn in variants:
+            t0 = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - t0)
+    return samples
+
+
+def print_rows(
+    samples: dict[str, list[float]],
+    latencies: dict[str, list[float]],
+    base: float,
+    nbytes: int,
+    header: tuple[str, str],
+) -> None:
+    """The in-process rows (median, ratio to ``base``, GB/s), then the cross-process ones
+    (with their p90) under ``header[1]``; ``header[0]`` names the ratio column."""
+    print(f"{'variant':<40} {'median us':>10} {header[0]:>9} {'GB/s':>7}")
+    for name, times in samples.items():
+        median = statistics.median(times)
+        print(
+            f"{name:<40} {median * 1e6:>10.1f} {median / base:>9.2f} {nbytes / median / 1e9:>7.2f}"
+        )
+    print(header[1])
+    for name, latency in latencies.items():
+        median = statistics.median(latency)
+        p90 = sorted(latency)[int(0.9 * len(latency))]
+        print(
+            f"{name:<40} {median * 1e6:>10.1f} {median / base:>9.2f} "
+            f"{nbytes / median / 1e9:>7.2f}   (p90 {p90 * 1e6:.1f} us)"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--iterations", type=int, default=300)
@@ -231,15 +273,7 @@ def main() -> None:
         ("shm publish + read (zero-copy)", shm_read_zero_copy),
         ("stream pack + unpack (copy)", stream_round_trip),
     ]
-    samples: dict[str, list[float]] = {name: [] for name, _ in variants}
-    for _ in range(20):  # warm-up: page faults, allocator, torch import
-        for _, fn in variants:
-            fn()
-    for _ in range(args.iterations):
-        for name, fn in variants:
-            t0 = time.perf_counter()
-            fn()
-            samples[name].append(time.perf_counter() - t0)
+    samples = sample(variants, args.iterations)
     shm_view.close()
     shm.close()
 
@@ -257,20 +291,13 @@ def main() -> None:
         f"table publication: {NUM_REQS} requests x {NUM_KBLOCKS} kernel blocks + "
         f"{NUM_TOKENS} slots = {nbytes / 1e6:.2f} MB per step, median of {args.iterations}"
     )
-    print(f"{'variant':<40} {'median us':>10} {'x memcpy':>9} {'GB/s':>7}")
-    for name, _ in variants:
-        median = statistics.median(samples[name])
-        print(
-            f"{name:<40} {median * 1e6:>10.1f} {median / base:>9.2f} {nbytes / median / 1e9:>7.2f}"
-        )
-    print("publish start -> tables (copied, as tensors) in a worker process:")
-    for name, latency in latencies.items():
-        median = statistics.median(latency)
-        p90 = sorted(latency)[int(0.9 * len(latency))]
-        print(
-            f"{name:<40} {median * 1e6:>10.1f} {median / base:>9.2f} "
-            f"{nbytes / median / 1e9:>7.2f}   (p90 {p90 * 1e6:.1f} us)"
-        )
+    print_rows(
+        samples,
+        latencies,
+        base,
+        nbytes,
+        ("x memcpy", "publish start -> tables (copied, as tensors) in a worker process:"),
+    )
     zero_copy = statistics.median(samples["shm publish + read (zero-copy)"]) / base
     copied = statistics.median(samples["shm publish + read (copy)"]) / base
     goal = "met" if zero_copy <= 2.0 else "NOT met"
@@ -315,15 +342,7 @@ def cuda_rows(args: argparse.Namespace, batch: BatchTables, nbytes: int, shm_dir
         ("H2D copy (baseline, pinned)", h2d),
         ("cuda_ipc publish (copy on the GPU)", cuda_publish),
     ]
-    samples: dict[str, list[float]] = {name: [] for name, _ in variants}
-    for _ in range(20):
-        for _, fn in variants:
-            fn()
-    for _ in range(args.iterations):
-        for name, fn in variants:
-            t0 = time.perf_counter()
-            fn()
-            samples[name].append(time.perf_counter() - t0)
+    samples = sample(variants, args.iterations)
     publisher.close()
     latencies = {
         "cuda_ipc cross-process, worker spinning": cross_process_latency(
@@ -341,20 +360,16 @@ def cuda_rows(args: argparse.Namespace, batch: BatchTables, nbytes: int, shm_dir
         f"onto {props.name} (torch {torch.__version__}, CUDA {torch.version.cuda}), "
         f"median of {args.iterations}; tables on the device when each row ends"
     )
-    print(f"{'variant':<40} {'median us':>10} {'x H2D':>9} {'GB/s':>7}")
-    for name, _ in variants:
-        median = statistics.median(samples[name])
-        print(
-            f"{name:<40} {median * 1e6:>10.1f} {median / base:>9.2f} {nbytes / median / 1e9:>7.2f}"
-        )
-    print("publish start -> the step's device tensors in a worker process (stream synced):")
-    for name, latency in latencies.items():
-        median = statistics.median(latency)
-        p90 = sorted(latency)[int(0.9 * len(latency))]
-        print(
-            f"{name:<40} {median * 1e6:>10.1f} {median / base:>9.2f} "
-            f"{nbytes / median / 1e9:>7.2f}   (p90 {p90 * 1e6:.1f} us)"
-        )
+    print_rows(
+        samples,
+        latencies,
+        base,
+        nbytes,
+        (
+            "x H2D",
+            "publish start -> the step's device tensors in a worker process (stream synced):",
+        ),
+    )
 
 
 if __name__ == "__main__":
