@@ -17,6 +17,7 @@ from pagekeeper.state import (
     Limits,
     ServiceState,
     StepCommand,
+    StepResult,
 )
 from tests.service.test_state import scheduler, tokens
 
@@ -79,6 +80,60 @@ def workload_step(
     return frees, growths, admissions
 
 
+def step_both_forms(
+    states: list[ServiceState],
+    clients: list[tuple[str, int]],
+    step_id: int,
+    frees: tuple[str, ...],
+    growths: list[Growth],
+    admissions: tuple[Admission, ...],
+) -> list[tuple[StepResult, StepCommand]]:
+    """The same step on twin states: the growths as messages on the first, as columns on
+    the second; each answer with its command."""
+    answers = []
+    for state, me, columnar in zip(states, clients, (False, True), strict=True):
+        kw: dict[str, object] = (
+            {"growth_columns": columns_of(growths)} if columnar else {"growths": tuple(growths)}
+        )
+        command = StepCommand(1.0, me[0], me[1], step_id, frees, admissions=admissions, **kw)
+        answers.append((state.step(command), command))
+    return answers
+
+
+def follow_answer(
+    states: list[ServiceState],
+    clients: list[tuple[str, int]],
+    running: dict[str, int],
+    step: tuple[tuple[str, ...], list[Growth], tuple[Admission, ...]],
+    result: StepResult,
+) -> int:
+    """Bring ``running`` (request -> tokens) up to the answered step, preempt (free on both
+    twins) the growths refused, compare the twins' requests and pools; returns how many
+    were preempted."""
+    frees, growths, admissions = step
+    for rid in frees:
+        del running[rid]
+    statuses = {o.request_id: o.status for o in result.results}
+    num_preempted = 0
+    for g in growths:
+        if statuses.get(g.request_id, AllocationStatus.OK) is AllocationStatus.OK:
+            running[g.request_id] += len(g.new_token_ids)
+        else:
+            num_preempted += 1
+            del running[g.request_id]
+            for state, me in zip(states, clients, strict=True):
+                state.manager.free(g.request_id)
+                del state._requests[g.request_id]
+                state._clients[me[0]].request_ids.discard(g.request_id)
+    for a in admissions:
+        if statuses[a.request_id] is AllocationStatus.OK:
+            running[a.request_id] = len(a.token_ids)
+    for rid in running:
+        assert states[0].request_info(rid) == states[1].request_info(rid)
+    assert states[0].manager.pool.free_queue() == states[1].manager.pool.free_queue()
+    return num_preempted
+
+
 @pytest.mark.parametrize("config", [FULL, HYBRID], ids=["full", "hybrid"])
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_columns_match_messages_step_for_step(config: PoolConfig, seed: int) -> None:
@@ -88,34 +143,10 @@ def test_columns_match_messages_step_for_step(config: PoolConfig, seed: int) -> 
     running: dict[str, int] = {}
     num_no_capacity = 0
     for step_id in range(1, 60):
-        frees, growths, admissions = workload_step(rng, running, step_id)
-        results = []
-        for state, me, columnar in zip(states, clients, (False, True), strict=True):
-            kw: dict[str, object] = (
-                {"growth_columns": columns_of(growths)} if columnar else {"growths": tuple(growths)}
-            )
-            command = StepCommand(1.0, me[0], me[1], step_id, frees, admissions=admissions, **kw)
-            results.append(state.step(command))
-        assert results[0] == results[1]
-        for rid in frees:
-            del running[rid]
-        statuses = {o.request_id: o.status for o in results[0].results}
-        for g in growths:
-            if statuses.get(g.request_id, AllocationStatus.OK) is AllocationStatus.OK:
-                running[g.request_id] += len(g.new_token_ids)
-            else:
-                num_no_capacity += 1
-                del running[g.request_id]  # preempted
-                for state, me in zip(states, clients, strict=True):
-                    state.manager.free(g.request_id)
-                    del state._requests[g.request_id]
-                    state._clients[me[0]].request_ids.discard(g.request_id)
-        for a in admissions:
-            if statuses[a.request_id] is AllocationStatus.OK:
-                running[a.request_id] = len(a.token_ids)
-        for rid in running:
-            assert states[0].request_info(rid) == states[1].request_info(rid)
-        assert states[0].manager.pool.free_queue() == states[1].manager.pool.free_queue()
+        step = workload_step(rng, running, step_id)
+        (by_message, _), (by_column, _) = step_both_forms(states, clients, step_id, *step)
+        assert by_message == by_column
+        num_no_capacity += follow_answer(states, clients, running, step, by_message)
     assert num_no_capacity > 0, "the workload should run the pool dry at least once"
 
 
@@ -401,16 +432,8 @@ def test_lockstep_decodes_match_messages_step_for_step(seed: int) -> None:
             for _ in range(int(rng.integers(8, 16))):
                 serial += 1
                 admissions.append(Admission(f"q{serial}", tokens(serial * 7, length)))
-        answers = []
-        for state, me, columnar in zip(states, clients, (False, True), strict=True):
-            kw: dict[str, object] = (
-                {"growth_columns": columns_of(growths)} if columnar else {"growths": tuple(growths)}
-            )
-            command = StepCommand(
-                1.0, me[0], me[1], step_id, frees, admissions=tuple(admissions), **kw
-            )
-            answers.append((state.step(command), command))
-        (by_message, _), (by_column, command) = answers
+        step = (frees, growths, tuple(admissions))
+        (by_message, _), (by_column, command) = step_both_forms(states, clients, step_id, *step)
         num_granted += 0 if by_column.grants is None else len(by_column.grants.growth_index)
         assert by_column == by_message
         assert step_result_from_tree(step_result_to_tree(by_column)) == by_message
@@ -422,22 +445,5 @@ def test_lockstep_decodes_match_messages_step_for_step(seed: int) -> None:
         assert convert.step_result_to_pb(by_column, request, command) == (
             convert.step_result_to_pb(by_message, request)
         )
-        for rid in frees:
-            del running[rid]
-        statuses = {o.request_id: o.status for o in by_message.results}
-        for g in growths:
-            if statuses.get(g.request_id, AllocationStatus.OK) is AllocationStatus.OK:
-                running[g.request_id] += len(g.new_token_ids)
-            else:
-                del running[g.request_id]  # preempted
-                for state, me in zip(states, clients, strict=True):
-                    state.manager.free(g.request_id)
-                    del state._requests[g.request_id]
-                    state._clients[me[0]].request_ids.discard(g.request_id)
-        for a in admissions:
-            if statuses[a.request_id] is AllocationStatus.OK:
-                running[a.request_id] = len(a.token_ids)
-        for rid in running:
-            assert states[0].request_info(rid) == states[1].request_info(rid)
-        assert states[0].manager.pool.free_queue() == states[1].manager.pool.free_queue()
+        follow_answer(states, clients, running, step, by_message)
     assert num_granted >= 30, "the workload should cross into pages together often"
