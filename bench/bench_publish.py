@@ -84,43 +84,32 @@ def make_batch(rng: np.random.Generator) -> BatchTables:
     )
 
 
-def _reader(descriptor: Any, num_steps: int, conn: Any) -> None:
-    """Worker process: wait for each step, note when its tables are in hand, acknowledge."""
-    import torch  # noqa: F401  (imported before timing starts)
+def _reader(descriptor: Any, num_steps: int, conn: Any, on_device: bool = False) -> None:
+    """Worker process: wait for each step, note when its tables are in hand, acknowledge.
+    On the host: the tables copied, as tensors. ``on_device``: the step's tables as tensors
+    on cuda:0, the stream synchronized (the bytes are on the GPU) before the time is noted."""
+    import torch  # imported before timing starts
 
+    if on_device:
+        torch.cuda.init()
+        stream = torch.cuda.current_stream(0)
+        torch.empty(1, device="cuda:0")  # the context exists before timing starts
     view = open_table_view(descriptor)
+
+    def tables_of(step: int) -> Any:
+        if not on_device:
+            return view.wait(step, timeout=30, copy=True).to_torch()
+        tables = view.wait_tensors(step, timeout=30, device="cuda:0")
+        stream.synchronize()
+        return tables
+
     conn.send("ready")
     done = []
     try:
         for step in range(num_steps):
-            tables = view.wait(step, timeout=30, copy=True).to_torch()
+            tables = tables_of(step)
             done.append(time.perf_counter())
-            del tables
-            conn.send(step)
-    except Exception as exc:
-        conn.send(f"{type(exc).__name__}: {exc}")
-        raise
-    conn.send(done)
-    view.close()
-
-
-def _device_reader(descriptor: Any, num_steps: int, conn: Any) -> None:
-    """Worker process on cuda:0: wait for each step's tables as device tensors, synchronize
-    the stream (the bytes are on the GPU), note the time, acknowledge."""
-    import torch
-
-    torch.cuda.init()
-    view = open_table_view(descriptor)
-    stream = torch.cuda.current_stream(0)
-    torch.empty(1, device="cuda:0")  # the context exists before timing starts
-    conn.send("ready")
-    done = []
-    try:
-        for step in range(num_steps):
-            tables = view.wait_tensors(step, timeout=30, device="cuda:0")
-            stream.synchronize()
-            done.append(time.perf_counter())
-            if tables.tables[0].block_table.device.type != "cuda":
+            if on_device and tables.tables[0].block_table.device.type != "cuda":
                 raise RuntimeError("tables are not on the device")
             del tables
             conn.send(step)
@@ -151,8 +140,9 @@ def cross_process_latency(
         publisher = ShmPublisher(GEOMETRY, shm_dir=shm_dir)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    target = _device_reader if on_device else _reader
-    process = ctx.Process(target=target, args=(publisher.descriptor(), num_steps, child))
+    process = ctx.Process(
+        target=_reader, args=(publisher.descriptor(), num_steps, child, on_device)
+    )
     process.start()
     assert parent.recv() == "ready"
     starts = []
