@@ -79,6 +79,9 @@ def crash(durability: Durability) -> None:
     log = durability._log
     durability._log = None
     if log is not None:
+        # Its checkpoint thread goes with it (the one under way, if any, finishes: a
+        # checkpoint cut short is a case the kill -9 campaigns cover).
+        log.stop_background_checkpoints()
         log._db.close()
     if durability._lock_fd is not None:
         os.close(durability._lock_fd)

@@ -42,15 +42,30 @@ process    NORMAL        the service killed at any instant (``kill -9``, OOM, a 
 fsync      FULL          also power loss and kernel crashes: the WAL is fsync'ed at every
                          commit before the answer goes out.
 =========  ============  ==============================================================
+
+Checkpoints (copying the WAL's frames into the database file, then fsync'ing it) run in a
+thread of their own once :meth:`CommandLog.start_background_checkpoints` is called (the
+service does): a ``PASSIVE`` checkpoint on its own connection after every
+``CHECKPOINT_BYTES`` of records, and every ``CHECKPOINT_INTERVAL_S`` while records came in.
+Left to SQLite, the appending connection checkpoints itself every ~4 MB of WAL, inside the
+commit that crosses the mark: with the fsync, a 2-10 ms stall of the event loop every ~60
+admission steps. ``PASSIVE`` never takes the write lock, so appends go on meanwhile (the
+sqlite3 module lets go of the GIL around each SQLite call); the next commit after a
+checkpoint that copied every frame starts the WAL over. SQLite's own automatic checkpoint
+stays on the appending connection as a backstop, at ``BACKSTOP_AUTOCHECKPOINT_PAGES``
+(~64 MB of WAL), for a thread that falls behind or cannot run.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import sqlite3
 import struct
+import threading
+import time
 import zlib
 from collections.abc import Iterator
 from enum import StrEnum
@@ -81,6 +96,23 @@ class DurabilityLevel(StrEnum):
 # The connection's busy timeout (sqlite3.connect's default of 5 s, said out loud).
 _BUSY_TIMEOUT_MS = 5000
 _SYNCHRONOUS = {DurabilityLevel.PROCESS: "NORMAL", DurabilityLevel.FSYNC: "FULL"}
+
+CHECKPOINT_BYTES = 4 << 20
+"""Record bytes between two background checkpoints (SQLite's own default is 1,000 pages)."""
+CHECKPOINT_INTERVAL_S = 5.0
+"""A background checkpoint at least this often while records come in (keeps the WAL, and
+so a restart after a crash, short on a quiet service)."""
+BACKSTOP_AUTOCHECKPOINT_PAGES = 16_384
+"""SQLite's automatic checkpoint on the appending connection while the background one runs
+(4 KiB pages: ~64 MB of WAL)."""
+
+WAL_SIZE_LIMIT_BYTES = 32 << 20
+"""A WAL file that grew past this (a backstop checkpoint, a long reader) is cut back to it
+when the WAL next starts over (SQLite's ``journal_size_limit``)."""
+_CATCH_UP_PASSES = 8
+_PAGE_BYTES = 4096  # SQLite's default page: a commit writes at least one
+
+logger = logging.getLogger(__name__)
 
 
 class LogError(RuntimeError):
@@ -116,8 +148,102 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+class CheckpointStats:
+    """What the background checkpointer has done (written by its thread, read anywhere)."""
+
+    __slots__ = ("last_error", "last_seconds", "num_checkpoints", "num_failures", "num_incomplete")
+
+    def __init__(self) -> None:
+        self.num_checkpoints = 0
+        """Checkpoints that copied every frame of the WAL they found."""
+        self.num_incomplete = 0
+        """Checkpoints that could not (a reader in the way, another checkpoint under way,
+        or frames committed meanwhile); the next one goes on from there."""
+        self.num_failures = 0
+        self.last_seconds = 0.0
+        self.last_error = ""
+
+
+class _Checkpointer(threading.Thread):
+    """Runs ``PRAGMA wal_checkpoint(PASSIVE)`` on its own connection when woken (the
+    appender crossed ``CHECKPOINT_BYTES``) or every ``interval_s`` while records came in."""
+
+    def __init__(self, path: Path, synchronous: str, interval_s: float) -> None:
+        super().__init__(name="pagekeeper-checkpoint", daemon=True)
+        self.path = path
+        self.synchronous = synchronous
+        self.interval_s = interval_s
+        self.stats = CheckpointStats()
+        self.dirty = False
+        """Set by the appender on every record, cleared here before each checkpoint."""
+        self._wake = threading.Event()
+        self._stopping = False
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def stop(self) -> None:
+        """Finish the checkpoint under way (if any) and end the thread."""
+        self._stopping = True
+        self._wake.set()
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join()
+
+    def run(self) -> None:
+        try:
+            db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=True)
+            db.execute(f"PRAGMA synchronous={self.synchronous}")
+        except sqlite3.Error as exc:
+            self._failed(exc)
+            return
+        try:
+            while True:
+                self._wake.wait(self.interval_s)
+                self._wake.clear()
+                if self._stopping:
+                    return
+                if self.dirty:
+                    self.dirty = False
+                    self._checkpoint(db)
+        finally:
+            db.close()
+
+    def _checkpoint(self, db: sqlite3.Connection) -> None:
+        """Checkpoint until a pass finds no frame committed since the previous one (then
+        every frame is in the database file, and the next commit starts the WAL over: a
+        writer does so only when it begins on a fully copied WAL), at most
+        ``_CATCH_UP_PASSES`` passes; whatever is left waits for the next wake."""
+        started = time.perf_counter()
+        stats = self.stats
+        previous = -1
+        for _ in range(_CATCH_UP_PASSES):
+            try:
+                # (busy, frames in the WAL, frames copied): PASSIVE never waits on anyone.
+                busy, frames, copied = db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+            except sqlite3.Error as exc:
+                self._failed(exc)
+                return
+            if busy or frames != copied:
+                break  # a reader (or another checkpoint) holds frames back
+            if frames == previous or frames == 0:
+                stats.num_checkpoints += 1
+                stats.last_seconds = time.perf_counter() - started
+                return
+            previous = frames  # commits came in while it ran: copy those too
+        stats.num_incomplete += 1
+        stats.last_seconds = time.perf_counter() - started
+
+    def _failed(self, exc: sqlite3.Error) -> None:
+        # Nothing is lost: the records are in the WAL, and the appending connection's own
+        # (backstop) checkpoint folds them in if this thread cannot.
+        self.stats.num_failures += 1
+        self.stats.last_error = str(exc)
+        logger.error("background checkpoint of %s failed: %s", self.path, exc)
+
+
 class CommandLog:
-    """The SQLite file under a data directory. Used from one thread (the event loop)."""
+    """The SQLite file under a data directory. Used from one thread (the event loop), apart
+    from the background checkpointer's own connection."""
 
     def __init__(self, directory: str | Path, level: DurabilityLevel) -> None:
         if level is DurabilityLevel.NONE:
@@ -160,6 +286,45 @@ class CommandLog:
             raise LogError(f"{self.path} is not a readable pagekeeper database: {exc}") from None
         self._append_sql = "INSERT INTO log (seq, crc, body) VALUES (?, ?, ?)"
         self.snapshot_dir = Path(directory) / SNAPSHOT_DIR
+        self._checkpointer: _Checkpointer | None = None
+        self._checkpoint_bytes = CHECKPOINT_BYTES
+        self._bytes_since_wake = 0
+
+    # -- background checkpoints ------------------------------------------------------------
+    def start_background_checkpoints(
+        self,
+        every_bytes: int = CHECKPOINT_BYTES,
+        interval_s: float = CHECKPOINT_INTERVAL_S,
+        backstop_pages: int = BACKSTOP_AUTOCHECKPOINT_PAGES,
+    ) -> None:
+        """Checkpoint from a thread from now on (see the module docstring); the appending
+        connection's own automatic checkpoint moves back to ``backstop_pages``."""
+        if self._checkpointer is not None:
+            return
+        if every_bytes < 1 or interval_s <= 0 or backstop_pages < 1:
+            raise ValueError("checkpoint thresholds must be positive")
+        try:
+            self._db.execute(f"PRAGMA wal_autocheckpoint={int(backstop_pages)}")
+            self._db.execute(f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT_BYTES}")
+        except sqlite3.Error as exc:
+            raise LogError(f"cannot configure checkpoints of {self.path}: {exc}") from None
+        self._checkpoint_bytes = every_bytes
+        self._checkpointer = _Checkpointer(self.path, _SYNCHRONOUS[self.level], interval_s)
+        self._checkpointer.start()
+
+    @property
+    def checkpoint_stats(self) -> CheckpointStats | None:
+        """The background checkpointer's counters (None when it was never started)."""
+        return None if self._checkpointer is None else self._checkpointer.stats
+
+    def stop_background_checkpoints(self) -> None:
+        """Let the checkpoint under way finish and end the thread (the appending connection
+        checkpoints itself again, at SQLite's default)."""
+        checkpointer, self._checkpointer = self._checkpointer, None
+        if checkpointer is not None:
+            checkpointer.stop()
+            with contextlib.suppress(sqlite3.Error):
+                self._db.execute("PRAGMA wal_autocheckpoint=1000")
 
     # -- meta ------------------------------------------------------------------------------
     def get_meta(self, key: str) -> str | None:
@@ -180,6 +345,13 @@ class CommandLog:
             self._db.execute(self._append_sql, (seq, record_crc(seq, body), body))
         except sqlite3.Error as exc:
             raise LogError(f"cannot append record {seq} to {self.path}: {exc}") from None
+        checkpointer = self._checkpointer
+        if checkpointer is not None:
+            checkpointer.dirty = True
+            self._bytes_since_wake += len(body) + _PAGE_BYTES  # ~ its WAL frames
+            if self._bytes_since_wake >= self._checkpoint_bytes:
+                self._bytes_since_wake = 0
+                checkpointer.wake()
 
     def read_after(self, seq: int) -> Iterator[tuple[int, int, bytes]]:
         """``(seq, crc, body)`` of every record after ``seq``, in order."""
@@ -339,13 +511,20 @@ class CommandLog:
         return row is not None and int(row[0]) == 0
 
     def close(self) -> None:
+        checkpointer, self._checkpointer = self._checkpointer, None
+        if checkpointer is not None:
+            checkpointer.stop()
         with contextlib.suppress(sqlite3.Error):
             self._db.close()
 
 
 __all__ = [
+    "BACKSTOP_AUTOCHECKPOINT_PAGES",
+    "CHECKPOINT_BYTES",
+    "CHECKPOINT_INTERVAL_S",
     "DB_NAME",
     "SNAPSHOT_DIR",
+    "CheckpointStats",
     "CommandLog",
     "DurabilityLevel",
     "LogError",

@@ -52,6 +52,29 @@ class DurabilityCollector(Collector):
             "a worker thread).",
             stats.last_snapshot_loop_seconds,
         )
+        checkpoints = d.checkpoint_stats
+        if checkpoints is not None:
+            yield counter(
+                "checkpoints",
+                "Background WAL checkpoints that copied every frame into the database file.",
+                checkpoints.num_checkpoints,
+            )
+            yield counter(
+                "checkpoints_incomplete",
+                "Background checkpoints that left frames for the next one (a reader or "
+                "commits in the way).",
+                checkpoints.num_incomplete,
+            )
+            yield counter(
+                "checkpoint_failures",
+                "Background checkpoints that failed.",
+                checkpoints.num_failures,
+            )
+            yield gauge(
+                "last_checkpoint_seconds",
+                "Time the last background checkpoint took (off the event loop).",
+                checkpoints.last_seconds,
+            )
         append = GaugeMetricFamily(
             "pagekeeper_durability_append_seconds",
             "Commit time of recent records, by quantile.",

@@ -48,6 +48,7 @@ from pagekeeper.durability.commands import RecordDecodeError, decode_command, en
 from pagekeeper.durability.log import (
     FORMAT_VERSION,
     READABLE_FORMATS,
+    CheckpointStats,
     CommandLog,
     DurabilityLevel,
     LogError,
@@ -199,6 +200,9 @@ class Durability:
                     len(orphans),
                     ", ".join(orphans),
                 )
+            # Checkpoints (and their fsync) from a thread of their own, not inside the
+            # commit that crosses SQLite's mark on the event loop.
+            self._log.start_background_checkpoints()
         except LogError as exc:
             self.close()
             raise DurabilityError(str(exc)) from None
@@ -389,6 +393,11 @@ class Durability:
     def last_seq(self) -> int:
         return self._seq
 
+    @property
+    def checkpoint_stats(self) -> CheckpointStats | None:
+        """The background checkpointer's counters (None while the log is closed)."""
+        return None if self._log is None else self._log.checkpoint_stats
+
     def record(self, command: Command, result: Any) -> None:
         """Commit one applied command (before its answer goes out)."""
         if self.failure:
@@ -505,6 +514,8 @@ class Durability:
         """Snapshot ``state`` if records were added since the last one (a graceful stop
         makes the next start-up replay nothing), checkpoint, close, unlock."""
         if self._log is not None:
+            # No background checkpoint under way to make the final one report busy.
+            self._log.stop_background_checkpoints()
             if state is not None and self._since_snapshot and not self.failure:
                 self.snapshot(state)
             self._checkpoint(self._log)
