@@ -9,6 +9,7 @@ changes) is checked directly.
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import subprocess
@@ -211,6 +212,42 @@ def test_evict_leaves_other_groups_to_the_general_path() -> None:
     assert (index, hash_of, bytes(cached)) == before
     assert ops().evict(index, hash_of, cached, [3], 2) == [b"y"]
     assert index == {b"x": 4} and hash_of[3] is None and hash_of[4] == b"x" and cached[3] == 0
+
+
+@needs_native
+def test_atomic_tuple_is_left_out_of_the_collector_only_when_it_can_be_in_no_cycle() -> None:
+    atomic = ops().atomic_tuple([b"h1", 7, None, b"h2"])
+    assert atomic == (b"h1", 7, None, b"h2") and type(atomic) is tuple
+    assert not gc.is_tracked(atomic)
+    assert ops().atomic_tuple(x for x in range(3)) == (0, 1, 2)
+    inner: list[object] = []
+    mixed = ops().atomic_tuple([b"h", inner])
+    assert mixed == (b"h", []) and gc.is_tracked(mixed)
+    inner.append(mixed)  # a cycle through it: still collectable
+    del inner, mixed
+    assert ops().atomic_tuple(()) == ()
+    with pytest.raises(TypeError):
+        ops().atomic_tuple(5)
+
+
+@needs_native
+def test_event_tuples_are_not_tracked_by_the_collector() -> None:
+    """An admission's events carry ~125 hashes and page ids each: tracked tuples would be
+    traversed by the next young collection (a 20 ms pause with thousands waiting)."""
+    pool = PagePool(NUM_PAGES, native=True)
+    pool.ensure_groups(1)
+    pages = pool.allocate(4)
+    pool.cache(
+        0, pages, [b"a", b"b", b"c", b"d"],
+        parent_hash=None, token_ids=list(range(16)), page_size=4, lora_name=None,
+    )  # fmt: skip
+    pool.free(pages)
+    pool.allocate(NUM_PAGES - 1)  # evicts them
+    stored, removed = pool.take_events()
+    assert stored.page_hashes == (b"a", b"b", b"c", b"d") and stored.page_ids == tuple(pages)
+    assert sorted(removed.page_hashes) == [b"a", b"b", b"c", b"d"]
+    for event in (stored, removed):
+        assert not gc.is_tracked(event.page_hashes) and not gc.is_tracked(event.page_ids)
 
 
 @needs_native

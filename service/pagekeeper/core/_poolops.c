@@ -27,6 +27,13 @@
  *       (a page listed twice reads `now` the second time), the pages set so far go back
  *       to `same` and False is returned.
  *
+ *   atomic_tuple(items) -> tuple
+ *       tuple(items), not tracked by the cyclic garbage collector when every item is an
+ *       exact bytes, int or None (such a tuple can be in no reference cycle). CPython
+ *       untracks these itself, but only when a collection first looks at them: an event's
+ *       tuples of ~125 hashes and page ids each were traversed by the next young
+ *       collection, and thousands of events waiting for it made a 20 ms pause.
+ *
  * Page ids are checked against the state list's length before anything is written (an
  * IndexError, as the Python loops would raise, changes nothing here).
  */
@@ -414,7 +421,30 @@ done:
     return result;
 }
 
+static PyObject *
+pool_atomic_tuple(PyObject *module, PyObject *items)
+{
+    PyObject *result = PySequence_Tuple(items);
+    if (result == NULL) {
+        return NULL;
+    }
+    Py_ssize_t k = PyTuple_GET_SIZE(result);
+    for (Py_ssize_t i = 0; i < k; i++) {
+        PyObject *item = PyTuple_GET_ITEM(result, i);
+        if (!(PyBytes_CheckExact(item) || PyLong_CheckExact(item) || item == Py_None)) {
+            return result;  /* tracked, as any tuple */
+        }
+    }
+    if (PyObject_GC_IsTracked(result)) {
+        PyObject_GC_UnTrack(result);
+    }
+    return result;
+}
+
 static PyMethodDef poolops_methods[] = {
+    {"atomic_tuple", (PyCFunction)pool_atomic_tuple, METH_O,
+     "atomic_tuple(items) -> tuple, untracked by the GC when it holds only bytes, ints "
+     "and None."},
     {"take", (PyCFunction)(void (*)(void))pool_take, METH_FASTCALL,
      "take(state, pages) -> evicted: allocation's state pass."},
     {"evict", (PyCFunction)(void (*)(void))pool_evict, METH_FASTCALL,

@@ -47,8 +47,9 @@ import struct
 import sys
 from array import array
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -69,6 +70,14 @@ _INT32S = [struct.Struct(f"={k}i") for k in range(_SMALL + 1)]
 # The C accelerator of the per-page loops below (``_poolops.c``: the same loops on the
 # same objects), built with the package where a C compiler is; results are identical.
 _ops: ModuleType | None = load_extension("_poolops", "PAGEKEEPER_NATIVE_POOL")
+
+
+# An event's tuples of hashes and page ids, built untracked by the cyclic GC (they hold
+# only bytes and ints): otherwise the next young collection traverses every one of them,
+# and with thousands of events waiting for it that is a pause of tens of milliseconds.
+_event_tuple: Callable[[Iterable[Any]], tuple[Any, ...]] = (
+    tuple if _ops is None else _ops.atomic_tuple
+)
 
 
 def native_pool() -> bool:
@@ -696,14 +705,14 @@ class PagePool:
             PageStored(
                 seq=self._event_seq,
                 group_id=group_id,
-                page_hashes=tuple(hashes),
+                page_hashes=_event_tuple(hashes),
                 parent_page_hash=parent_hash,
                 # The caller's slice of a request's ``array('Q')`` is a fresh copy: adopted.
                 token_ids=TokenRun.adopt(token_ids)
                 if type(token_ids) is array and token_ids.typecode == "Q"
                 else TokenRun(token_ids),
                 page_size=page_size,
-                page_ids=tuple(pages),
+                page_ids=_event_tuple(pages),
                 lora_name=lora_name,
             )
         )
@@ -782,8 +791,8 @@ class PagePool:
             PageRemoved(
                 seq=self._event_seq,
                 group_id=group_id,
-                page_hashes=tuple(hashes),
-                page_ids=tuple(pages),
+                page_hashes=_event_tuple(hashes),
+                page_ids=_event_tuple(pages),
             )
         )
 
