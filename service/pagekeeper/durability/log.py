@@ -48,7 +48,7 @@ thread of their own once :meth:`CommandLog.start_background_checkpoints` is call
 service does): a ``PASSIVE`` checkpoint on its own connection after every
 ``CHECKPOINT_BYTES`` of records, and every ``CHECKPOINT_INTERVAL_S`` while records came in.
 Left to SQLite, the appending connection checkpoints itself every ~4 MB of WAL, inside the
-commit that crosses the mark: with the fsync, a 2-10 ms stall of the event loop every ~60
+commit that crosses the mark: with the fsync, a 6-14 ms stall of the event loop every ~60
 admission steps. ``PASSIVE`` never takes the write lock, so appends go on meanwhile (the
 sqlite3 module lets go of the GIL around each SQLite call); the next commit after a
 checkpoint that copied every frame starts the WAL over. SQLite's own automatic checkpoint
