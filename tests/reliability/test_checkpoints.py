@@ -74,7 +74,7 @@ def test_the_thread_checkpoints_and_the_wal_starts_over(tmp_path):
     assert stats.num_failures == 0 and stats.last_error == ""
     _assert_records(log, 1200)
     log.close()
-    assert not any(t.name == "pagekeeper-checkpoint" for t in _threads())
+    assert not any(t.name == "pagekeeper-checkpoint" for t in threading.enumerate())
     reopened = CommandLog(tmp_path, DurabilityLevel.PROCESS)
     _assert_records(reopened, 1200)
     reopened.close()
@@ -128,11 +128,11 @@ def test_stopping_hands_checkpoints_back_to_sqlite(tmp_path):
     log = CommandLog(tmp_path, DurabilityLevel.PROCESS)
     log.start_background_checkpoints()
     log.start_background_checkpoints()  # once only
-    assert sum(t.name == "pagekeeper-checkpoint" for t in _threads()) == 1
+    assert sum(t.name == "pagekeeper-checkpoint" for t in threading.enumerate()) == 1
     log.stop_background_checkpoints()
     assert log.checkpoint_stats is None
     assert log._db.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == 1000
-    assert not any(t.name == "pagekeeper-checkpoint" for t in _threads())
+    assert not any(t.name == "pagekeeper-checkpoint" for t in threading.enumerate())
     log.append(1, _body(1))
     _assert_records(log, 1)
     log.close()
@@ -142,16 +142,12 @@ def test_the_service_durability_runs_the_checkpointer_and_stops_it(tmp_path):
     durability = Durability.open(tmp_path, "process")
     try:
         assert durability.checkpoint_stats is not None
-        assert any(t.name == "pagekeeper-checkpoint" for t in _threads())
+        assert any(t.name == "pagekeeper-checkpoint" for t in threading.enumerate())
     finally:
         durability.close()
     assert durability.checkpoint_stats is None
-    assert not any(t.name == "pagekeeper-checkpoint" for t in _threads())
+    assert not any(t.name == "pagekeeper-checkpoint" for t in threading.enumerate())
     # A graceful close leaves the WAL empty (its final checkpoint is not held back by
     # the thread's).
     assert _wal_bytes(tmp_path) == 0
     assert os.path.exists(tmp_path / DB_NAME)
-
-
-def _threads() -> list[threading.Thread]:
-    return threading.enumerate()

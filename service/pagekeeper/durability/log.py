@@ -511,9 +511,7 @@ class CommandLog:
         return row is not None and int(row[0]) == 0
 
     def close(self) -> None:
-        checkpointer, self._checkpointer = self._checkpointer, None
-        if checkpointer is not None:
-            checkpointer.stop()
+        self.stop_background_checkpoints()
         with contextlib.suppress(sqlite3.Error):
             self._db.close()
 
