@@ -5,7 +5,8 @@ What must hold: every record stays readable, in order, whatever the checkpointer
 WAL starts over once a checkpoint has copied it (it does not grow while the thread keeps
 up); a reader holding the WAL back makes checkpoints incomplete, never blocks an append,
 and the first checkpoint after it leaves copies everything; the appending connection keeps
-SQLite's own checkpoint only as a backstop; the service starts the thread and stops it.
+SQLite's own checkpoint only as a backstop; the service starts the thread and stops it;
+the snapshot files a registration replaced go only after a checkpoint that synced it.
 """
 
 from __future__ import annotations
@@ -151,3 +152,57 @@ def test_the_service_durability_runs_the_checkpointer_and_stops_it(tmp_path):
     # the thread's).
     assert _wal_bytes(tmp_path) == 0
     assert os.path.exists(tmp_path / DB_NAME)
+
+
+def test_replaced_snapshot_files_go_once_the_thread_syncs_their_replacement(tmp_path):
+    """A registration queues the files it replaced; the thread removes them after a
+    checkpoint that began after the registration committed and copied every frame. One
+    held back by a reader removes nothing."""
+    log = CommandLog(tmp_path, DurabilityLevel.PROCESS)
+    log.start_background_checkpoints(interval_s=0.05)
+    stats = log.checkpoint_stats
+    assert stats is not None
+    log.append(1, _body(1))
+    first = log.store_snapshot_file(1, b"first")
+    assert log.commit_snapshot_file(first) == ()
+    log.append(2, _body(2))
+    reader = sqlite3.connect(tmp_path / DB_NAME, isolation_level=None)
+    reader.execute("BEGIN")
+    reader.execute("SELECT COUNT(*) FROM log").fetchone()
+    incomplete = stats.num_incomplete
+    second = log.store_snapshot_file(2, b"second")
+    assert log.commit_snapshot_file(second) == (first.name,)
+    _wait_for(lambda: stats.num_incomplete > incomplete)  # it tried, at once
+    assert (log.snapshot_dir / first.name).exists()
+    assert log.retired_snapshot_files == (first.name,)
+    reader.execute("COMMIT")
+    reader.close()
+    log.append(3, _body(3))  # records came in: the next interval checkpoints
+    _wait_for(lambda: not (log.snapshot_dir / first.name).exists())
+    assert log.retired_snapshot_files == ()
+    assert (log.snapshot_dir / second.name).exists()
+    assert [seq for seq, _, _ in log.read_after(0)] == [3]  # the snapshot covers 1-2
+    log.close()
+
+
+def test_files_the_stopped_thread_left_go_with_the_next_checkpoint(tmp_path):
+    log = CommandLog(tmp_path, DurabilityLevel.PROCESS)
+    log.start_background_checkpoints(interval_s=60.0)
+    reader = sqlite3.connect(tmp_path / DB_NAME, isolation_level=None)
+    log.append(1, _body(1))
+    first = log.store_snapshot_file(1, b"first")
+    log.commit_snapshot_file(first)
+    reader.execute("BEGIN")
+    reader.execute("SELECT COUNT(*) FROM log").fetchone()
+    second = log.store_snapshot_file(1, b"second")
+    log.commit_snapshot_file(second)
+    log.stop_background_checkpoints()
+    assert log.retired_snapshot_files == (first.name,)
+    assert not log.checkpoint()  # the reader is still there
+    assert (log.snapshot_dir / first.name).exists()
+    reader.execute("COMMIT")
+    reader.close()
+    assert log.checkpoint()
+    assert not (log.snapshot_dir / first.name).exists()
+    assert log.retired_snapshot_files == ()
+    log.close()

@@ -282,8 +282,12 @@ def test_snapshot_files_left_unregistered_are_removed_at_start(tmp_path):
     names (and maybe a partial one): the next start removes both, and recovery uses the
     registered snapshot and the records, which were all kept."""
     last = _write_log(tmp_path, 47, 130, snapshot_every=50)
-    registered = sorted(p.name for p in (tmp_path / SNAPSHOT_DIR).iterdir())
+    db = sqlite3.connect(tmp_path / DB_NAME)
+    registered = [str(row[0]) for row in db.execute("SELECT name FROM snapshot_files")]
+    db.close()
     assert len(registered) == 1
+    # The crash may also have come before a checkpoint let the replaced file go.
+    assert set(registered) <= {p.name for p in (tmp_path / SNAPSHOT_DIR).iterdir()}
     log = CommandLog(tmp_path, DurabilityLevel.PROCESS)
     orphan = log.store_snapshot_file(last, b"not registered")
     log.close()
@@ -298,28 +302,50 @@ def test_snapshot_files_left_unregistered_are_removed_at_start(tmp_path):
     durability.close()
 
 
+def _only_file_left(files, timeout: float = 20.0):
+    """The one snapshot file left once the background checkpointer has synced the latest
+    registration and removed the files it replaced (it runs after the snapshot returns)."""
+    deadline = time.monotonic() + timeout
+    while len(left := list(files.iterdir())) != 1:
+        assert time.monotonic() < deadline, f"still {sorted(p.name for p in left)}"
+        time.sleep(0.005)
+    return left[0]
+
+
 def test_an_older_snapshot_file_stays_until_a_checkpoint_syncs_its_replacement(tmp_path):
     """Registering a snapshot commits to the WAL, which a power loss may still take back
     until a checkpoint has synced it; the older file the registration replaced must stay
     until then, or a power loss leaves a database naming a deleted file. Here a reader
     (an operator's ``sqlite3`` shell) holds back every checkpoint: the older file stays,
     the power-loss image (the database file alone: no WAL frame was synced) recovers the
-    older snapshot's state exactly, and the first checkpoint that completes removes it."""
+    older snapshot's state exactly, and the first checkpoint that completes removes it.
+    The service's background checkpointer does the checkpoints; the snapshot never waits
+    for one."""
     live, workload = new_state(FULL_POOL), Workload(43, FULL_POOL)
     durability = Durability.open(tmp_path, "process", snapshot_every=10_000)
     durability.recover(live)
     durability.attach(live)
     files = tmp_path / SNAPSHOT_DIR
-    _drive(live, workload, 60)
+    _drive(live, workload, 50)
+    durability.snapshot(live)
+    _drive(live, workload, 10)
     first_seq, first_digest = durability.snapshot(live), state_digest(live)
-    (first,) = files.iterdir()
+    # The first file went once a checkpoint synced the second registration.
+    first = _only_file_left(files)
+    assert first.name.startswith(f"snapshot-{first_seq:020d}-")
     reader = sqlite3.connect(tmp_path / DB_NAME, isolation_level=None)
     reader.execute("BEGIN")
     reader.execute("SELECT COUNT(*) FROM log").fetchone()
     _drive(live, workload, 40)
     second_seq = durability.snapshot(live)
     assert second_seq > first_seq
-    assert durability.stats.num_snapshots == 2
+    assert durability.stats.num_snapshots == 3
+    stats = durability.checkpoint_stats
+    assert stats is not None
+    deadline = time.monotonic() + 20
+    while stats.num_incomplete == 0:  # the thread tried, and the reader held it back
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
     assert first.exists() and len(list(files.iterdir())) == 2
 
     image = tmp_path / "power-loss"
@@ -338,9 +364,41 @@ def test_an_older_snapshot_file_stays_until_a_checkpoint_syncs_its_replacement(t
     reader.close()
     _drive(live, workload, 20)
     third_seq = durability.snapshot(live)
-    (only,) = files.iterdir()
+    only = _only_file_left(files)
     assert only.name.startswith(f"snapshot-{third_seq:020d}-")
     durability.close()
+
+
+def test_without_the_checkpointer_the_snapshot_checkpoints_and_removes_the_older_file(
+    tmp_path,
+):
+    """With the background checkpointer stopped (the appending connection checkpoints
+    itself), a snapshot folds the WAL in at once and the file it replaced is gone when it
+    returns; a reader in the way keeps it until the next checkpoint that completes."""
+    live, workload = new_state(FULL_POOL), Workload(44, FULL_POOL)
+    durability = Durability.open(tmp_path, "process", snapshot_every=10_000)
+    durability.recover(live)
+    durability.attach(live)
+    durability._require_log().stop_background_checkpoints()
+    files = tmp_path / SNAPSHOT_DIR
+    _drive(live, workload, 30)
+    durability.snapshot(live)
+    _drive(live, workload, 30)
+    seq = durability.snapshot(live)
+    (only,) = files.iterdir()
+    assert only.name.startswith(f"snapshot-{seq:020d}-")
+    assert (tmp_path / f"{DB_NAME}-wal").stat().st_size == 0  # truncated
+    reader = sqlite3.connect(tmp_path / DB_NAME, isolation_level=None)
+    reader.execute("BEGIN")
+    reader.execute("SELECT COUNT(*) FROM log").fetchone()
+    _drive(live, workload, 30)
+    durability.snapshot(live)
+    assert len(list(files.iterdir())) == 2
+    reader.execute("COMMIT")
+    reader.close()
+    durability.close()  # its final checkpoint completes and removes the older file
+    (only,) = files.iterdir()
+    assert only.name.startswith(f"snapshot-{durability.last_seq:020d}-")
 
 
 def test_a_checkpoint_behind_a_reader_reports_busy_without_waiting(tmp_path):
@@ -541,7 +599,7 @@ def test_background_snapshots_keep_one_file_and_leave_none_when_dropped(tmp_path
     for _ in range(3):
         _drive(live, workload, 60)
         assert asyncio.run(durability.snapshot_in_background(live)) == durability.last_seq
-        (only,) = files.iterdir()
+        only = _only_file_left(files)
         assert only.name.startswith(f"snapshot-{durability.last_seq:020d}-")
     kept = sorted(p.name for p in files.iterdir())
     _drive(live, workload, 30)

@@ -160,8 +160,6 @@ class Durability:
         self._log: CommandLog | None = None
         self._seq = 0
         self._since_snapshot = 0
-        # Snapshot files unregistered by a registration no checkpoint has synced yet.
-        self._retired: list[str] = []
 
     # -- opening ---------------------------------------------------------------------------
     @classmethod
@@ -473,13 +471,14 @@ class Durability:
         registering = time.perf_counter()
         commands_log = self._require_log()
         try:
-            older = commands_log.commit_snapshot_file(stored)
+            commands_log.commit_snapshot_file(stored)
         except LogError as exc:
             commands_log.discard_snapshot_file(stored)
             _snapshot_failed(exc)
             return 0
-        self._retired.extend(older)
-        self._checkpoint(commands_log)
+        if not commands_log.checkpoints_in_background:
+            # No background checkpointer: fold the WAL in here (it also removes them).
+            commands_log.checkpoint()
         seq, size = stored.seq, stored.size
         self._since_snapshot = max(self._since_snapshot - covered, 0)
         stats = self.stats
@@ -497,15 +496,6 @@ class Durability:
         )
         return seq
 
-    def _checkpoint(self, commands_log: CommandLog) -> None:
-        """Checkpoint; once one completes, the registrations before it are synced and the
-        files they unregistered can go (before that, a power loss may revert one, and the
-        database would name its older file again; one left at a crash is an orphan the
-        next start-up removes)."""
-        if commands_log.checkpoint() and self._retired:
-            commands_log.remove_snapshot_files(tuple(self._retired))
-            self._retired.clear()
-
     def maybe_snapshot(self, state: ServiceState) -> int:
         return self.snapshot(state) if self.snapshot_due else 0
 
@@ -518,7 +508,7 @@ class Durability:
             self._log.stop_background_checkpoints()
             if state is not None and self._since_snapshot and not self.failure:
                 self.snapshot(state)
-            self._checkpoint(self._log)
+            self._log.checkpoint()  # also removes the retired snapshot files
             self._log.close()
             self._log = None
         if self._lock_fd is not None:
