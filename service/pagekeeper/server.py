@@ -166,6 +166,9 @@ async def serve(
     ]
     if runtime.durability is not None:
         housekeeping.append(asyncio.create_task(_take_snapshots(runtime, 0.5), name="snapshots"))
+    housekeeping.append(
+        asyncio.create_task(runtime.metrics.probe_loop_lag(), name="loop-lag-probe")
+    )
     try:
         while not http_server.started:
             if http_task.done():
@@ -183,6 +186,7 @@ async def serve(
         gc.collect()
         gc.freeze()
         gc.set_threshold(5_000, 20, 100)
+        runtime.metrics.watch_gc()  # the collections while serving (not the one above)
         runtime.is_ready = True
         if settings.local_socket:
             local_server = LocalServer(grpc_server.servicer)
@@ -215,6 +219,7 @@ async def serve(
         log.info("shutting down: draining for up to %.1fs", settings.shutdown_grace_s)
     finally:
         runtime.begin_shutdown()
+        runtime.metrics.unwatch_gc()
         for task in housekeeping:
             task.cancel()
         if local_server is not None:

@@ -225,6 +225,9 @@ _OUR_FRAMES = (
     "pool_evict",
     "pool_cache",
     "pool_release",
+    "pool_atomic_tuple",
+    "pool_untrack",
+    "visit_for_tracked",
 )
 
 

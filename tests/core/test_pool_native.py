@@ -248,6 +248,39 @@ def test_event_tuples_are_not_tracked_by_the_collector() -> None:
     assert sorted(removed.page_hashes) == [b"a", b"b", b"c", b"d"]
     for event in (stored, removed):
         assert not gc.is_tracked(event.page_hashes) and not gc.is_tracked(event.page_ids)
+        # The events themselves too: the buffer keeps thousands for seconds, and the
+        # older generations' collections scanned every one.
+        assert not gc.is_tracked(event)
+    assert not gc.is_tracked(stored.token_ids)
+    assert stored.token_ids == tuple(range(16))
+    (packed,) = (o for o in gc.get_referents(stored.token_ids) if not isinstance(o, type))
+    assert not gc.is_tracked(packed)  # its array
+
+
+class _Slots:
+    __slots__ = ("a", "b")
+
+    def __init__(self, a: object, b: object) -> None:
+        self.a, self.b = a, b
+
+
+@needs_native
+def test_untrack_only_what_can_be_in_no_cycle() -> None:
+    leaf = _Slots(b"h", 7)
+    assert gc.is_tracked(leaf)
+    assert ops().untrack(leaf) is True and not gc.is_tracked(leaf)
+    assert ops().untrack(leaf) is False  # already untracked
+    holder = _Slots(leaf, ("x", 1))  # an untracked object and an atomic tuple
+    assert ops().untrack(holder) is True and not gc.is_tracked(holder)
+    inner: list[object] = []
+    refers = _Slots(b"h", inner)  # a list may come to hold it: must stay collectable
+    assert ops().untrack(refers) is False and gc.is_tracked(refers)
+    inner.append(refers)
+    assert ops().untrack(5) is False and ops().untrack(b"bytes") is False
+    with_dict = type("WithDict", (), {})()
+    with_dict.x = 1
+    # An instance's __dict__ is tracked (it can change): left alone.
+    assert ops().untrack(with_dict) is False and gc.is_tracked(with_dict)
 
 
 @needs_native

@@ -5,8 +5,9 @@ Schedulers run in threads, each on its own channel, stepping as fast as the serv
 (admissions with shared prefixes, decodes, frees, preemption); the first one publishes its
 batches (published step ids increase pool-wide), the others allocate only. Workers read every
 step they can from the shared-memory ring and heartbeat. Measured: the Step round trip of
-every scheduler (p50 / p99 / max), steps and table reads per second, and the service's RSS
-and open file descriptors after a warm-up and at the end. At the end every scheduler frees
+every scheduler (p50 / p99 / max), steps and table reads per second, the service's RSS
+and open file descriptors after a warm-up and at the end, and its own pause histograms
+(event-loop lag, collections) at the end. At the end every scheduler frees
 its requests and every worker unregisters: all pages must be back in the free queue, the
 ring file gone.
 """
@@ -45,6 +46,8 @@ class LoadResult:
     fds_end: int = 0
     errors: list[str] = field(default_factory=list)
     pages_after: dict[str, int] = field(default_factory=dict)
+    server_pauses: dict[str, float] = field(default_factory=dict)
+    """The service's own pause histograms at the end of the run (see ``pause_figures``)."""
 
     @property
     def steps_per_second(self) -> float:
@@ -56,6 +59,33 @@ def _rss_mb(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return 0.0
+
+
+def pause_figures(metrics_text: str) -> dict[str, float]:
+    """From a /metrics page: how many event-loop lag samples and collections (by
+    generation) there were, how many took over 10 and over 50 ms, and the bucket bound
+    that holds the longest (inf: over a second)."""
+    buckets: dict[str, dict[float, float]] = {"loop_lag": {}, "gc0": {}, "gc1": {}, "gc2": {}}
+    for line in metrics_text.splitlines():
+        if line.startswith("pagekeeper_event_loop_lag_seconds_bucket"):
+            kind = "loop_lag"
+        elif line.startswith("pagekeeper_gc_pause_seconds_bucket"):
+            kind = "gc" + line.split('generation="')[1][0]
+        else:
+            continue
+        bound = float(line.split('le="')[1].split('"')[0])
+        table = buckets[kind]
+        table[bound] = table.get(bound, 0.0) + float(line.split()[-1])
+    figures: dict[str, float] = {}
+    for kind, table in buckets.items():
+        total = table.get(float("inf"), 0.0)
+        figures[f"{kind}_count"] = total
+        figures[f"{kind}_over_10ms"] = total - table.get(0.01, 0.0)
+        figures[f"{kind}_over_50ms"] = total - table.get(0.05, 0.0)
+        figures[f"{kind}_max_under_s"] = min(
+            (bound for bound, n in table.items() if n >= total), default=0.0
+        )
+    return figures
 
 
 def _fds(pid: int) -> int:
@@ -169,6 +199,7 @@ def run_load(
         time.sleep(max(0.0, duration - warmup))
         result.rss_end_mb, result.fds_end = _rss_mb(server.pid), _fds(server.pid)
         stop.set()
+        result.server_pauses = pause_figures(server.http().get("/metrics").text)
         for thread in threads:
             thread.join(30)
         result.seconds = time.monotonic() - started
@@ -225,4 +256,4 @@ class _NoLock:
         return None
 
 
-__all__ = ["LoadResult", "run_load"]
+__all__ = ["LoadResult", "pause_figures", "run_load"]

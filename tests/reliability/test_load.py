@@ -22,6 +22,9 @@ def test_load_leaks_nothing(tmp_path):
     assert pages["num_free_pages"] == pages["num_pages"] - 1
     assert result.rss_end_mb - result.rss_start_mb < 40, result
     assert result.fds_end <= result.fds_start + 4, result
+    pauses = result.server_pauses  # the service watched its loop and its collections
+    assert pauses["loop_lag_count"] >= 50, pauses  # ~20 a second
+    assert pauses["gc0_count"] >= 1, pauses
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     (ARTIFACTS / "load.json").write_text(
         json.dumps(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -226,6 +228,26 @@ def test_metrics(pagekeeper_server, running):
     assert gauges["pagekeeper_event_buffer_events"] >= 1
     assert gauges["pagekeeper_event_buffer_bytes"] > 0
     assert gauges["pagekeeper_event_buffer_first_seq"] >= 1
+
+
+def test_pause_metrics(pagekeeper_server):
+    """The server probes its event loop and times its collections from the start."""
+    http = pagekeeper_server.http()
+    deadline = time.monotonic() + 10
+    while True:
+        for _ in range(50):  # allocations enough for young collections
+            http.get("/v1/pool")
+        samples = {
+            line.split()[0]: float(line.split()[1])
+            for line in http.get("/metrics").text.splitlines()
+            if line.startswith(("pagekeeper_event_loop_lag_seconds_", "pagekeeper_gc_pause_"))
+        }
+        lag = samples.get("pagekeeper_event_loop_lag_seconds_count", 0.0)
+        young = samples.get('pagekeeper_gc_pause_seconds_count{generation="0"}', 0.0)
+        if lag >= 2 and young >= 1:
+            break
+        assert time.monotonic() < deadline, samples
+    assert 'pagekeeper_event_loop_lag_seconds_bucket{le="0.01"}' in samples
 
 
 def test_openapi_documents_every_model(pagekeeper_server):

@@ -27,6 +27,14 @@
  *       (a page listed twice reads `now` the second time), the pages set so far go back
  *       to `same` and False is returned.
  *
+ *   untrack(obj) -> bool
+ *       Stop the cyclic garbage collector tracking `obj` when no object it references
+ *       (its tp_traverse's visits, its own type aside) is tracked and it has no instance
+ *       __dict__: then `obj` can be in no reference cycle as long as its references do
+ *       not change (CPython's own rule for tuples). For objects that never change once built: the KV events and their
+ *       token runs, which otherwise survive, thousands at a time, into the older
+ *       generations, whose collections scanned them (10-25 ms pauses). Whether it did.
+ *
  *   atomic_tuple(items) -> tuple
  *       tuple(items), not tracked by the cyclic garbage collector when every item is an
  *       exact bytes, int or None (such a tuple can be in no reference cycle). CPython
@@ -441,7 +449,53 @@ pool_atomic_tuple(PyObject *module, PyObject *items)
     return result;
 }
 
+/* untrack: the visit of every object `obj` references; stops at the first one the
+ * collector tracks (the instance's own type, which a heap type's instance visits, aside). */
+typedef struct {
+    PyObject *own_type;
+    int refers_to_tracked;
+} untrack_scan;
+
+static int
+visit_for_tracked(PyObject *referent, void *arg)
+{
+    untrack_scan *scan = (untrack_scan *)arg;
+    if (referent == scan->own_type) {
+        return 0;
+    }
+    if (PyObject_IS_GC(referent) && PyObject_GC_IsTracked(referent)) {
+        scan->refers_to_tracked = 1;
+        return 1;
+    }
+    return 0;
+}
+
+static PyObject *
+pool_untrack(PyObject *module, PyObject *obj)
+{
+    if (!PyObject_IS_GC(obj) || !PyObject_GC_IsTracked(obj)) {
+        Py_RETURN_FALSE;
+    }
+    PyTypeObject *type = Py_TYPE(obj);
+    traverseproc traverse = type->tp_traverse;
+    if (traverse == NULL || type->tp_dictoffset != 0
+        || PyType_HasFeature(type, Py_TPFLAGS_MANAGED_DICT)) {
+        /* An instance __dict__ can take any attribute later: never untracked. */
+        Py_RETURN_FALSE;
+    }
+    untrack_scan scan = {(PyObject *)Py_TYPE(obj), 0};
+    traverse(obj, visit_for_tracked, &scan);
+    if (scan.refers_to_tracked) {
+        Py_RETURN_FALSE;
+    }
+    PyObject_GC_UnTrack(obj);
+    Py_RETURN_TRUE;
+}
+
 static PyMethodDef poolops_methods[] = {
+    {"untrack", (PyCFunction)pool_untrack, METH_O,
+     "untrack(obj) -> bool: stop the GC tracking obj when nothing it references is "
+     "tracked (its type aside); whether it did."},
     {"atomic_tuple", (PyCFunction)pool_atomic_tuple, METH_O,
      "atomic_tuple(items) -> tuple, untracked by the GC when it holds only bytes, ints "
      "and None."},
