@@ -1500,19 +1500,22 @@ class ServiceState:
         event buffer and the counters. :meth:`restore_state` gives it back exactly."""
         return self.capture_snapshot()()
 
-    def capture_snapshot(self) -> Callable[[], dict[str, Any]]:
+    def capture_snapshot(
+        self, pause: Callable[[], None] | None = None
+    ) -> Callable[[], dict[str, Any]]:
         """:meth:`snapshot_state` in two parts: this call copies what later mutations would
         change (between mutations, on the loop); the function it returns builds the tree
         from that copy, and may run anywhere, while the state goes on (a worker thread).
         The event buffer's events are immutable: the copy is of the buffer, and turning
-        them into columns, most of the work, is left to the function."""
+        them into columns, most of the work, is left to the function, which calls
+        ``pause()`` between chunks of it (see :func:`~pagekeeper.core.snapshot.events_to_tree`)."""
         from pagekeeper.core.snapshot import events_to_tree
 
         tree = self._snapshot_without_events()
         events = list(self._events)
 
         def build() -> dict[str, Any]:
-            tree["events"] = events_to_tree(events)
+            tree["events"] = events_to_tree(events, pause)
             return tree
 
         return build

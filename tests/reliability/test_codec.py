@@ -309,6 +309,50 @@ def test_events_round_trip():
         events_from_tree({**events_to_tree(events), "kinds": "srcx"})
 
 
+def test_chunked_events_and_encoding_with_pauses_give_the_same_bytes():
+    """A snapshot built and encoded in a worker thread pauses between chunks so the event
+    loop can run; the chunks change nothing in the tree or the bytes."""
+    rng = np.random.default_rng(5)
+    events: list = []
+    for seq in range(1, 10_001):  # more than two chunks of events
+        kind = seq % 7
+        if kind == 0:
+            events.append(AllCleared(seq))
+        elif kind in (1, 2):
+            events.append(PageRemoved(seq, kind - 1, (bytes([seq % 251]) * 32,), (seq % 500,)))
+        else:
+            n = int(rng.integers(1, 4))
+            hashes = tuple(bytes(rng.integers(0, 256, 32, dtype=np.uint8)) for _ in range(n))
+            tokens = TokenRun(rng.integers(0, 2**31 - 1, 16 * n).tolist())
+            lora = "lora" if seq == 9_999 else None
+            pages = tuple(range(seq % 400, seq % 400 + n))
+            parent = None if n == 1 else b"p"
+            events.append(PageStored(seq, 0, hashes, parent, tokens, 16, pages, lora))
+    pauses: list[int] = []
+    whole = events_to_tree(events)
+    chunked = events_to_tree(events, lambda: pauses.append(1))
+    assert len(pauses) == 3  # 10,000 events, 4,096 a chunk
+    assert encode(chunked) == encode(whole)
+    assert events_from_tree(decode(encode(chunked))) == events
+
+    encode_pauses: list[int] = []
+    tree = {
+        "hashes": [bytes([i % 256]) * (i % 5) for i in range(20_000)],
+        "ids": ["x"] * 9000,
+        "few": [b"a", b"b"],
+        "none": [],
+        "mixed": [1, "a", b"b"] * 5000,
+        "events": whole,
+    }
+    paused = encode(tree, lambda: encode_pauses.append(1))
+    assert paused == encode(tree)
+    assert len(encode_pauses) >= 6  # the long lists' type and length passes, in chunks
+    back = decode(paused)
+    assert {k: v for k, v in back.items() if k != "events"} == {
+        k: v for k, v in tree.items() if k != "events"
+    }
+
+
 def test_limits_from_before_the_event_byte_budget_read_with_its_default():
     tree = limits_to_tree(Limits(event_buffer_bytes=4096))
     assert limits_from_tree(tree).event_buffer_bytes == 4096

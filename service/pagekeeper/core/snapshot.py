@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import heapq
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import chain
 from typing import Any
 
@@ -73,12 +73,20 @@ def _token_column(runs: Iterable[Sequence[int]]) -> npt.NDArray[Any]:
     """Token runs concatenated into one column: their packed bytes joined (a request's
     ``array('Q')``, an event's ``TokenRun``), not one int object per token; int32 when every
     id fits, as ``_narrow`` would, else unsigned 64-bit (any id the core accepts)."""
-    packed = b"".join(
+    return _token_array(_packed_runs(runs))
+
+
+def _packed_runs(runs: Iterable[Sequence[int]]) -> bytes:
+    """Token runs as one ``array('Q')``'s bytes."""
+    return b"".join(
         run.tobytes()
         if type(run) is TokenRun or (type(run) is array and run.typecode == "Q")
         else _packed(run)
         for run in runs
     )
+
+
+def _token_array(packed: bytes) -> npt.NDArray[Any]:
     column = np.frombuffer(packed, dtype=np.uint64)
     if column.size == 0 or int(column.max()) <= _INT32_MAX:
         return column.astype(np.int32)
@@ -127,30 +135,71 @@ def extra_keys_from_tree(tree: list[Any] | None) -> ExtraKeys:
     )
 
 
-def events_to_tree(events: list[KVEvent]) -> Tree:
+EVENTS_PER_CHUNK = 4096
+"""Events turned into columns at a time by :func:`events_to_tree` (~2-3 ms of work here)."""
+
+
+def events_to_tree(events: Sequence[KVEvent], pause: Callable[[], None] | None = None) -> Tree:
     """KV events column-wise (a full 65,536-event buffer is a dozen arrays and byte lists,
-    built with C-level flattening, not one tagged value per field)."""
-    kinds = "".join(
-        "s" if kind is PageStored else "r" if kind is PageRemoved else "c"
-        for kind in map(type, events)
-    )
-    paged: list[Any] = [e for e in events if type(e) is not AllCleared]
-    stored: list[PageStored] = [e for e in events if type(e) is PageStored]
-    loras = [e.lora_name for e in stored]
+    built with C-level flattening, not one tagged value per field).
+
+    Built ``EVENTS_PER_CHUNK`` events at a time, calling ``pause()`` after each chunk: a
+    caller building it in a worker thread passes one that lets other threads run (a full
+    buffer is ~40 ms of work, and C-level flattening keeps the interpreter's own switch
+    from happening for milliseconds at a time). The result does not depend on the chunks."""
+    kinds: list[str] = []
+    seqs: list[npt.NDArray[np.int64]] = []
+    groups: list[npt.NDArray[np.int32]] = []
+    num_hashes: list[npt.NDArray[np.int32]] = []
+    hashes: list[bytes] = []
+    num_pages: list[npt.NDArray[np.int32]] = []
+    pages: list[npt.NDArray[np.int64]] = []
+    parents: list[bytes] = []
+    num_tokens: list[npt.NDArray[np.int32]] = []
+    tokens: list[bytes] = []
+    page_sizes: list[npt.NDArray[np.int32]] = []
+    loras: list[str | None] = []
+    for start in range(0, len(events), EVENTS_PER_CHUNK):
+        chunk = events[start : start + EVENTS_PER_CHUNK]
+        kinds.append(
+            "".join(
+                "s" if kind is PageStored else "r" if kind is PageRemoved else "c"
+                for kind in map(type, chunk)
+            )
+        )
+        paged: list[Any] = [e for e in chunk if type(e) is not AllCleared]
+        stored: list[PageStored] = [e for e in chunk if type(e) is PageStored]
+        seqs.append(np.fromiter((e.seq for e in chunk), np.int64, len(chunk)))
+        groups.append(np.fromiter((e.group_id for e in paged), np.int32, len(paged)))
+        num_hashes.append(np.fromiter((len(e.page_hashes) for e in paged), np.int32, len(paged)))
+        hashes.extend(chain.from_iterable(e.page_hashes for e in paged))
+        num_pages.append(np.fromiter((len(e.page_ids) for e in paged), np.int32, len(paged)))
+        pages.append(np.fromiter(chain.from_iterable(e.page_ids for e in paged), np.int64))
+        parents.extend(e.parent_page_hash or b"" for e in stored)
+        num_tokens.append(np.fromiter((len(e.token_ids) for e in stored), np.int32, len(stored)))
+        tokens.append(_packed_runs(e.token_ids for e in stored))
+        page_sizes.append(np.fromiter((e.page_size for e in stored), np.int32, len(stored)))
+        loras.extend(e.lora_name for e in stored)
+        if pause is not None:
+            pause()
     return {
-        "kinds": kinds,
-        "seqs": np.fromiter((e.seq for e in events), np.int64, len(events)),
-        "groups": np.fromiter((e.group_id for e in paged), np.int32, len(paged)),
-        "num_hashes": np.fromiter((len(e.page_hashes) for e in paged), np.int32, len(paged)),
-        "hashes": list(chain.from_iterable(e.page_hashes for e in paged)),
-        "num_pages": np.fromiter((len(e.page_ids) for e in paged), np.int32, len(paged)),
-        "pages": _narrow(np.fromiter(chain.from_iterable(e.page_ids for e in paged), np.int64)),
-        "parents": [e.parent_page_hash or b"" for e in stored],
-        "num_tokens": np.fromiter((len(e.token_ids) for e in stored), np.int32, len(stored)),
-        "tokens": _token_column(e.token_ids for e in stored),
-        "page_sizes": np.fromiter((e.page_size for e in stored), np.int32, len(stored)),
+        "kinds": "".join(kinds),
+        "seqs": _joined(seqs, np.int64),
+        "groups": _joined(groups, np.int32),
+        "num_hashes": _joined(num_hashes, np.int32),
+        "hashes": hashes,
+        "num_pages": _joined(num_pages, np.int32),
+        "pages": _narrow(_joined(pages, np.int64)),
+        "parents": parents,
+        "num_tokens": _joined(num_tokens, np.int32),
+        "tokens": _token_array(b"".join(tokens)),
+        "page_sizes": _joined(page_sizes, np.int32),
         "loras": None if loras.count(None) == len(loras) else loras,
     }
+
+
+def _joined(parts: list[npt.NDArray[Any]], dtype: type[np.generic]) -> npt.NDArray[Any]:
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
 
 
 def events_from_tree(tree: Tree) -> list[KVEvent]:

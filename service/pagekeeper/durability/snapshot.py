@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Callable
 from typing import Any
 
 from pagekeeper.durability.values import ValueDecodeError, decode, encode
@@ -33,8 +34,10 @@ class SnapshotError(RuntimeError):
     """A snapshot that cannot be read (start-up must fail on it)."""
 
 
-def encode_snapshot(tree: dict[str, Any]) -> bytes:
-    return _HEADER.pack(MAGIC, FORMAT) + encode(tree)
+def encode_snapshot(tree: dict[str, Any], pause: Callable[[], None] | None = None) -> bytes:
+    """The body of a snapshot of ``tree`` (``pause``: see
+    :func:`pagekeeper.durability.values.encode`)."""
+    return _HEADER.pack(MAGIC, FORMAT) + encode(tree, pause)
 
 
 def decode_snapshot(body: bytes) -> dict[str, Any]:

@@ -30,6 +30,7 @@ trailing bytes) without building anything partial.
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -71,14 +72,33 @@ _BYTES_ONLY = {bytes}
 _STR_ONLY = {str}
 
 
-def encode(value: Any) -> bytes:
-    """Encode a tree of None/bool/int/float/str/bytes/list/tuple/dict/ndarray."""
+_CHUNK = 8192
+"""Items of a long list looked at per C-level pass when ``encode`` is given a ``pause``."""
+
+
+def encode(value: Any, pause: Callable[[], None] | None = None) -> bytes:
+    """Encode a tree of None/bool/int/float/str/bytes/list/tuple/dict/ndarray.
+
+    ``pause``: called between chunks of the long C-level passes over a list's items (a
+    snapshot's 70,000 page hashes take milliseconds each, during which no other thread
+    runs): an encoder in a worker thread passes one that lets the event loop run. The bytes
+    do not depend on it."""
     out: list[bytes] = []
-    _encode(value, out)
+    _encode(value, out, pause)
     return b"".join(out)
 
 
-def _encode(value: Any, out: list[bytes]) -> None:
+def _chunks(items: Any, pause: Callable[[], None] | None) -> Iterator[Any]:
+    """``items`` whole without ``pause``, else in slices of ``_CHUNK``, pausing after each."""
+    if pause is None or len(items) <= _CHUNK:
+        yield items
+        return
+    for start in range(0, len(items), _CHUNK):
+        yield items[start : start + _CHUNK]
+        pause()
+
+
+def _encode(value: Any, out: list[bytes], pause: Callable[[], None] | None = None) -> None:
     kind = type(value)
     if value is None:
         out.append(b"N")
@@ -100,15 +120,17 @@ def _encode(value: Any, out: list[bytes]) -> None:
         out.append(data)
     elif kind is list or kind is tuple:
         # One C-level pass over the item types (a step's page-hash lists are hundreds long).
-        types = set(map(type, value))
+        types: set[type] = set()
+        for part in _chunks(value, pause):
+            types.update(map(type, part))
         if types == _BYTES_ONLY:
-            _encode_blobs(b"B", value, out)
+            _encode_blobs(b"B", value, out, pause)
         elif types == _STR_ONLY:
-            _encode_blobs(b"S", [v.encode("utf-8", "surrogatepass") for v in value], out)
+            _encode_blobs(b"S", [v.encode("utf-8", "surrogatepass") for v in value], out, pause)
         else:
             out.append(b"l" + _U32.pack(len(value)))
             for item in value:
-                _encode(item, out)
+                _encode(item, out, pause)
     elif kind is dict:
         out.append(b"d" + _U32.pack(len(value)))
         for key, item in value.items():
@@ -116,7 +138,7 @@ def _encode(value: Any, out: list[bytes]) -> None:
                 raise TypeError(f"dict keys must be str, got {type(key).__name__}")
             data = key.encode("utf-8", "surrogatepass")
             out.append(_U32.pack(len(data)) + data)
-            _encode(item, out)
+            _encode(item, out, pause)
     elif isinstance(value, np.ndarray):
         array = np.ascontiguousarray(value)
         dtype = array.dtype.newbyteorder("<") if array.dtype.byteorder == ">" else array.dtype
@@ -134,11 +156,16 @@ def _encode(value: Any, out: list[bytes]) -> None:
         raise TypeError(f"cannot encode {kind.__name__}")
 
 
-def _encode_blobs(tag: bytes, items: Any, out: list[bytes]) -> None:
-    lengths = np.fromiter(map(len, items), dtype=_LE_U32, count=len(items))
+def _encode_blobs(
+    tag: bytes, items: Any, out: list[bytes], pause: Callable[[], None] | None = None
+) -> None:
     out.append(tag + _U32.pack(len(items)))
-    out.append(lengths.tobytes())
-    out.append(b"".join(items))
+    lengths, blobs = [], []
+    for part in _chunks(items, pause):
+        lengths.append(np.fromiter(map(len, part), dtype=_LE_U32, count=len(part)).tobytes())
+        blobs.append(b"".join(part))
+    out.extend(lengths)
+    out.extend(blobs)
 
 
 def decode(data: bytes | memoryview) -> Any:
