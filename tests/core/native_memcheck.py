@@ -21,6 +21,7 @@ import random
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +34,7 @@ _EDGES = [0, 23, 24, 255, 256, 65_535, 65_536, 2**32 - 1, 2**32, 2**64 - 1]
 
 
 def run(cases: int, seed: int) -> int:
-    return hash_cases(cases, seed) | pool_cases(cases, seed)
+    return hash_cases(cases, seed) | pool_cases(cases, seed) | index_cases(cases, seed)
 
 
 def hash_cases(cases: int, seed: int) -> int:
@@ -205,13 +206,75 @@ def pool_cases(cases: int, seed: int) -> int:
         lambda: ops.take((0, 0), [1]),
         lambda: ops.cache({}, [None] * 2, [0, 2], bytearray(3), [1], [b"a"], 1),
     ):
-        try:
-            call()
-        except (IndexError, TypeError, ValueError):
-            checked += 1
-        else:
-            raise AssertionError("a bad call to pagekeeper.core._poolops was accepted")
+        checked += _refused(call, "pagekeeper.core._poolops")
     print(f"memcheck: {checked} checks of pagekeeper.core._poolops passed")
+    return 0
+
+
+def _refused(call: Callable[[], object], what: str) -> int:
+    """1 when ``call`` raises one of the refusals a bad argument gets; fails otherwise."""
+    try:
+        call()
+    except (IndexError, KeyError, TypeError, ValueError):
+        return 1
+    raise AssertionError(f"a bad call to {what} was accepted")
+
+
+def index_cases(cases: int, seed: int) -> int:
+    """``_poolops.PageIndex`` against a dict through the same random operations: small
+    tables (long clusters that wrap around the end, growth past half full), deletions of
+    every kind, listings; equal after every one."""
+    ops = pool_module._ops
+    if ops is None:
+        print("memcheck: pagekeeper.core._poolops is not built here; nothing to check")
+        return 0
+    rng = random.Random(seed)
+    checked = 0
+    for _ in range(max(1, cases // 10)):
+        index, model = ops.PageIndex(rng.randrange(0, 12)), {}
+        keys = [rng.randbytes(rng.randrange(0, 40)) for _ in range(rng.randrange(1, 50))]
+        for _ in range(200):
+            key, kind = rng.choice(keys), rng.random()
+            if kind < 0.4:
+                value = rng.randrange(-5, 1 << 70)
+                index[key] = value
+                model[key] = value
+            elif kind < 0.6:
+                assert (key in index) == (key in model)
+                if key in model:
+                    del index[key]
+                    del model[key]
+            elif kind < 0.7:
+                assert index.pop(key, "none") == model.pop(key, "none")
+            elif kind < 0.8:
+                pairs = [(rng.choice(keys), rng.randrange(100)) for _ in range(rng.randrange(5))]
+                index.update(pairs)
+                model.update(pairs)
+            elif kind < 0.97:
+                assert index.get(key) == model.get(key) and index.get(7, "d") == "d"
+            else:
+                index.clear()
+                model.clear()
+            assert len(index) == len(model)
+            checked += 1
+        assert dict(index.items()) == model and sorted(index) == sorted(model)
+        assert sorted(index.values()) == sorted(model.values())
+        listed = index.by_page(1 << 7)
+        small = sorted((v, k) for k, v in model.items())
+        if len(set(model.values())) == len(model) and all(0 <= v < 1 << 7 for v in model.values()):
+            assert listed == ([k for _, k in small], [v for v, _ in small])
+        else:
+            assert listed is None
+    for call in (
+        lambda: ops.PageIndex(-1),
+        lambda: ops.PageIndex(4).__setitem__("s", 1),
+        lambda: ops.PageIndex(4).__setitem__(b"s", 1.0),
+        lambda: ops.PageIndex(4).update([(b"a", 1), (b"b",)]),
+        lambda: ops.PageIndex(4)[b"missing"],
+        lambda: ops.PageIndex(4).by_page(-1),
+    ):
+        checked += _refused(call, "PageIndex")
+    print(f"memcheck: {checked} checks of pagekeeper.core._poolops.PageIndex passed")
     return 0
 
 
@@ -228,6 +291,8 @@ _OUR_FRAMES = (
     "pool_atomic_tuple",
     "pool_untrack",
     "visit_for_tracked",
+    "PageIndex",
+    "index_",
 )
 
 

@@ -1,7 +1,7 @@
 /* pagekeeper.core._poolops: the per-page loops of PagePool's bulk paths in C.
  *
  * An optional accelerator of pagekeeper.core.pool. It works on the pool's own Python
- * objects (the state list, the cached-flag bytearray, the prefix-cache index dict and the
+ * objects (the state list, the cached-flag bytearray, the prefix-cache index and the
  * list of each page's hash), so nothing about the pool's layout, snapshots or introspection changes; each
  * function does what the Python loop it replaces does, and tests run the pool both ways.
  *
@@ -21,6 +21,11 @@
  *       nothing changed, when a page is the null page, cached, free or listed twice, a
  *       hash is not bytes, is already indexed or repeats in the run (the caller's general
  *       path handles, or refuses, those).
+ *
+ *   PageIndex(expected=0)
+ *       The prefix-cache index (hash -> page) the pool keeps per group when this module
+ *       is built: a dict's methods, no tombstones (see below). evict and cache take it
+ *       or a dict.
  *
  *   release(state, pages, same, now) -> bool
  *       A free whose pages all have state `same`: each becomes `now`. When one does not
@@ -116,6 +121,583 @@ set_state(PyObject *state, Py_ssize_t page, long v)
     return 0;
 }
 
+/* -- PageIndex: the prefix-cache index --------------------------------------------------
+ *
+ * A hash -> page map with the methods of a dict the pool uses. Open addressing with linear
+ * probing over a table sized for the pool (at most half full: a group indexes each page
+ * at most once), and deletion by backward shift: a removed entry's slot is refilled by the
+ * entries after it that probed past it, so no tombstone is ever left. A dict instead
+ * leaves a dummy per deletion and, when its free slots run out (every ~218,000 insertions
+ * for 131,072 entries), rebuilds itself inside the insertion that ran out: ~8 ms in one
+ * step. Here every insertion and deletion costs the same, forever; the table only grows
+ * (doubling) if it is filled past half, which the pool never does.
+ *
+ * Keys are exact bytes (hashed with Python's own salted bytes hash, which each bytes
+ * object caches), values exact ints; so the map holds no reference cycle and is not
+ * tracked by the garbage collector. Lookups with any other key find nothing.
+ * keys(), values() and items() are lists in table order, starting after an empty slot:
+ * inserting them in that order into a table of the same size rebuilds the same layout. */
+
+typedef struct {
+    PyObject *key;   /* exact bytes (owned); NULL: the slot is empty */
+    Py_hash_t hash;
+    PyObject *value; /* exact int (owned) */
+} IndexSlot;
+
+typedef struct {
+    PyObject_HEAD
+    IndexSlot *slots;
+    size_t mask;     /* slots - 1; a power of two minus one */
+    Py_ssize_t used;
+} PageIndexObject;
+
+static PyTypeObject PageIndex_Type;
+#define PageIndex_Check(op) Py_IS_TYPE((op), &PageIndex_Type)
+
+static size_t
+index_slots_for(Py_ssize_t entries)
+{
+    size_t n = 8;
+    while (n / 2 < (size_t)entries) {
+        n <<= 1;
+    }
+    return n;
+}
+
+static inline int
+index_keys_equal(PyObject *a, PyObject *b)
+{
+    if (a == b) {
+        return 1;
+    }
+    Py_ssize_t n = PyBytes_GET_SIZE(a);
+    return n == PyBytes_GET_SIZE(b)
+           && memcmp(PyBytes_AS_STRING(a), PyBytes_AS_STRING(b), (size_t)n) == 0;
+}
+
+/* The slot holding `key` (exact bytes), or the empty slot where it would go. */
+static inline size_t
+index_find(PageIndexObject *self, PyObject *key, Py_hash_t hash)
+{
+    size_t i = (size_t)hash & self->mask;
+    for (;;) {
+        IndexSlot *s = &self->slots[i];
+        if (s->key == NULL || (s->hash == hash && index_keys_equal(s->key, key))) {
+            return i;
+        }
+        i = (i + 1) & self->mask;
+    }
+}
+
+static int
+index_resize(PageIndexObject *self, size_t n)
+{
+    IndexSlot *slots = PyMem_Calloc(n, sizeof(IndexSlot));
+    if (slots == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    size_t mask = n - 1;
+    if (self->slots != NULL) {
+        for (size_t j = 0; j <= self->mask; j++) {
+            if (self->slots[j].key != NULL) {
+                size_t i = (size_t)self->slots[j].hash & mask;
+                while (slots[i].key != NULL) {
+                    i = (i + 1) & mask;
+                }
+                slots[i] = self->slots[j];
+            }
+        }
+        PyMem_Free(self->slots);
+    }
+    self->slots = slots;
+    self->mask = mask;
+    return 0;
+}
+
+/* Enter key -> value unless key is there: 1 entered, 0 there already (nothing changed),
+ * -1 with an exception set. `key` exact bytes, `value` exact int (the caller checks). */
+static int
+index_insert(PageIndexObject *self, PyObject *key, PyObject *value)
+{
+    Py_hash_t hash = PyObject_Hash(key);
+    if (hash == -1) {
+        return -1;
+    }
+    size_t i = index_find(self, key, hash);
+    if (self->slots[i].key != NULL) {
+        return 0;
+    }
+    if ((size_t)(self->used + 1) > (self->mask + 1) / 2) {
+        if (index_resize(self, (self->mask + 1) * 2) < 0) {
+            return -1;
+        }
+        i = index_find(self, key, hash);
+    }
+    self->slots[i].key = Py_NewRef(key);
+    self->slots[i].hash = hash;
+    self->slots[i].value = Py_NewRef(value);
+    self->used++;
+    return 1;
+}
+
+/* Empty slot i, moving back each later entry of its run whose probe passed it. The
+ * caller holds (and releases) the references the slot had. */
+static void
+index_remove_at(PageIndexObject *self, size_t i)
+{
+    size_t mask = self->mask;
+    size_t j = i;
+    for (;;) {
+        j = (j + 1) & mask;
+        IndexSlot *s = &self->slots[j];
+        if (s->key == NULL) {
+            break;
+        }
+        /* s probed from its home slot to j; the hole at i lies on that path when i is in
+         * [home, j) cyclically, and then s moves into it. */
+        size_t home = (size_t)s->hash & mask;
+        if (((j - home) & mask) >= ((j - i) & mask)) {
+            self->slots[i] = *s;
+            i = j;
+        }
+    }
+    self->slots[i].key = NULL;
+    self->slots[i].value = NULL;
+    self->used--;
+}
+
+/* The slot holding `key`, or -1 (no exception) when it is not there or not bytes; -2
+ * with an exception set. */
+static Py_ssize_t
+index_locate(PageIndexObject *self, PyObject *key)
+{
+    if (!PyBytes_CheckExact(key)) {
+        return -1;
+    }
+    Py_hash_t hash = PyObject_Hash(key);
+    if (hash == -1) {
+        return -2;
+    }
+    size_t i = index_find(self, key, hash);
+    return self->slots[i].key == NULL ? -1 : (Py_ssize_t)i;
+}
+
+/* Remove `key`: 0, or -1 with KeyError (or another exception) set. */
+static int
+index_delete(PageIndexObject *self, PyObject *key)
+{
+    Py_ssize_t i = index_locate(self, key);
+    if (i < 0) {
+        if (i == -1) {
+            PyErr_SetObject(PyExc_KeyError, key);
+        }
+        return -1;
+    }
+    PyObject *old_key = self->slots[i].key, *old_value = self->slots[i].value;
+    index_remove_at(self, (size_t)i);
+    Py_DECREF(old_key);
+    Py_DECREF(old_value);
+    return 0;
+}
+
+static int
+index_check_item(PyObject *key, PyObject *value)
+{
+    if (!PyBytes_CheckExact(key)) {
+        PyErr_Format(PyExc_TypeError, "PageIndex keys are bytes, not %.100s",
+                     Py_TYPE(key)->tp_name);
+        return -1;
+    }
+    if (value != NULL && !PyLong_CheckExact(value)) {
+        PyErr_Format(PyExc_TypeError, "PageIndex values are ints, not %.100s",
+                     Py_TYPE(value)->tp_name);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *
+PageIndex_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"expected", NULL};
+    Py_ssize_t expected = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|n:PageIndex", kwlist, &expected)) {
+        return NULL;
+    }
+    if (expected < 0 || expected > PY_SSIZE_T_MAX / 4 / (Py_ssize_t)sizeof(IndexSlot)) {
+        PyErr_SetString(PyExc_ValueError, "expected must be a non-negative size");
+        return NULL;
+    }
+    PageIndexObject *self = (PageIndexObject *)type->tp_alloc(type, 0);
+    if (self == NULL) {
+        return NULL;
+    }
+    self->slots = NULL;
+    self->used = 0;
+    if (index_resize(self, index_slots_for(expected)) < 0) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    return (PyObject *)self;
+}
+
+/* Release every entry's references (the table is left empty). */
+static void
+index_drop_all(PageIndexObject *self)
+{
+    if (self->slots == NULL) {
+        return;
+    }
+    for (size_t j = 0; j <= self->mask; j++) {
+        IndexSlot *s = &self->slots[j];
+        if (s->key != NULL) {
+            PyObject *key = s->key, *value = s->value;
+            s->key = NULL;
+            s->value = NULL;
+            Py_DECREF(key);
+            Py_DECREF(value);
+        }
+    }
+    self->used = 0;
+}
+
+static void
+PageIndex_dealloc(PageIndexObject *self)
+{
+    index_drop_all(self);
+    PyMem_Free(self->slots);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static Py_ssize_t
+PageIndex_length(PageIndexObject *self)
+{
+    return self->used;
+}
+
+static PyObject *
+PageIndex_subscript(PageIndexObject *self, PyObject *key)
+{
+    Py_ssize_t i = index_locate(self, key);
+    if (i < 0) {
+        if (i == -1) {
+            PyErr_SetObject(PyExc_KeyError, key);
+        }
+        return NULL;
+    }
+    return Py_NewRef(self->slots[i].value);
+}
+
+static int
+PageIndex_ass_subscript(PageIndexObject *self, PyObject *key, PyObject *value)
+{
+    if (value == NULL) {
+        return index_delete(self, key);
+    }
+    if (index_check_item(key, value) < 0) {
+        return -1;
+    }
+    Py_ssize_t i = index_locate(self, key);
+    if (i == -2) {
+        return -1;
+    }
+    if (i >= 0) {
+        PyObject *old = self->slots[i].value;
+        self->slots[i].value = Py_NewRef(value);
+        Py_DECREF(old);
+        return 0;
+    }
+    return index_insert(self, key, value) < 0 ? -1 : 0;
+}
+
+static int
+PageIndex_contains(PageIndexObject *self, PyObject *key)
+{
+    Py_ssize_t i = index_locate(self, key);
+    return i == -2 ? -1 : i >= 0;
+}
+
+static PyObject *
+PageIndex_get(PageIndexObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "get(key, default=None)");
+        return NULL;
+    }
+    Py_ssize_t i = index_locate(self, args[0]);
+    if (i == -2) {
+        return NULL;
+    }
+    if (i >= 0) {
+        return Py_NewRef(self->slots[i].value);
+    }
+    return Py_NewRef(nargs == 2 ? args[1] : Py_None);
+}
+
+static PyObject *
+PageIndex_pop(PageIndexObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "pop(key[, default])");
+        return NULL;
+    }
+    Py_ssize_t i = index_locate(self, args[0]);
+    if (i == -2) {
+        return NULL;
+    }
+    if (i == -1) {
+        if (nargs == 2) {
+            return Py_NewRef(args[1]);
+        }
+        PyErr_SetObject(PyExc_KeyError, args[0]);
+        return NULL;
+    }
+    PyObject *old_key = self->slots[i].key, *value = self->slots[i].value;
+    index_remove_at(self, (size_t)i);
+    Py_DECREF(old_key);
+    return value; /* the slot's reference */
+}
+
+static PyObject *
+PageIndex_clear(PageIndexObject *self, PyObject *Py_UNUSED(ignored))
+{
+    index_drop_all(self);
+    Py_RETURN_NONE;
+}
+
+/* 0: keys, 1: values, 2: (key, value) tuples; in table order from after an empty slot. */
+static PyObject *
+index_listing(PageIndexObject *self, int what)
+{
+    PyObject *list = PyList_New(self->used);
+    if (list == NULL) {
+        return NULL;
+    }
+    size_t n = self->mask + 1, start = 0;
+    while (self->slots[start].key != NULL) {
+        start++; /* a table at most half full has an empty slot */
+    }
+    Py_ssize_t k = 0;
+    for (size_t step = 1; step <= n; step++) {
+        IndexSlot *s = &self->slots[(start + step) & self->mask];
+        if (s->key == NULL) {
+            continue;
+        }
+        PyObject *item;
+        if (what == 0) {
+            item = Py_NewRef(s->key);
+        }
+        else if (what == 1) {
+            item = Py_NewRef(s->value);
+        }
+        else {
+            item = PyTuple_Pack(2, s->key, s->value);
+            if (item == NULL) {
+                Py_DECREF(list);
+                return NULL;
+            }
+        }
+        PyList_SET_ITEM(list, k++, item);
+    }
+    return list;
+}
+
+static PyObject *
+PageIndex_keys(PageIndexObject *self, PyObject *Py_UNUSED(ignored))
+{
+    return index_listing(self, 0);
+}
+
+static PyObject *
+PageIndex_values(PageIndexObject *self, PyObject *Py_UNUSED(ignored))
+{
+    return index_listing(self, 1);
+}
+
+static PyObject *
+PageIndex_items(PageIndexObject *self, PyObject *Py_UNUSED(ignored))
+{
+    return index_listing(self, 2);
+}
+
+static PyObject *
+PageIndex_iter(PageIndexObject *self)
+{
+    PyObject *keys = index_listing(self, 0);
+    if (keys == NULL) {
+        return NULL;
+    }
+    PyObject *it = PyObject_GetIter(keys);
+    Py_DECREF(keys);
+    return it;
+}
+
+/* update(pairs): enter each (key, value) of an iterable, as dict.update does with pairs.
+ * All checked first, so a bad pair changes nothing. */
+static PyObject *
+PageIndex_update(PageIndexObject *self, PyObject *pairs)
+{
+    PyObject *fast = PySequence_Fast(pairs, "update() takes an iterable of (key, value)");
+    if (fast == NULL) {
+        return NULL;
+    }
+    Py_ssize_t k = PySequence_Fast_GET_SIZE(fast);
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    for (Py_ssize_t i = 0; i < k; i++) {
+        if (!PyTuple_CheckExact(items[i]) || PyTuple_GET_SIZE(items[i]) != 2) {
+            PyErr_SetString(PyExc_TypeError, "update() takes (key, value) tuples");
+            goto fail;
+        }
+        if (index_check_item(PyTuple_GET_ITEM(items[i], 0), PyTuple_GET_ITEM(items[i], 1)) < 0) {
+            goto fail;
+        }
+    }
+    if ((size_t)(self->used + k) > (self->mask + 1) / 2
+        && index_resize(self, index_slots_for(self->used + k)) < 0) {
+        goto fail;
+    }
+    for (Py_ssize_t i = 0; i < k; i++) {
+        if (PageIndex_ass_subscript(self, PyTuple_GET_ITEM(items[i], 0),
+                                    PyTuple_GET_ITEM(items[i], 1)) < 0) {
+            goto fail; /* a MemoryError growing the table */
+        }
+    }
+    Py_DECREF(fast);
+    Py_RETURN_NONE;
+fail:
+    Py_DECREF(fast);
+    return NULL;
+}
+
+/* by_page(num_pages) -> (hashes, pages) | None: the entries in page order (the order a
+ * snapshot lists them in, the same for any hash seed and history), by one bucket pass
+ * over the pages; None when a value is not a page in [0, num_pages) or repeats. */
+static PyObject *
+PageIndex_by_page(PageIndexObject *self, PyObject *arg)
+{
+    Py_ssize_t n = PyLong_AsSsize_t(arg);
+    if (n == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (n < 0) {
+        PyErr_SetString(PyExc_ValueError, "num_pages must be >= 0");
+        return NULL;
+    }
+    IndexSlot **by_page = PyMem_Calloc((size_t)(n ? n : 1), sizeof(IndexSlot *));
+    if (by_page == NULL) {
+        return PyErr_NoMemory();
+    }
+    PyObject *result = NULL, *hashes = NULL, *pages = NULL;
+    for (size_t j = 0; j <= self->mask; j++) {
+        IndexSlot *s = &self->slots[j];
+        if (s->key == NULL) {
+            continue;
+        }
+        Py_ssize_t page = PyLong_AsSsize_t(s->value);
+        if (page == -1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            page = -1;
+        }
+        if (page < 0 || page >= n || by_page[page] != NULL) {
+            result = Py_NewRef(Py_None);
+            goto done;
+        }
+        by_page[page] = s;
+    }
+    hashes = PyList_New(self->used);
+    pages = PyList_New(self->used);
+    if (hashes == NULL || pages == NULL) {
+        goto done;
+    }
+    Py_ssize_t k = 0;
+    for (Py_ssize_t page = 0; page < n; page++) {
+        if (by_page[page] != NULL) {
+            PyList_SET_ITEM(hashes, k, Py_NewRef(by_page[page]->key));
+            PyList_SET_ITEM(pages, k, Py_NewRef(by_page[page]->value));
+            k++;
+        }
+    }
+    result = PyTuple_Pack(2, hashes, pages);
+done:
+    Py_XDECREF(hashes);
+    Py_XDECREF(pages);
+    PyMem_Free(by_page);
+    return result;
+}
+
+static PyObject *
+PageIndex_sizeof(PageIndexObject *self, PyObject *Py_UNUSED(ignored))
+{
+    return PyLong_FromSize_t(sizeof(PageIndexObject) + (self->mask + 1) * sizeof(IndexSlot));
+}
+
+static PyObject *
+PageIndex_repr(PageIndexObject *self)
+{
+    return PyUnicode_FromFormat("PageIndex(%zd entries, %zu slots)", self->used,
+                                self->mask + 1);
+}
+
+static PyObject *
+PageIndex_get_slots(PageIndexObject *self, void *Py_UNUSED(closure))
+{
+    return PyLong_FromSize_t(self->mask + 1);
+}
+
+static PyMethodDef PageIndex_methods[] = {
+    {"get", (PyCFunction)(void (*)(void))PageIndex_get, METH_FASTCALL,
+     "get(key, default=None): the page under key, or default."},
+    {"pop", (PyCFunction)(void (*)(void))PageIndex_pop, METH_FASTCALL,
+     "pop(key[, default]): remove key and return its page."},
+    {"clear", (PyCFunction)PageIndex_clear, METH_NOARGS, "Remove every entry."},
+    {"keys", (PyCFunction)PageIndex_keys, METH_NOARGS, "The hashes, as a list."},
+    {"values", (PyCFunction)PageIndex_values, METH_NOARGS, "The pages, as a list."},
+    {"items", (PyCFunction)PageIndex_items, METH_NOARGS,
+     "(hash, page) tuples, as a list."},
+    {"update", (PyCFunction)PageIndex_update, METH_O,
+     "update(pairs): enter each (hash, page)."},
+    {"by_page", (PyCFunction)PageIndex_by_page, METH_O,
+     "by_page(num_pages) -> (hashes, pages) in page order, or None when a value is not a "
+     "page below num_pages or repeats."},
+    {"__sizeof__", (PyCFunction)PageIndex_sizeof, METH_NOARGS, "Bytes of the table."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef PageIndex_getset[] = {
+    {"slots", (getter)PageIndex_get_slots, NULL, "Slots in the table (a power of two).",
+     NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyMappingMethods PageIndex_as_mapping = {
+    (lenfunc)PageIndex_length,
+    (binaryfunc)PageIndex_subscript,
+    (objobjargproc)PageIndex_ass_subscript,
+};
+
+static PySequenceMethods PageIndex_as_sequence = {
+    .sq_contains = (objobjproc)PageIndex_contains,
+};
+
+static PyTypeObject PageIndex_Type = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "pagekeeper.core._poolops.PageIndex",
+    .tp_basicsize = sizeof(PageIndexObject),
+    .tp_dealloc = (destructor)PageIndex_dealloc,
+    .tp_repr = (reprfunc)PageIndex_repr,
+    .tp_as_sequence = &PageIndex_as_sequence,
+    .tp_as_mapping = &PageIndex_as_mapping,
+    .tp_hash = PyObject_HashNotImplemented,
+    .tp_iter = (getiterfunc)PageIndex_iter,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "PageIndex(expected=0): the prefix-cache index, hash (bytes) -> page (int), "
+              "sized for `expected` entries; no tombstones, so never rebuilt.",
+    .tp_methods = PageIndex_methods,
+    .tp_getset = PageIndex_getset,
+    .tp_new = PageIndex_new,
+};
+
 /* The pool's objects, of the right types; `cached` and `hash_of` as long as `state`
  * (when given, else as long as each other). */
 static int
@@ -129,8 +711,8 @@ check_types(PyObject *state, PyObject *cached, PyObject *index, PyObject *hash_o
         PyErr_SetString(PyExc_TypeError, "cached must be a bytearray");
         return -1;
     }
-    if (index != NULL && !PyDict_CheckExact(index)) {
-        PyErr_SetString(PyExc_TypeError, "index must be a dict");
+    if (index != NULL && !PyDict_CheckExact(index) && !PageIndex_Check(index)) {
+        PyErr_SetString(PyExc_TypeError, "index must be a PageIndex or a dict");
         return -1;
     }
     if (hash_of != NULL && !PyList_CheckExact(hash_of)) {
@@ -243,7 +825,8 @@ pool_evict(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyList_SET_ITEM(hashes, i, h);
         PyList_SET_ITEM(hash_of, ids[i], Py_NewRef(Py_None));
         flags[ids[i]] = 0;
-        if (PyDict_DelItem(index, h) < 0) {
+        if ((PageIndex_Check(index) ? index_delete((PageIndexObject *)index, h)
+                                    : PyDict_DelItem(index, h)) < 0) {
             goto fail;
         }
     }
@@ -325,7 +908,19 @@ pool_cache(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         flagged = i + 1;
     }
     /* 2. The index, undone if a hash is already there (or repeats within the run). */
+    int native = PageIndex_Check(index);
     for (Py_ssize_t i = 0; i < k; i++) {
+        if (native) {
+            int rc = index_insert((PageIndexObject *)index, hashes[i], pages[i]);
+            if (rc < 0) {
+                goto undo;  /* a MemoryError */
+            }
+            if (rc == 0) {
+                result = Py_NewRef(Py_False);
+                goto undo;
+            }
+            continue;
+        }
         Py_ssize_t before = PyDict_GET_SIZE(index);
         if (PyDict_SetDefault(index, hashes[i], pages[i]) == NULL) {
             goto undo;  /* a MemoryError */
@@ -339,7 +934,8 @@ pool_cache(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         for (Py_ssize_t j = 0; j < i; j++) {
             PyObject *type, *value, *tb;
             PyErr_Fetch(&type, &value, &tb);
-            int rc = PyDict_DelItem(index, hashes[j]);
+            int rc = native ? index_delete((PageIndexObject *)index, hashes[j])
+                            : PyDict_DelItem(index, hashes[j]);
             PyErr_Restore(type, value, tb);
             if (rc < 0) {
                 break;
@@ -520,5 +1116,16 @@ static struct PyModuleDef poolops_module = {
 PyMODINIT_FUNC
 PyInit__poolops(void)
 {
-    return PyModule_Create(&poolops_module);
+    if (PyType_Ready(&PageIndex_Type) < 0) {
+        return NULL;
+    }
+    PyObject *module = PyModule_Create(&poolops_module);
+    if (module == NULL) {
+        return NULL;
+    }
+    if (PyModule_AddObjectRef(module, "PageIndex", (PyObject *)&PageIndex_Type) < 0) {
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
 }

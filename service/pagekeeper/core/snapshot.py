@@ -271,12 +271,13 @@ def snapshot_manager(manager: Any) -> Tree:
     run = pool._buf_np[pool._head : pool._tail].copy()
     hash_pages = np.flatnonzero(pool._cached_np).tolist()
     index_tree = []
-    for index, dups in zip(pool._index, pool._dups, strict=True):
+    for group_id, dups in enumerate(pool._dups):
         dup_hashes = list(dups)
+        hashes, pages = pool.index_by_page(group_id)
         index_tree.append(
             {
-                "hashes": list(index),
-                "pages": _ints(list(index.values())),
+                "hashes": hashes,
+                "pages": _ints(pages),
                 "dup_hashes": dup_hashes,
                 "dup_counts": _ints([len(dups[h]) for h in dup_hashes]),
                 "dup_pages": _ints([p for h in dup_hashes for p in dups[h]]),
@@ -430,7 +431,9 @@ def _restore_pool(manager: Any, pt: Tree) -> None:
     pool._dups = []
     for it in pt["index"]:
         pages = np.asarray(it["pages"]).tolist()
-        pool._index.append(dict(zip(_bytes_list(it["hashes"]), pages, strict=True)))
+        index = pool.new_index(len(pt["index"]))
+        index.update(zip(_bytes_list(it["hashes"]), pages, strict=True))
+        pool._index.append(index)
         dup_pages = _split(np.asarray(it["dup_pages"]), np.asarray(it["dup_counts"]))
         pool._dups.append(
             {
