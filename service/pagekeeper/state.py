@@ -1507,14 +1507,17 @@ class ServiceState:
         change (between mutations, on the loop); the function it returns builds the tree
         from that copy, and may run anywhere, while the state goes on (a worker thread).
         The event buffer's events are immutable: the copy is of the buffer, and turning
-        them into columns, most of the work, is left to the function, which calls
-        ``pause()`` between chunks of it (see :func:`~pagekeeper.core.snapshot.events_to_tree`)."""
-        from pagekeeper.core.snapshot import events_to_tree
+        them into columns, most of the work, is left to the function, as is the pool's
+        per-page work (:func:`~pagekeeper.core.snapshot.capture_manager`); it calls
+        ``pause()`` between chunks of both."""
+        from pagekeeper.core.snapshot import capture_manager, events_to_tree
 
+        build_manager = capture_manager(self.manager, pause)
         tree = self._snapshot_without_events()
         events = list(self._events)
 
         def build() -> dict[str, Any]:
+            tree["manager"] = build_manager()
             tree["events"] = events_to_tree(events, pause)
             return tree
 
@@ -1526,7 +1529,7 @@ class ServiceState:
             "version": STATE_SNAPSHOT_VERSION,
             "pool_config": self.pool_config.to_dict(),
             "limits": limits_to_tree(self.limits),
-            "manager": self.manager.snapshot_state(),
+            "manager": None,  # filled by capture_snapshot's function
             "clients": [_client_to_tree(c) for c in self._clients.values()],
             "requests": {
                 "request_ids": list(records),

@@ -22,9 +22,10 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from pagekeeper.core import pool as pool_module
 from pagekeeper.core.config import GroupConfig, PoolConfig
+from pagekeeper.core.errors import InvariantViolation
 from pagekeeper.core.manager import PageManager
 from pagekeeper.core.pool import PagePool
-from pagekeeper.core.snapshot import snapshot_manager
+from pagekeeper.core.snapshot import capture_manager, snapshot_manager
 from pagekeeper.durability.snapshot import digest_tree
 
 pytestmark = pytest.mark.skipif(
@@ -147,17 +148,18 @@ def test_pools_use_it_with_the_c_loops_only() -> None:
 
 
 def _filled(order: list[int]) -> PageManager:
-    """A pool with the same pages cached whatever ``order`` they were cached in."""
+    """A pool with the same pages cached whatever ``order`` they were cached in; the last
+    two pages hold hashes cached already (duplicates, which wait behind the first)."""
     manager = PageManager(
         PoolConfig(num_pages=64, groups=(GroupConfig(page_size=4),), max_model_len=256)
     )
     pool = manager.pool
-    pages = pool.allocate(len(order))
-    for i in order:
+    pages = pool.allocate(len(order) + 2)
+    for i, tag in [*((i, i) for i in order), (len(order), 3), (len(order) + 1, 5)]:
         pool.cache(
             0,
             [pages[i]],
-            [b"hash %d" % i],
+            [b"hash %d" % tag],
             parent_hash=None,
             token_ids=[0, 0, 0, 0],
             page_size=4,
@@ -169,13 +171,38 @@ def _filled(order: list[int]) -> PageManager:
 def test_snapshots_list_the_index_in_page_order() -> None:
     forward = _filled(list(range(12)))
     backward = _filled(list(reversed(range(12))))
-    hashes, pages = forward.pool.index_by_page(0)
-    assert pages == sorted(pages) and len(pages) == 12
-    assert (hashes, pages) == backward.pool.index_by_page(0)
-    # Their events differ (the order of caching); the index trees do not.
     trees = [snapshot_manager(manager)["pool"] for manager in (forward, backward)]
+    index = trees[0]["index"][0]
+    entries = sorted(forward.pool.index(0).items(), key=lambda item: item[1])
+    assert list(zip(index["hashes"], index["pages"].tolist(), strict=True)) == entries
+    assert index["dup_hashes"] == [b"hash 3", b"hash 5"] and len(index["dup_pages"]) == 2
+    # Their events differ (the order of caching); the index trees do not.
     assert digest_tree({"i": trees[0]["index"]}) == digest_tree({"i": trees[1]["index"]})
     assert digest_tree({"e": trees[0]["events"]}) != digest_tree({"e": trees[1]["events"]})
+    restored = PageManager.restore_state(forward.config, snapshot_manager(forward))
+    assert dict(restored.pool.index(0).items()) == dict(forward.pool.index(0).items())
+    assert restored.pool.check_invariants() == []
+
+
+def test_a_capture_is_not_changed_by_later_steps() -> None:
+    manager = _filled(list(range(12)))
+    want = digest_tree(snapshot_manager(manager))
+    build = capture_manager(manager)
+    pool = manager.pool
+    pool.free([page for page, h in enumerate(pool._page_hash) if h is not None])
+    pool.allocate(pool.num_free_pages)  # evicts every cached page, duplicates included
+    assert pool.num_cached_pages == 0
+    assert digest_tree(build()) == want
+
+
+def test_a_broken_index_fails_the_snapshot() -> None:
+    # The tree's index is read from the cached pages; a pool whose index disagrees with
+    # them (an entry lost) fails the snapshot rather than record another index.
+    manager = _filled(list(range(12)))
+    index = manager.pool.index(0)
+    del index[next(iter(index))]
+    with pytest.raises(InvariantViolation, match="index entries"):
+        snapshot_manager(manager)
 
 
 def test_snapshot_is_the_same_under_another_hash_seed(tmp_path: Path) -> None:

@@ -135,8 +135,8 @@ set_state(PyObject *state, Py_ssize_t page, long v)
  * Keys are exact bytes (hashed with Python's own salted bytes hash, which each bytes
  * object caches), values exact ints; so the map holds no reference cycle and is not
  * tracked by the garbage collector. Lookups with any other key find nothing.
- * keys(), values() and items() are lists in table order, starting after an empty slot:
- * inserting them in that order into a table of the same size rebuilds the same layout. */
+ * keys(), values() and items() are lists in table order, which follows the hash seed of
+ * the process: a snapshot lists the index in page order instead. */
 
 typedef struct {
     PyObject *key;   /* exact bytes (owned); NULL: the slot is empty */
@@ -570,62 +570,6 @@ fail:
     return NULL;
 }
 
-/* by_page(num_pages) -> (hashes, pages) | None: the entries in page order (the order a
- * snapshot lists them in, the same for any hash seed and history), by one bucket pass
- * over the pages; None when a value is not a page in [0, num_pages) or repeats. */
-static PyObject *
-PageIndex_by_page(PageIndexObject *self, PyObject *arg)
-{
-    Py_ssize_t n = PyLong_AsSsize_t(arg);
-    if (n == -1 && PyErr_Occurred()) {
-        return NULL;
-    }
-    if (n < 0) {
-        PyErr_SetString(PyExc_ValueError, "num_pages must be >= 0");
-        return NULL;
-    }
-    IndexSlot **by_page = PyMem_Calloc((size_t)(n ? n : 1), sizeof(IndexSlot *));
-    if (by_page == NULL) {
-        return PyErr_NoMemory();
-    }
-    PyObject *result = NULL, *hashes = NULL, *pages = NULL;
-    for (size_t j = 0; j <= self->mask; j++) {
-        IndexSlot *s = &self->slots[j];
-        if (s->key == NULL) {
-            continue;
-        }
-        Py_ssize_t page = PyLong_AsSsize_t(s->value);
-        if (page == -1 && PyErr_Occurred()) {
-            PyErr_Clear();
-            page = -1;
-        }
-        if (page < 0 || page >= n || by_page[page] != NULL) {
-            result = Py_NewRef(Py_None);
-            goto done;
-        }
-        by_page[page] = s;
-    }
-    hashes = PyList_New(self->used);
-    pages = PyList_New(self->used);
-    if (hashes == NULL || pages == NULL) {
-        goto done;
-    }
-    Py_ssize_t k = 0;
-    for (Py_ssize_t page = 0; page < n; page++) {
-        if (by_page[page] != NULL) {
-            PyList_SET_ITEM(hashes, k, Py_NewRef(by_page[page]->key));
-            PyList_SET_ITEM(pages, k, Py_NewRef(by_page[page]->value));
-            k++;
-        }
-    }
-    result = PyTuple_Pack(2, hashes, pages);
-done:
-    Py_XDECREF(hashes);
-    Py_XDECREF(pages);
-    PyMem_Free(by_page);
-    return result;
-}
-
 static PyObject *
 PageIndex_sizeof(PageIndexObject *self, PyObject *Py_UNUSED(ignored))
 {
@@ -657,9 +601,6 @@ static PyMethodDef PageIndex_methods[] = {
      "(hash, page) tuples, as a list."},
     {"update", (PyCFunction)PageIndex_update, METH_O,
      "update(pairs): enter each (hash, page)."},
-    {"by_page", (PyCFunction)PageIndex_by_page, METH_O,
-     "by_page(num_pages) -> (hashes, pages) in page order, or None when a value is not a "
-     "page below num_pages or repeats."},
     {"__sizeof__", (PyCFunction)PageIndex_sizeof, METH_NOARGS, "Bytes of the table."},
     {NULL, NULL, 0, NULL},
 };

@@ -631,20 +631,6 @@ class PagePool:
         """The group's hash -> first page map, for scans (read only: never mutate it)."""
         return self._index[group_id]
 
-    def index_by_page(self, group_id: int) -> tuple[list[bytes], list[int]]:
-        """The group's index entries (hashes, pages) in page order: what a snapshot lists.
-        The same for equal pools whatever their history or hash seed (a PageIndex's own
-        order follows both), so a recovered state and one that replayed the same steps
-        snapshot to the same bytes."""
-        index = self._index[group_id]
-        if not isinstance(index, dict):
-            listed = index.by_page(self.num_pages)  # type: ignore[attr-defined]
-            if listed is not None:
-                return listed  # type: ignore[no-any-return]
-        # The Python loops' dict, or an index whose pages repeat (a broken pool).
-        items = sorted(index.items(), key=operator.itemgetter(1))
-        return [h for h, _ in items], [page for _, page in items]
-
     def lookup(self, group_id: int, page_hash: bytes) -> int | None:
         """First page cached under this hash in this group, or None."""
         return self._index[group_id].get(page_hash)
