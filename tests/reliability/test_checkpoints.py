@@ -206,3 +206,52 @@ def test_files_the_stopped_thread_left_go_with_the_next_checkpoint(tmp_path):
     assert not (log.snapshot_dir / first.name).exists()
     assert log.retired_snapshot_files == ()
     log.close()
+
+
+def test_the_thread_deletes_the_covered_records_in_batches(tmp_path, monkeypatch):
+    """Registering a snapshot deletes nothing itself (freeing 10,000 records of 40 KB took
+    1.4 s in that transaction, on the event loop); the thread deletes the covered records
+    a few at a time while appends go on, and keeps every record after the snapshot."""
+    from pagekeeper.durability import log as log_module
+
+    monkeypatch.setattr(log_module, "_PRUNE_MAX_BATCH", 4)  # many batches
+    monkeypatch.setattr(log_module, "_PRUNE_PAUSE_S", 0.0005)
+    log = CommandLog(tmp_path, DurabilityLevel.PROCESS)
+    log.start_background_checkpoints(interval_s=60.0)
+    stats = log.checkpoint_stats
+    assert stats is not None
+    for seq in range(1, 301):
+        log.append(seq, _body(seq))
+    snapshot = log.store_snapshot_file(250, b"state after 250")
+    log.commit_snapshot_file(snapshot)
+    for seq in range(301, 401):  # while the thread deletes
+        log.append(seq, _body(seq))
+    _wait_for(lambda: stats.num_pruned == 250)
+    assert [seq for seq, _, _ in log.read_after(0)] == list(range(251, 401))
+    assert stats.num_failures == 0
+    log.close()
+    # Reopened, everything after the snapshot is there.
+    log = CommandLog(tmp_path, DurabilityLevel.PROCESS)
+    assert log.latest_snapshot_seq() == 250
+    assert [seq for seq, _, _ in log.read_after(250)] == list(range(251, 401))
+    log.close()
+
+
+def test_records_a_stop_left_behind_go_at_the_next_start(tmp_path):
+    log = CommandLog(tmp_path, DurabilityLevel.PROCESS)
+    for seq in range(1, 21):
+        log.append(seq, _body(seq))
+    log.commit_snapshot_file(log.store_snapshot_file(20, b"state"))  # no thread: inline
+    assert list(log.read_after(0)) == []
+    # A stop while the thread was deleting leaves covered records; recovery reads past
+    # them, and the next start's thread deletes them.
+    for seq in range(5, 11):
+        log._db.execute(
+            "INSERT INTO log (seq, crc, body) VALUES (?, ?, ?)",
+            (seq, record_crc(seq, _body(seq)), _body(seq)),
+        )
+    log.append(21, _body(21))
+    assert [seq for seq, _, _ in log.read_after(log.latest_snapshot_seq())] == [21]
+    log.start_background_checkpoints(interval_s=60.0)
+    _wait_for(lambda: [seq for seq, _, _ in log.read_after(0)] == [21])
+    log.close()

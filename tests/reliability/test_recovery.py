@@ -312,6 +312,29 @@ def _only_file_left(files, timeout: float = 20.0):
     return left[0]
 
 
+def _settled(durability: Durability, timeout: float = 20.0) -> None:
+    """Wait until the checkpoint thread has deleted the records the latest snapshot covers
+    and then completed a checkpoint: the database file alone holds every commit so far, and
+    the thread has nothing left to write (a power-loss image taken after a reader holds
+    back later checkpoints is then the database file as it is)."""
+    log = durability._log
+    stats = durability.checkpoint_stats
+    assert log is not None and stats is not None and log._checkpointer is not None
+    upto = log.latest_snapshot_seq()
+    deadline = time.monotonic() + timeout
+    while (low := log._db.execute("SELECT MIN(seq) FROM log").fetchone()[0]) is not None and (
+        low <= upto
+    ):
+        assert time.monotonic() < deadline, "covered records still there"
+        time.sleep(0.005)
+    done = stats.num_checkpoints
+    log._checkpointer.dirty = True
+    log._checkpointer.wake()
+    while stats.num_checkpoints == done:
+        assert time.monotonic() < deadline, "no checkpoint after the deletions"
+        time.sleep(0.005)
+
+
 def test_an_older_snapshot_file_stays_until_a_checkpoint_syncs_its_replacement(tmp_path):
     """Registering a snapshot commits to the WAL, which a power loss may still take back
     until a checkpoint has synced it; the older file the registration replaced must stay
@@ -332,6 +355,7 @@ def test_an_older_snapshot_file_stays_until_a_checkpoint_syncs_its_replacement(t
     first_seq, first_digest = durability.snapshot(live), state_digest(live)
     # The first file went once a checkpoint synced the second registration.
     first = _only_file_left(files)
+    _settled(durability)
     assert first.name.startswith(f"snapshot-{first_seq:020d}-")
     reader = sqlite3.connect(tmp_path / DB_NAME, isolation_level=None)
     reader.execute("BEGIN")

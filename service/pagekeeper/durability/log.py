@@ -62,6 +62,17 @@ them: the thread's next complete checkpoint removes them (it is woken at once), 
 the thread, the next :meth:`CommandLog.checkpoint` on the appending connection. With the
 thread, the loop never checkpoints after a snapshot (that checkpoint, with its fsync, held
 the loop 6-12 ms at every snapshot of a soak run).
+
+The records a registered snapshot covers are deleted by the same thread too, a batch of
+~1 ms at a time (``PRUNE_BATCH_SECONDS``), rather than inside the registration: deleting a
+record frees its chain of overflow pages, which SQLite reads one by one, so 10,000 records
+of 40 KB (admission steps) took 1.4 s, and that transaction held the event loop. The thread
+and the appender share a lock around their writes, so an append waits at most for one
+batch, never in SQLite's busy handler (whose sleeps are 1 ms and up). Until they are gone,
+covered records are simply not read (:meth:`CommandLog.read_after` starts after the
+snapshot), and a later commit cannot persist without an earlier one, so a power loss never
+keeps a deletion without its registration. A stop before the thread is done leaves the rest
+to the next start's thread.
 """
 
 from __future__ import annotations
@@ -118,6 +129,10 @@ WAL_SIZE_LIMIT_BYTES = 32 << 20
 """A WAL file that grew past this (a backstop checkpoint, a long reader) is cut back to it
 when the WAL next starts over (SQLite's ``journal_size_limit``)."""
 _CATCH_UP_PASSES = 8
+PRUNE_BATCH_SECONDS = 0.001
+"""Aim of one batch of the thread's deletion of covered records (it holds the write lock)."""
+_PRUNE_PAUSE_S = 0.002  # between two batches: appends waiting for the lock go first
+_PRUNE_MAX_BATCH = 4096
 _PAGE_BYTES = 4096  # SQLite's default page: a commit writes at least one
 
 logger = logging.getLogger(__name__)
@@ -159,7 +174,14 @@ def _fsync_dir(path: Path) -> None:
 class CheckpointStats:
     """What the background checkpointer has done (written by its thread, read anywhere)."""
 
-    __slots__ = ("last_error", "last_seconds", "num_checkpoints", "num_failures", "num_incomplete")
+    __slots__ = (
+        "last_error",
+        "last_seconds",
+        "num_checkpoints",
+        "num_failures",
+        "num_incomplete",
+        "num_pruned",
+    )
 
     def __init__(self) -> None:
         self.num_checkpoints = 0
@@ -168,6 +190,8 @@ class CheckpointStats:
         """Checkpoints that could not (a reader in the way, another checkpoint under way,
         or frames committed meanwhile); the next one goes on from there."""
         self.num_failures = 0
+        self.num_pruned = 0
+        """Records a registered snapshot covered, deleted by the thread."""
         self.last_seconds = 0.0
         self.last_error = ""
 
@@ -212,14 +236,25 @@ class _RetiredFiles:
 
 class _Checkpointer(threading.Thread):
     """Runs ``PRAGMA wal_checkpoint(PASSIVE)`` on its own connection when woken (the
-    appender crossed ``CHECKPOINT_BYTES``) or every ``interval_s`` while records came in."""
+    appender crossed ``CHECKPOINT_BYTES``) or every ``interval_s`` while records came in;
+    first deletes, in batches, the records up to ``prune_upto`` (a registered snapshot's)."""
 
     def __init__(
-        self, path: Path, synchronous: str, interval_s: float, retired: _RetiredFiles
+        self,
+        path: Path,
+        synchronous: str,
+        interval_s: float,
+        retired: _RetiredFiles,
+        write_lock: threading.Lock,
+        prune_upto: int,
     ) -> None:
         super().__init__(name="pagekeeper-checkpoint", daemon=True)
         self.path = path
         self.retired = retired
+        self.write_lock = write_lock
+        self.prune_upto = prune_upto
+        """Records up to here are covered by a registered snapshot (set by the loop)."""
+        self._batch = 8
         self.synchronous = synchronous
         self.interval_s = interval_s
         self.stats = CheckpointStats()
@@ -242,6 +277,8 @@ class _Checkpointer(threading.Thread):
         try:
             db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=True)
             db.execute(f"PRAGMA synchronous={self.synchronous}")
+            # Its deletions commit too: no checkpoint inside them (under the write lock).
+            db.execute("PRAGMA wal_autocheckpoint=0")
         except sqlite3.Error as exc:
             self._failed(exc)
             return
@@ -251,6 +288,7 @@ class _Checkpointer(threading.Thread):
                 self._wake.clear()
                 if self._stopping:
                     return
+                self._prune(db)
                 if self.dirty:
                     self.dirty = False
                     self._checkpoint(db)
@@ -283,6 +321,42 @@ class _Checkpointer(threading.Thread):
             previous = frames  # commits came in while it ran: copy those too
         stats.num_incomplete += 1
         stats.last_seconds = time.perf_counter() - started
+
+    def _prune(self, db: sqlite3.Connection) -> None:
+        """Delete the records up to ``prune_upto``, oldest first, in batches sized to take
+        ~``PRUNE_BATCH_SECONDS`` each, pausing between them; until stopped or done."""
+        while not self._stopping:
+            try:
+                row = db.execute("SELECT MIN(seq) FROM log").fetchone()
+            except sqlite3.Error as exc:
+                self._failed(exc)
+                return
+            low, upto = row[0], self.prune_upto
+            if low is None or low > upto:
+                return
+            high = min(upto, low + self._batch - 1)
+            started = time.perf_counter()
+            with self.write_lock:
+                try:
+                    deleted = db.execute(
+                        "DELETE FROM log WHERE seq BETWEEN ? AND ?", (low, high)
+                    ).rowcount
+                except sqlite3.Error as exc:
+                    self._failed(exc)
+                    return
+            took = time.perf_counter() - started
+            self.stats.num_pruned += max(0, deleted)
+            self.dirty = True  # the freed pages are in the WAL: checkpoint them
+            if self._wake.is_set():
+                # The appender crossed its mark meanwhile: keep the WAL short as usual.
+                self._wake.clear()
+                self.dirty = False
+                self._checkpoint(db)
+            if took > PRUNE_BATCH_SECONDS:
+                self._batch = max(1, self._batch // 2)
+            elif took < PRUNE_BATCH_SECONDS / 4:
+                self._batch = min(_PRUNE_MAX_BATCH, self._batch * 2)
+            time.sleep(_PRUNE_PAUSE_S)
 
     def _failed(self, exc: sqlite3.Error) -> None:
         # Nothing is lost: the records are in the WAL, and the appending connection's own
@@ -341,6 +415,9 @@ class CommandLog:
         self._checkpointer: _Checkpointer | None = None
         self._checkpoint_bytes = CHECKPOINT_BYTES
         self._bytes_since_wake = 0
+        # Held around each write of the appending connection and each batch of the
+        # checkpointer's deletions (see the module docstring).
+        self._write_lock = threading.Lock()
 
     # -- background checkpoints ------------------------------------------------------------
     def start_background_checkpoints(
@@ -362,9 +439,15 @@ class CommandLog:
             raise LogError(f"cannot configure checkpoints of {self.path}: {exc}") from None
         self._checkpoint_bytes = every_bytes
         self._checkpointer = _Checkpointer(
-            self.path, _SYNCHRONOUS[self.level], interval_s, self._retired
+            self.path,
+            _SYNCHRONOUS[self.level],
+            interval_s,
+            self._retired,
+            self._write_lock,
+            self.latest_snapshot_seq(),  # what a stop left of the last one's records
         )
         self._checkpointer.start()
+        self._checkpointer.wake()
 
     @property
     def checkpoints_in_background(self) -> bool:
@@ -401,7 +484,8 @@ class CommandLog:
     def append(self, seq: int, body: bytes) -> None:
         """Commit one record; durable at this level once it returns."""
         try:
-            self._db.execute(self._append_sql, (seq, record_crc(seq, body), body))
+            with self._write_lock:
+                self._db.execute(self._append_sql, (seq, record_crc(seq, body), body))
         except sqlite3.Error as exc:
             raise LogError(f"cannot append record {seq} to {self.path}: {exc}") from None
         checkpointer = self._checkpointer
@@ -456,46 +540,58 @@ class CommandLog:
             raise LogError(f"cannot write snapshot file {path}: {exc.strerror or exc}") from None
         return SnapshotFile(seq, name, crc, len(body))
 
+    def latest_snapshot_seq(self) -> int:
+        """The seq of the newest registered snapshot, file or inline (0: none)."""
+        seqs = [
+            self._db.execute(f"SELECT MAX(seq) FROM {table}").fetchone()[0]
+            for table in ("snapshot_files", "snapshots")
+        ]
+        return max((int(seq) for seq in seqs if seq is not None), default=0)
+
     def commit_snapshot_file(self, snapshot: SnapshotFile) -> tuple[str, ...]:
-        """Register a stored snapshot file and drop what it makes redundant (records up to
-        its seq, older snapshots) in one small transaction; returns the names of the older
-        files it unregistered. They stay on disk until a checkpoint has synced this
+        """Register a stored snapshot file and drop what it makes redundant (older
+        snapshots, and the records up to its seq: here without the background thread, by
+        the thread in batches with it) in one small transaction; returns the names of the
+        older files it unregistered. They stay on disk until a checkpoint has synced this
         transaction (before that, a power loss may undo it, and the database would name
         them again): the background checkpointer's next complete one (it is woken now), or
         without it the next :meth:`checkpoint`, which the caller makes. Never waits for
         one."""
         db = self._db
+        checkpointer = self._checkpointer
         try:
-            db.execute("BEGIN IMMEDIATE")
-            try:
-                older = [
-                    str(row[0])
-                    for row in db.execute(
-                        "SELECT name FROM snapshot_files WHERE seq <= ? AND name != ?",
-                        (snapshot.seq, snapshot.name),
+            with self._write_lock:
+                db.execute("BEGIN IMMEDIATE")
+                try:
+                    older = [
+                        str(row[0])
+                        for row in db.execute(
+                            "SELECT name FROM snapshot_files WHERE seq <= ? AND name != ?",
+                            (snapshot.seq, snapshot.name),
+                        )
+                    ]
+                    db.execute("DELETE FROM snapshot_files WHERE seq <= ?", (snapshot.seq,))
+                    db.execute(
+                        "INSERT INTO snapshot_files (seq, crc, name, size) VALUES (?, ?, ?, ?)",
+                        (snapshot.seq, snapshot.crc, snapshot.name, snapshot.size),
                     )
-                ]
-                db.execute("DELETE FROM snapshot_files WHERE seq <= ?", (snapshot.seq,))
-                db.execute(
-                    "INSERT INTO snapshot_files (seq, crc, name, size) VALUES (?, ?, ?, ?)",
-                    (snapshot.seq, snapshot.crc, snapshot.name, snapshot.size),
-                )
-                db.execute("DELETE FROM log WHERE seq <= ?", (snapshot.seq,))
-                db.execute("DELETE FROM snapshots")  # inline ones (format 1) are older
-                self.set_meta("format_version", FORMAT_VERSION)
-                db.execute("COMMIT")
-            except BaseException:
-                with contextlib.suppress(sqlite3.Error):
-                    db.execute("ROLLBACK")
-                raise
+                    if checkpointer is None:
+                        db.execute("DELETE FROM log WHERE seq <= ?", (snapshot.seq,))
+                    db.execute("DELETE FROM snapshots")  # inline ones (format 1) are older
+                    self.set_meta("format_version", FORMAT_VERSION)
+                    db.execute("COMMIT")
+                except BaseException:
+                    with contextlib.suppress(sqlite3.Error):
+                        db.execute("ROLLBACK")
+                    raise
         except sqlite3.Error as exc:
             raise LogError(
                 f"cannot register the snapshot at {snapshot.seq} in {self.path}: {exc}"
             ) from None
         if older:
             self._retired.add(tuple(older))
-        checkpointer = self._checkpointer
         if checkpointer is not None:
+            checkpointer.prune_upto = max(checkpointer.prune_upto, snapshot.seq)
             # The deleted records' pages make a large WAL: copy them now, not at the
             # next mark.
             checkpointer.dirty = True

@@ -70,6 +70,12 @@ class DurabilityCollector(Collector):
                 "Background checkpoints that failed.",
                 checkpoints.num_failures,
             )
+            yield counter(
+                "records_pruned",
+                "Records a registered snapshot covered, deleted in batches by the checkpoint "
+                "thread (off the event loop).",
+                checkpoints.num_pruned,
+            )
             yield gauge(
                 "last_checkpoint_seconds",
                 "Time the last background checkpoint took (off the event loop).",
