@@ -98,6 +98,7 @@ def test_damaged_log_tail_is_reported_in_the_log_and_the_metrics(tmp_path):
         assert "pagekeeper_durability_recovery_damaged 1.0" in metrics
         assert "pagekeeper_durability_last_snapshot_loop_seconds " in metrics
         assert "pagekeeper_durability_checkpoints_total " in metrics
+        assert "pagekeeper_durability_records_pruned_total " in metrics
         assert "pagekeeper_durability_last_checkpoint_seconds " in metrics
         dropped = re.search(
             r"^pagekeeper_durability_recovery_dropped_records (\S+)$", metrics, re.M
