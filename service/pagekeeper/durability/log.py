@@ -513,7 +513,8 @@ class CommandLog:
 
     def delete_from(self, seq: int) -> int:
         """Drop records ``>= seq`` (a damaged tail); returns how many."""
-        cursor = self._db.execute("DELETE FROM log WHERE seq >= ?", (seq,))
+        with self._write_lock:
+            cursor = self._db.execute("DELETE FROM log WHERE seq >= ?", (seq,))
         return int(cursor.rowcount)
 
     # -- snapshots -------------------------------------------------------------------------
