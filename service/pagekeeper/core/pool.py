@@ -67,6 +67,9 @@ _HOLES = array("i", [-1]) * _SMALL
 _INT32S = [struct.Struct(f"={k}i") for k in range(_SMALL + 1)]
 
 
+# Entries a group's PageIndex is first sized for, at most (1.5 MB of table).
+_INDEX_PRESIZE = 65_536
+
 # The C accelerator of the per-page loops below (``_poolops.c``: the same loops on the
 # same objects), built with the package where a C compiler is; results are identical.
 _ops: ModuleType | None = load_extension("_poolops", "PAGEKEEPER_NATIVE_POOL")
@@ -254,13 +257,17 @@ class PagePool:
 
     def new_index(self, num_groups: int = 1) -> CacheIndex:
         """An empty prefix-cache index for one of ``num_groups`` groups, sized for its share
-        of the pool (all groups together index at most every page once; a PageIndex
-        doubles when filled past half, which happens a few times at most while the cache
-        first fills, and never shrinks)."""
+        of the pool (all groups together index at most every page once) up to
+        ``_INDEX_PRESIZE`` entries. A PageIndex doubles when filled past half and never
+        shrinks: a larger pool's index grows a few times while the cache first fills (at
+        131,072 entries that rebuild takes ~10 ms, at 1M ~80 ms, once each), then never
+        again; sizing it for the whole pool up front would cost 48 bytes a page at
+        start-up (with 4M pages, 192 MB) whether or not anything is ever cached."""
         if self._ops is None:
             index: dict[bytes, int] = {}
             return index
-        return self._ops.PageIndex(self.num_pages // max(1, num_groups))  # type: ignore[no-any-return]
+        expected = min(self.num_pages // max(1, num_groups), _INDEX_PRESIZE)
+        return self._ops.PageIndex(expected)  # type: ignore[no-any-return]
 
     def count_free(self, pages: Sequence[int]) -> int:
         """How many of ``pages`` sit in the free queue (the null page is never counted)."""
