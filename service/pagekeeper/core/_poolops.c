@@ -124,13 +124,13 @@ set_state(PyObject *state, Py_ssize_t page, long v)
 /* -- PageIndex: the prefix-cache index --------------------------------------------------
  *
  * A hash -> page map with the methods of a dict the pool uses. Open addressing with linear
- * probing over a table sized for the pool (at most half full: a group indexes each page
- * at most once), and deletion by backward shift: a removed entry's slot is refilled by the
- * entries after it that probed past it, so no tombstone is ever left. A dict instead
- * leaves a dummy per deletion and, when its free slots run out (every ~218,000 insertions
- * for 131,072 entries), rebuilds itself inside the insertion that ran out: ~8 ms in one
- * step. Here every insertion and deletion costs the same, forever; the table only grows
- * (doubling) if it is filled past half, which the pool never does.
+ * probing over a table kept at most half full, and deletion by backward shift: a removed
+ * entry's slot is refilled by the entries after it that probed past it, so no tombstone is
+ * ever left. A dict instead leaves a dummy per deletion and, when its free slots run out
+ * (every ~218,000 insertions for 131,072 entries), rebuilds itself inside the insertion
+ * that ran out: ~8 ms in one step. Here the table is rebuilt only when it doubles (filled
+ * past half), which a group's index, holding each page at most once, stops doing once the
+ * cache has filled; after that every insertion and deletion costs the same.
  *
  * Keys are exact bytes (hashed with Python's own salted bytes hash, which each bytes
  * object caches), values exact ints; so the map holds no reference cycle and is not
@@ -283,6 +283,16 @@ index_locate(PageIndexObject *self, PyObject *key)
     return self->slots[i].key == NULL ? -1 : (Py_ssize_t)i;
 }
 
+/* Empty slot i and return its value (the slot's reference). */
+static PyObject *
+index_pop_at(PageIndexObject *self, size_t i)
+{
+    PyObject *old_key = self->slots[i].key, *value = self->slots[i].value;
+    index_remove_at(self, i);
+    Py_DECREF(old_key);
+    return value;
+}
+
 /* Remove `key`: 0, or -1 with KeyError (or another exception) set. */
 static int
 index_delete(PageIndexObject *self, PyObject *key)
@@ -294,10 +304,7 @@ index_delete(PageIndexObject *self, PyObject *key)
         }
         return -1;
     }
-    PyObject *old_key = self->slots[i].key, *old_value = self->slots[i].value;
-    index_remove_at(self, (size_t)i);
-    Py_DECREF(old_key);
-    Py_DECREF(old_value);
+    Py_DECREF(index_pop_at(self, (size_t)i));
     return 0;
 }
 
@@ -453,10 +460,7 @@ PageIndex_pop(PageIndexObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetObject(PyExc_KeyError, args[0]);
         return NULL;
     }
-    PyObject *old_key = self->slots[i].key, *value = self->slots[i].value;
-    index_remove_at(self, (size_t)i);
-    Py_DECREF(old_key);
-    return value; /* the slot's reference */
+    return index_pop_at(self, (size_t)i);
 }
 
 static PyObject *
@@ -466,7 +470,7 @@ PageIndex_clear(PageIndexObject *self, PyObject *Py_UNUSED(ignored))
     Py_RETURN_NONE;
 }
 
-/* 0: keys, 1: values, 2: (key, value) tuples; in table order from after an empty slot. */
+/* 0: keys, 1: values, 2: (key, value) tuples; in table order. */
 static PyObject *
 index_listing(PageIndexObject *self, int what)
 {
@@ -474,13 +478,9 @@ index_listing(PageIndexObject *self, int what)
     if (list == NULL) {
         return NULL;
     }
-    size_t n = self->mask + 1, start = 0;
-    while (self->slots[start].key != NULL) {
-        start++; /* a table at most half full has an empty slot */
-    }
     Py_ssize_t k = 0;
-    for (size_t step = 1; step <= n; step++) {
-        IndexSlot *s = &self->slots[(start + step) & self->mask];
+    for (size_t j = 0; j <= self->mask; j++) {
+        IndexSlot *s = &self->slots[j];
         if (s->key == NULL) {
             continue;
         }
@@ -633,7 +633,8 @@ static PyTypeObject PageIndex_Type = {
     .tp_iter = (getiterfunc)PageIndex_iter,
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "PageIndex(expected=0): the prefix-cache index, hash (bytes) -> page (int), "
-              "sized for `expected` entries; no tombstones, so never rebuilt.",
+              "sized for `expected` entries, doubling past half full; no tombstones, so never "
+              "rebuilt at a steady size.",
     .tp_methods = PageIndex_methods,
     .tp_getset = PageIndex_getset,
     .tp_new = PageIndex_new,

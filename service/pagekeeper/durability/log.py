@@ -593,9 +593,9 @@ class CommandLog:
         if older:
             self._retired.add(tuple(older))
         if checkpointer is not None:
+            # The thread deletes the records it covers now, then checkpoints (which also
+            # lets it remove the files this registration replaced).
             checkpointer.prune_upto = max(checkpointer.prune_upto, snapshot.seq)
-            # The deleted records' pages make a large WAL: copy them now, not at the
-            # next mark.
             checkpointer.dirty = True
             checkpointer.wake()
         return tuple(older)
