@@ -616,6 +616,11 @@ def test_input_kinds_agree() -> None:
     big = [*tokens[:100], 2**40, *tokens[100:]]
     assert hash_pages(big, 16) == hash_pages(np.array(big, dtype=np.uint64), 16)
     assert hash_pages(big, 16) == ref_hashes(big, 16)
+    # A request's stored tokens (array 'Q', up to 2**64 - 1): the C encoder reads them
+    # in place, partial last page dropped.
+    for ids in (tokens, big, [*big, 2**64 - 1, 5, 7]):
+        assert hash_pages(array.array("Q", ids), 16) == hash_pages(list(ids), 16)
+    assert hash_pages(array.array("Q", big), 16) == ref_hashes(big, 16)
     small = [1, 2, 300, 70000]  # below the numpy threshold: the plain-Python encoder
     assert hash_pages(np.array(small, dtype=np.int64), 2) == hash_pages(small, 2)
     assert hash_pages(small, 2) == ref_hashes(small, 2)

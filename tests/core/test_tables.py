@@ -752,6 +752,20 @@ def test_page_rows_append_page_at_the_kept_length_only() -> None:
     assert rows.row(row).tolist() == [7, 9, 11]
 
 
+def test_page_rows_append_run_at_the_kept_length_only() -> None:
+    rows = PageRows(5)
+    row = rows.add_row()
+    rows.append_run(row, 0, [4, 2, 8])  # an admission's new pages
+    assert rows.row(row).tolist() == [4, 2, 8] and rows.num_pages(row) == 3
+    with pytest.raises(InvalidArgument, match="cannot append 2 at 2"):
+        rows.append_run(row, 2, [1, 3])  # a stale length would overwrite page 8
+    with pytest.raises(InvalidArgument, match="at most 5 pages"):
+        rows.append_run(row, 3, [1, 3, 5])  # past the row's room
+    assert rows.row(row).tolist() == [4, 2, 8] and rows.num_pages(row) == 3
+    rows.append_run(row, 3, [1, 3])
+    assert rows.row(row).tolist() == [4, 2, 8, 1, 3]
+
+
 def test_page_rows_append_page_each_is_all_or_nothing() -> None:
     rows = PageRows(3)
     a, b, c = rows.add_row(), rows.add_row(), rows.add_row()

@@ -125,7 +125,7 @@ class GroupManager:
         if num_new == 1:
             self.rows.append_page(row, held, pages[0])
         else:
-            self.rows.append(row, pages)
+            self.rows.append_run(row, held, pages)
         self.page_counts[request_id] = held + num_new
         return pages
 

@@ -625,6 +625,12 @@ class PageHasher:
                 raise InvalidArgument(_describe_bad_token(page)) from exc
             message = b"".join((head, parent, self._array_head, encoded, extra))
             return [_digest(self.algorithm, message)]
+        if _native is not None and type(token_ids) is array.array and token_ids.typecode == "Q":
+            # A request's stored tokens (unsigned 64-bit, so valid): the C encoder reads
+            # them in place and encodes any id, so no numpy view or range check is needed.
+            # It encodes the full pages only.
+            body, ends = _native.encode_pages(token_ids, page_size)
+            return _chain(self.algorithm, parent, self._array_head, body, ends, extras)
         if num_tokens >= _NUMPY_MIN_TOKENS or _native is not None:
             # A list is packed whole (no slice copy) and its partial page dropped after.
             whole = isinstance(token_ids, np.ndarray)

@@ -694,6 +694,19 @@ class PageRows:
         self._table[row, num_pages] = page_id
         self._num_pages[row] = num_pages + 1
 
+    def append_run(self, row: int, num_pages: int, page_ids: list[int]) -> None:
+        """Add a run of pages a pool just handed out to the end of a live row whose length
+        the caller keeps (``num_pages``): an admission's new pages. Like :meth:`append_page`,
+        only the length and the row's room are checked; the ids are the pool's own."""
+        end = num_pages + len(page_ids)
+        if num_pages != self._num_pages[row] or end > self._max_pages:
+            raise InvalidArgument(
+                f"row {row} holds {int(self._num_pages[row])} of at most {self._max_pages} "
+                f"pages; cannot append {len(page_ids)} at {num_pages}"
+            )
+        self._table[row, num_pages:end] = page_ids
+        self._num_pages[row] = end
+
     def append_page_each(
         self, rows: Sequence[int], num_pages: Sequence[int], page_ids: Sequence[int]
     ) -> None:
