@@ -34,7 +34,12 @@ _EDGES = [0, 23, 24, 255, 256, 65_535, 65_536, 2**32 - 1, 2**32, 2**64 - 1]
 
 
 def run(cases: int, seed: int) -> int:
-    return hash_cases(cases, seed) | pool_cases(cases, seed) | index_cases(cases, seed)
+    return (
+        hash_cases(cases, seed)
+        | pool_cases(cases, seed)
+        | index_cases(cases, seed)
+        | decode_cases(cases, seed)
+    )
 
 
 def hash_cases(cases: int, seed: int) -> int:
@@ -271,6 +276,50 @@ def index_cases(cases: int, seed: int) -> int:
     return 0
 
 
+def decode_cases(cases: int, seed: int) -> int:
+    """``_poolops.decode_fits`` (the manager's plain decode rows) against the manager's
+    Python loop: two managers through the same random admissions, decode steps (with
+    lookahead, refusals when the pool runs dry) and frees; equal after every step."""
+    from pagekeeper.core.config import GroupConfig, PoolConfig
+    from pagekeeper.core.manager import PageManager
+
+    if pool_module._ops is None:
+        print("memcheck: pagekeeper.core._poolops is not built here; nothing to check")
+        return 0
+    rng = random.Random(seed)
+    checked = 0
+    for _ in range(max(1, cases // 10)):
+        config = PoolConfig(
+            num_pages=rng.randrange(8, 40),
+            groups=(GroupConfig(page_size=rng.choice([1, 2, 4])),),
+            enable_prefix_caching=rng.random() < 0.8,
+            max_model_len=64,
+        )
+        native, python = PageManager(config), PageManager(config)
+        python.pool._ops = None
+        for step in range(30):
+            running = native.request_ids()
+            if len(running) < 6 and rng.random() < 0.4:
+                rid = f"q{step}"
+                prompt = [rng.randrange(50) for _ in range(rng.randrange(1, 12))]
+                assert native.admit(rid, prompt) == python.admit(rid, prompt)
+            elif running and rng.random() < 0.1:
+                rid = rng.choice(running)
+                native.free(rid)
+                python.free(rid)
+            live = [r for r in native.request_ids() if native.request_info(r).num_tokens < 60]
+            tokens = [rng.randrange(2**40) for _ in live]
+            lookahead = rng.choice([0, 0, 1, 2])
+            want = python.allocate_decodes(live, tokens, num_lookahead_tokens=lookahead)
+            assert native.allocate_decodes(live, tokens, num_lookahead_tokens=lookahead) == want
+            assert native.take_events() == python.take_events()
+            for rid in native.request_ids():
+                assert native._requests[rid] == python._requests[rid]
+            checked += 1
+    print(f"memcheck: {checked} decode steps with pagekeeper.core._poolops.decode_fits passed")
+    return 0
+
+
 # Words that name the extensions in a valgrind stack frame (their files and functions).
 _OUR_FRAMES = (
     "_native",
@@ -283,6 +332,9 @@ _OUR_FRAMES = (
     "pool_release",
     "pool_atomic_tuple",
     "pool_untrack",
+    "pool_decode_fits",
+    "decode_row",
+    "small_count",
     "visit_for_tracked",
     "PageIndex",
     "index_",

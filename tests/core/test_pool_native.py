@@ -9,12 +9,14 @@ changes) is checked directly.
 
 from __future__ import annotations
 
+import array
 import gc
 import os
 import shutil
 import subprocess
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import ModuleType
 
 import hypothesis.strategies as st
@@ -329,3 +331,111 @@ def test_native_pool_is_built_where_it_can_be() -> None:
     if not shutil.which("cc"):
         pytest.skip("no C compiler: the Python loops run")
     assert pool_module.native_pool(), "setup.py did not build pagekeeper.core._poolops"
+
+
+# -- decode_fits: the manager's plain decode rows -------------------------------------------
+
+
+def _decode_twins(caching: bool, max_model_len: int) -> list:
+    """Two managers, one decoding with the C row pass (the default where built) and one
+    with the Python loop, with the same running requests (partial pages, a page just
+    full, one that needs a page at the next token)."""
+    from pagekeeper.core.config import GroupConfig, PoolConfig
+    from pagekeeper.core.manager import PageManager
+
+    managers = []
+    for native in (True, False):
+        config = PoolConfig(
+            num_pages=16,
+            groups=(GroupConfig(page_size=4),),
+            enable_prefix_caching=caching,
+            max_model_len=max_model_len,
+        )
+        manager = PageManager(config)
+        if not native:
+            manager.pool._ops = None
+        for k, length in enumerate((3, 4, 5, 7, 8, 2)):
+            manager.admit(f"r{k}", list(range(10 * k, 10 * k + length)))
+        manager.take_events()
+        managers.append(manager)
+    return managers
+
+
+@needs_native
+@pytest.mark.parametrize("caching", [True, False])
+@pytest.mark.parametrize("lookahead", [0, 1, 3])
+def test_decode_rows_in_c_match_the_python_loop(caching: bool, lookahead: int) -> None:
+    """Whole decode steps until the pool runs dry and rows hit max_model_len: the same
+    answers, events, request state and free queue with and without the C row pass."""
+    native, python = _decode_twins(caching, max_model_len=24)
+    running = [f"r{k}" for k in range(6)]
+    refused = crossed = 0
+    for step in range(40):
+        tokens = [7 * step + k for k in range(len(running))]
+        live = [r for r in running if native.request_info(r).num_tokens < 24 - lookahead - 1]
+        tokens = tokens[: len(live)]
+        if not live:
+            break
+        want = python.allocate_decodes(live, tokens, num_lookahead_tokens=lookahead)
+        assert native.allocate_decodes(live, tokens, num_lookahead_tokens=lookahead) == want
+        assert native.take_events() == python.take_events()
+        for rid in running:
+            assert native.request_info(rid) == python.request_info(rid)
+            # Every field: tokens, hashes, the scheduled range a published batch writes.
+            assert native._requests[rid] == python._requests[rid]
+        assert native.pool.free_queue() == python.pool.free_queue()
+        native.check_invariants()
+        refused += sum(answer is None for answer in want.values())
+        crossed += sum(answer is not None for answer in want.values())
+    assert refused and crossed  # the pool ran dry; rows crossed into pages
+
+
+@dataclass(slots=True)
+class _Row:
+    request_id: object
+    token_ids: array.array
+    hashes: list
+    num_computed_tokens: object
+    scheduled_start: int = 0
+    num_scheduled: int = 0
+
+
+@needs_native
+def test_decode_fits_applies_plain_rows_and_lists_the_rest() -> None:
+    ops = pool_module._ops
+    assert ops is not None
+
+    def row(rid: object, length: int, computed: object = None) -> _Row:
+        n = length if computed is None else computed
+        return _Row(rid, array.array("Q", range(length)), [b"h"] * (length // 4), n)
+
+    rows = [
+        row("fits", 5),  # token 6 of 2 pages: fits
+        row("crosses", 8),  # token 9 needs a third page
+        row("fills", 7),  # token 8 fills page 2 (to cache, to hash)
+        row("odd", 5, computed="5"),  # not an int: left to the caller
+        row(("odd",), 5),  # not a str id: left alone
+        row("unknown", 5),  # not in page_counts
+    ]
+    counts = {"fits": 2, "crosses": 2, "fills": 2, "odd": 2, "unknown-not": 2}
+    cached = dict.fromkeys(counts, 1)
+    before = [(list(r.token_ids), r.num_computed_tokens) for r in rows]
+    slow = ops.decode_fits(rows, [100] * 6, counts, cached, 4, 4, 64, 0, True)
+    assert slow == [1, 2, 3, 4, 5]
+    assert list(rows[0].token_ids) == [*range(5), 100]
+    assert (rows[0].num_computed_tokens, rows[0].scheduled_start, rows[0].num_scheduled) == (
+        6,
+        5,
+        1,
+    )
+    for r, (tokens, computed) in zip(rows[1:], before[1:], strict=True):
+        assert (list(r.token_ids), r.num_computed_tokens, r.num_scheduled) == (tokens, computed, 0)
+    # Without caching a filled page needs nothing: only the crossing (and odd rows) remain.
+    assert ops.decode_fits([row("fills", 7)], [1], counts, cached, 4, 4, 64, 0, False) == []
+    # Lookahead slots past the pages cross; max_model_len caps them.
+    assert ops.decode_fits([row("fits", 5)], [1], counts, cached, 4, 4, 64, 3, True) == [0]
+    assert ops.decode_fits([row("fits", 5)], [1], counts, cached, 4, 4, 8, 3, True) == []
+    with pytest.raises(TypeError):
+        ops.decode_fits(rows, [1], counts, cached, 4, 4, 64, 0, True)
+    with pytest.raises(ValueError):
+        ops.decode_fits([], [], counts, cached, 0, 4, 64, 0, True)

@@ -47,6 +47,14 @@
  *       tuples of ~125 hashes and page ids each were traversed by the next young
  *       collection, and thousands of events waiting for it made a 20 ms pause.
  *
+ *   decode_fits(reqs, tokens, page_counts, num_cached_pages, page_size,
+ *               hash_page_size, max_len, lookahead, caching) -> slow rows
+ *       The manager's decode step for one full-attention group, for the rows that need
+ *       nothing of the pool: request reqs[i] (a manager _Request) appends tokens[i] and
+ *       counts one more computed token, when that takes no new page, fills no page and
+ *       completes no hash page. Every other row (and any row whose fields are not what
+ *       the manager keeps) is left unchanged and listed, in order, for the Python loop.
+ *
  * Page ids are checked against the state list's length before anything is written (an
  * IndexError, as the Python loops would raise, changes nothing here).
  */
@@ -1030,6 +1038,159 @@ pool_untrack(PyObject *module, PyObject *obj)
     Py_RETURN_TRUE;
 }
 
+/* -- decode_fits: the manager's plain decode rows --------------------------------------- */
+
+static PyObject *str_request_id, *str_num_computed_tokens, *str_token_ids, *str_hashes,
+    *str_scheduled_start, *str_num_scheduled, *str_append, *int_one;
+
+/* An int attribute or dict value as a C integer; -1 (no exception) when absent or not an
+ * exact non-negative int that fits: the row is then the Python loop's. */
+static Py_ssize_t
+small_count(PyObject *obj)
+{
+    if (obj == NULL || !PyLong_CheckExact(obj)) {
+        return -1;
+    }
+    Py_ssize_t v = PyLong_AsSsize_t(obj);
+    if (v == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+    }
+    return v < 0 || v > PY_SSIZE_T_MAX / 4 ? -1 : v;
+}
+
+/* 1: row i fits and was applied; 0: left alone (the Python loop's); -1: an error, the row
+ * unchanged. */
+static int
+decode_row(PyObject *req, PyObject *token, PyObject *page_counts, PyObject *num_cached,
+           Py_ssize_t ps, Py_ssize_t hps, Py_ssize_t max_len, Py_ssize_t lookahead,
+           int caching)
+{
+    int result = 0;
+    PyObject *rid = NULL, *computed_o = NULL, *ids = NULL, *hashes = NULL, *end_o = NULL;
+    rid = PyObject_GetAttr(req, str_request_id);
+    computed_o = rid ? PyObject_GetAttr(req, str_num_computed_tokens) : NULL;
+    ids = computed_o ? PyObject_GetAttr(req, str_token_ids) : NULL;
+    if (ids == NULL || !PyUnicode_CheckExact(rid) || !PyLong_CheckExact(token)) {
+        goto leave;  /* not a manager request (or a missing field): the general loop */
+    }
+    Py_ssize_t computed = small_count(computed_o);
+    Py_ssize_t held = small_count(PyDict_GetItemWithError(page_counts, rid));
+    if (computed < 0 || held < 0 || PyErr_Occurred()) {
+        goto leave;
+    }
+    Py_ssize_t end = computed + 1;
+    Py_ssize_t num_slots = end + lookahead > max_len ? max_len : end + lookahead;
+    if ((num_slots + ps - 1) / ps > held) {
+        goto leave;  /* crosses into a new page */
+    }
+    Py_ssize_t num_tokens = PyObject_Size(ids);
+    if (num_tokens < 0) {
+        goto leave;
+    }
+    num_tokens += 1;
+    if (caching) {
+        hashes = PyObject_GetAttr(req, str_hashes);
+        if (hashes == NULL || !PyList_CheckExact(hashes)
+            || num_tokens / hps > PyList_GET_SIZE(hashes)) {
+            goto leave;  /* completes a hash page */
+        }
+        Py_ssize_t done = small_count(PyDict_GetItemWithError(num_cached, rid));
+        if (done < 0 || PyErr_Occurred()
+            || (end < num_tokens ? end : num_tokens) / ps > done) {
+            goto leave;  /* fills a page to cache */
+        }
+    }
+    end_o = PyLong_FromSsize_t(end);
+    if (end_o == NULL) {
+        result = -1;
+        goto done;
+    }
+    PyObject *appended = PyObject_CallMethodOneArg(ids, str_append, token);
+    if (appended == NULL) {
+        result = -1;
+        goto done;
+    }
+    Py_DECREF(appended);
+    /* Slot writes of ints: they cannot fail once the token is in. */
+    if (PyObject_SetAttr(req, str_num_computed_tokens, end_o) < 0
+        || PyObject_SetAttr(req, str_scheduled_start, computed_o) < 0
+        || PyObject_SetAttr(req, str_num_scheduled, int_one) < 0) {
+        result = -1;
+        goto done;
+    }
+    result = 1;
+    goto done;
+leave:
+    if (PyErr_Occurred()) {
+        PyErr_Clear();
+    }
+done:
+    Py_XDECREF(rid);
+    Py_XDECREF(computed_o);
+    Py_XDECREF(ids);
+    Py_XDECREF(hashes);
+    Py_XDECREF(end_o);
+    return result;
+}
+
+static PyObject *
+pool_decode_fits(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 9) {
+        PyErr_SetString(PyExc_TypeError,
+                        "decode_fits(reqs, tokens, page_counts, num_cached_pages, page_size, "
+                        "hash_page_size, max_len, lookahead, caching)");
+        return NULL;
+    }
+    PyObject *reqs = args[0], *tokens = args[1], *page_counts = args[2], *num_cached = args[3];
+    if (!PyList_CheckExact(reqs) || !PyList_CheckExact(tokens)
+        || PyList_GET_SIZE(reqs) != PyList_GET_SIZE(tokens)) {
+        PyErr_SetString(PyExc_TypeError, "reqs and tokens must be lists of one length");
+        return NULL;
+    }
+    if (!PyDict_CheckExact(page_counts) || !PyDict_CheckExact(num_cached)) {
+        PyErr_SetString(PyExc_TypeError, "page_counts and num_cached_pages must be dicts");
+        return NULL;
+    }
+    Py_ssize_t ps = PyLong_AsSsize_t(args[4]), hps = PyLong_AsSsize_t(args[5]);
+    Py_ssize_t max_len = PyLong_AsSsize_t(args[6]), lookahead = PyLong_AsSsize_t(args[7]);
+    int caching = PyObject_IsTrue(args[8]);
+    if (PyErr_Occurred() || caching < 0) {
+        return NULL;
+    }
+    if (ps < 1 || hps < 1 || max_len < 0 || lookahead < 0 || lookahead > PY_SSIZE_T_MAX / 4
+        || max_len > PY_SSIZE_T_MAX / 4) {
+        PyErr_SetString(PyExc_ValueError, "bad page sizes, max_len or lookahead");
+        return NULL;
+    }
+    PyObject *slow = PyList_New(0);
+    if (slow == NULL) {
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(reqs);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        /* The lists hold references for the whole call: only slot reads and writes, a
+         * dict lookup with str keys and an array append run, no Python code. */
+        int r = decode_row(PyList_GET_ITEM(reqs, i), PyList_GET_ITEM(tokens, i), page_counts,
+                           num_cached, ps, hps, max_len, lookahead, caching);
+        if (r < 0) {
+            Py_DECREF(slow);
+            return NULL;
+        }
+        if (r == 0) {
+            PyObject *row = PyLong_FromSsize_t(i);
+            if (row == NULL || PyList_Append(slow, row) < 0) {
+                Py_XDECREF(row);
+                Py_DECREF(slow);
+                return NULL;
+            }
+            Py_DECREF(row);
+        }
+    }
+    return slow;
+}
+
 static PyMethodDef poolops_methods[] = {
     {"untrack", (PyCFunction)pool_untrack, METH_O,
      "untrack(obj) -> bool: stop the GC tracking obj when nothing it references is "
@@ -1045,6 +1206,9 @@ static PyMethodDef poolops_methods[] = {
      "cache(index, hash_of, state, cached, pages, hashes, flag) -> bool: a fresh run."},
     {"release", (PyCFunction)(void (*)(void))pool_release, METH_FASTCALL,
      "release(state, pages, same, now) -> bool: a free of pages in one state."},
+    {"decode_fits", (PyCFunction)(void (*)(void))pool_decode_fits, METH_FASTCALL,
+     "decode_fits(reqs, tokens, page_counts, num_cached_pages, page_size, hash_page_size, "
+     "max_len, lookahead, caching) -> rows left to the caller: the plain decode rows."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1060,6 +1224,27 @@ PyInit__poolops(void)
 {
     if (PyType_Ready(&PageIndex_Type) < 0) {
         return NULL;
+    }
+    struct {
+        PyObject **slot;
+        const char *name;
+    } names[] = {
+        {&str_request_id, "request_id"},
+        {&str_num_computed_tokens, "num_computed_tokens"},
+        {&str_token_ids, "token_ids"},
+        {&str_hashes, "hashes"},
+        {&str_scheduled_start, "scheduled_start"},
+        {&str_num_scheduled, "num_scheduled"},
+        {&str_append, "append"},
+    };
+    if (int_one == NULL && (int_one = PyLong_FromLong(1)) == NULL) {
+        return NULL;
+    }
+    for (size_t k = 0; k < sizeof(names) / sizeof(names[0]); k++) {
+        if (*names[k].slot == NULL
+            && (*names[k].slot = PyUnicode_InternFromString(names[k].name)) == NULL) {
+            return NULL;
+        }
     }
     PyObject *module = PyModule_Create(&poolops_module);
     if (module == NULL) {

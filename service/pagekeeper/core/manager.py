@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from array import array
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from math import lcm
 from operator import attrgetter
@@ -642,7 +642,24 @@ class PageManager:
             crossing_held.clear()
             crossing_rows.clear()
 
-        for row, (req, token) in enumerate(zip(reqs, tokens, strict=True)):
+        rows: Iterable[int] = range(len(reqs))
+        ops = pool._ops
+        if ops is not None and not extras:
+            # The rows that need nothing of the pool (most decodes) are applied in C; the
+            # rest, in order, here. Their pool work does not depend on those rows.
+            rows = ops.decode_fits(
+                reqs,
+                tokens,
+                page_counts,
+                num_cached_pages,
+                ps,
+                hps,
+                max_len,
+                num_lookahead_tokens,
+                caching,
+            )
+        for row in rows:
+            req, token = reqs[row], tokens[row]
             rid = req.request_id
             computed = req.num_computed_tokens
             extra = extras.get(rid) if extras else None
