@@ -86,8 +86,9 @@ def _as_token_array(token_ids: TokenIds, what: str) -> array[int]:
     """A private ``array('Q')`` of non-negative token ids, or InvalidArgument."""
     if isinstance(token_ids, np.ndarray):
         _check_token_ndarray(token_ids, what)
-        out = array("Q")
-        out.frombytes(token_ids.astype("<u8", copy=False).tobytes())
+        # Widened straight into the array's own buffer (one copy, no temporaries).
+        out = array("Q", bytes(8 * token_ids.shape[0]))
+        np.frombuffer(out, dtype=np.uint64)[:] = token_ids
         return out
     # One C-level pass checks every value: an unsigned 64-bit array refuses negative ints,
     # floats, strings and None, and takes numpy integers through ``__index__``. Five times
