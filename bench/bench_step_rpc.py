@@ -35,9 +35,13 @@ the same Step (parse, convert, apply, convert back, serialize) measured on an in
 ``local p50``: the same steps sent over the service's same-node socket
 (``--local-socket``; what ``PagekeeperClient`` uses on the service's host) instead of gRPC:
 the samples of a row alternate in pairs between the two transports (G G L L ...), each
-beside its own echo, so a row takes twice the samples. ``--no-local`` leaves it out. Run::
+beside its own echo, so a row takes twice the samples. ``--no-local`` leaves it out.
+
+The service runs at its default durability (``process``: each step journaled before it is
+answered); ``--durability none`` measures it without the journal. Run::
 
     .venv/bin/python bench/bench_step_rpc.py [--samples 200] [--quick] [--no-local]
+                                             [--durability none|process|fsync]
 """
 
 from __future__ import annotations
@@ -109,7 +113,7 @@ def _wait_file(path: Path, process: subprocess.Popen[bytes], what: str) -> str:
 
 
 def start_processes(
-    workdir: Path, local: bool
+    workdir: Path, local: bool, durability: str | None = None
 ) -> tuple[list[subprocess.Popen[bytes]], str, str, str | None]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEKEEPER_")}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT / "service"), str(REPO_ROOT / "client")])
@@ -121,6 +125,7 @@ def start_processes(
             "--ready-file", str(ready), "--publish-transport", "none",
             # The default durability (process): what a deployment runs; a fresh data dir.
             "--data-dir", str(workdir / "data"),
+            *(["--durability", durability] if durability else []),
             "--num-pages", str(NUM_PAGES), "--max-model-len", str(MAX_MODEL_LEN),
             "--page-size", str(PAGE_SIZE), "--lease-ttl-s", "600", "--max-lease-ttl-s", "600",
             "--log-level", "warning",
@@ -321,10 +326,14 @@ def summary(values: list[float]) -> tuple[float, float]:
 Row = tuple[str, int, float, float, float, float, float | None]
 
 
-async def run(samples: int, workdir: Path, use_local: bool) -> list[Row]:
+async def run(
+    samples: int, workdir: Path, use_local: bool, durability: str | None = None
+) -> list[Row]:
     from pagekeeper_client.local import LocalChannel
 
-    processes, service_address, echo_address, local_path = start_processes(workdir, use_local)
+    processes, service_address, echo_address, local_path = start_processes(
+        workdir, use_local, durability
+    )
     local = LocalChannel(local_path, timeout=60) if local_path else None
     rows: list[Row] = []
     try:
@@ -507,6 +516,7 @@ def main() -> int:
     parser.add_argument(
         "--no-local", action="store_true", help="leave out the same-node socket column"
     )
+    parser.add_argument("--durability", help="the service's durability (default: its own, process)")
     parser.add_argument("--echo-server", metavar="PORT_FILE", help=argparse.SUPPRESS)
     ns = parser.parse_args()
     if ns.echo_server:
@@ -514,8 +524,11 @@ def main() -> int:
         return 0
     samples = 40 if ns.quick else ns.samples
     with tempfile.TemporaryDirectory(prefix="pk-bench-") as tmp:
-        rows = asyncio.run(run(samples, Path(tmp), not ns.no_local))
-    print(f"Step round trip vs bare grpc.aio echo of the same request bytes ({samples} samples)")
+        rows = asyncio.run(run(samples, Path(tmp), not ns.no_local, ns.durability))
+    print(
+        f"Step round trip vs bare grpc.aio echo of the same request bytes ({samples} samples; "
+        f"service durability: {ns.durability or 'default (process)'})"
+    )
     print(
         f"{'row':<22} {'req KB':>6} {'step p50':>9} {'step p90':>9} {'echo p50':>9} "
         f"{'ratio':>6} {'in-proc':>9} {'transport':>9} {'local p50':>9} {'ratio':>6}"
