@@ -277,7 +277,7 @@ def index_cases(cases: int, seed: int) -> int:
 
 
 def decode_cases(cases: int, seed: int) -> int:
-    """``_poolops.decode_fits`` (the manager's plain decode rows) against the manager's
+    """``_poolops.decode_rows`` (the manager's plain decode rows) against the manager's
     Python loop: two managers through the same random admissions, decode steps (with
     lookahead, refusals when the pool runs dry) and frees; equal after every step."""
     from pagekeeper.core.config import GroupConfig, PoolConfig
@@ -316,7 +316,7 @@ def decode_cases(cases: int, seed: int) -> int:
             for rid in native.request_ids():
                 assert native._requests[rid] == python._requests[rid]
             checked += 1
-    print(f"memcheck: {checked} decode steps with pagekeeper.core._poolops.decode_fits passed")
+    print(f"memcheck: {checked} decode steps with pagekeeper.core._poolops.decode_rows passed")
     return 0
 
 
@@ -332,7 +332,8 @@ _OUR_FRAMES = (
     "pool_release",
     "pool_atomic_tuple",
     "pool_untrack",
-    "pool_decode_fits",
+    "pool_decode_rows",
+    "unlist_crossing",
     "decode_row",
     "small_count",
     "visit_for_tracked",

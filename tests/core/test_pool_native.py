@@ -333,7 +333,7 @@ def test_native_pool_is_built_where_it_can_be() -> None:
     assert pool_module.native_pool(), "setup.py did not build pagekeeper.core._poolops"
 
 
-# -- decode_fits: the manager's plain decode rows -------------------------------------------
+# -- decode_rows: the manager's plain decode rows -------------------------------------------
 
 
 def _decode_twins(caching: bool, max_model_len: int) -> list:
@@ -377,7 +377,8 @@ def test_decode_rows_in_c_match_the_python_loop(caching: bool, lookahead: int) -
         if not live:
             break
         want = python.allocate_decodes(live, tokens, num_lookahead_tokens=lookahead)
-        assert native.allocate_decodes(live, tokens, num_lookahead_tokens=lookahead) == want
+        got = native.allocate_decodes(live, tokens, num_lookahead_tokens=lookahead)
+        assert list(got.items()) == list(want.items())  # in request order too
         assert native.take_events() == python.take_events()
         for rid in running:
             assert native.request_info(rid) == python.request_info(rid)
@@ -388,6 +389,44 @@ def test_decode_rows_in_c_match_the_python_loop(caching: bool, lookahead: int) -
         refused += sum(answer is None for answer in want.values())
         crossed += sum(answer is not None for answer in want.values())
     assert refused and crossed  # the pool ran dry; rows crossed into pages
+
+
+@needs_native
+@pytest.mark.parametrize("caching", [True, False])
+def test_decode_rows_crossing_past_the_free_pages_matches_the_python_loop(caching: bool) -> None:
+    """Every row crosses into a page at once and the pool has pages for only some: the
+    same rows served (in order), refused and listed with and without the C rows."""
+    from pagekeeper.core.config import GroupConfig, PoolConfig
+    from pagekeeper.core.manager import PageManager
+
+    managers = []
+    for native in (True, False):
+        config = PoolConfig(
+            num_pages=12,
+            groups=(GroupConfig(page_size=4),),
+            enable_prefix_caching=caching,
+            max_model_len=64,
+        )
+        manager = PageManager(config)
+        if not native:
+            manager.pool._ops = None
+        for k in range(8):
+            manager.admit(f"r{k}", [10 * k + j for j in range(4)])  # one full page each
+        manager.take_events()
+        managers.append(manager)
+    native, python = managers
+    ids = [f"r{k}" for k in range(8)]
+    for step in range(3):
+        tokens = [step * 8 + k for k in range(8)]
+        want = python.allocate_decodes(ids, tokens)
+        got = native.allocate_decodes(ids, tokens)
+        assert list(got.items()) == list(want.items())  # in request order too
+        assert native.take_events() == python.take_events()
+        for rid in ids:
+            assert native._requests[rid] == python._requests[rid]
+        assert native.pool.free_queue() == python.pool.free_queue()
+        if step == 0:
+            assert sum(a is None for a in want.values()) == 5  # 3 free pages for 8 rows
 
 
 @dataclass(slots=True)
@@ -401,7 +440,7 @@ class _Row:
 
 
 @needs_native
-def test_decode_fits_applies_plain_rows_and_lists_the_rest() -> None:
+def test_decode_rows_applies_rows_in_order_up_to_the_first_it_cannot() -> None:
     ops = pool_module._ops
     assert ops is not None
 
@@ -409,33 +448,66 @@ def test_decode_fits_applies_plain_rows_and_lists_the_rest() -> None:
         n = length if computed is None else computed
         return _Row(rid, array.array("Q", range(length)), [b"h"] * (length // 4), n)
 
+    counts = {"fits": 2, "crosses": 2, "fills": 2, "odd": 2, "twice": 1}
+    cached = dict.fromkeys(counts, 1) | {"crosses": 2}  # its 2 full pages are cached
+    lists: tuple[list, list, list] = ([], [], [])
+
+    def run(rows: list, start: int = 0, free: int = 5, lookahead: int = 0, **kw) -> tuple:
+        args = dict(caching=True, max_len=64) | kw
+        tokens = [100] * len(rows)
+        return ops.decode_rows(
+            rows,
+            tokens,
+            start,
+            free,
+            counts,
+            cached,
+            4,
+            4,
+            args["max_len"],
+            lookahead,
+            args["caching"],
+            *lists,
+        )
+
     rows = [
-        row("fits", 5),  # token 6 of 2 pages: fits
-        row("crosses", 8),  # token 9 needs a third page
-        row("fills", 7),  # token 8 fills page 2 (to cache, to hash)
-        row("odd", 5, computed="5"),  # not an int: left to the caller
-        row(("odd",), 5),  # not a str id: left alone
-        row("unknown", 5),  # not in page_counts
+        row("fits", 5),  # token 6 of 2 pages: applied
+        row("crosses", 8),  # token 9 takes a third page: applied, listed
+        row("fills", 7),  # token 8 fills page 2 (to cache, to hash): stop here
+        row("fits", 5),  # after the stop: untouched
     ]
-    counts = {"fits": 2, "crosses": 2, "fills": 2, "odd": 2, "unknown-not": 2}
-    cached = dict.fromkeys(counts, 1)
     before = [(list(r.token_ids), r.num_computed_tokens) for r in rows]
-    slow = ops.decode_fits(rows, [100] * 6, counts, cached, 4, 4, 64, 0, True)
-    assert slow == [1, 2, 3, 4, 5]
+    assert run(rows) == (2, 4)  # stopped at row 2; one free page taken
     assert list(rows[0].token_ids) == [*range(5), 100]
     assert (rows[0].num_computed_tokens, rows[0].scheduled_start, rows[0].num_scheduled) == (
         6,
         5,
         1,
     )
-    for r, (tokens, computed) in zip(rows[1:], before[1:], strict=True):
+    assert rows[1].num_computed_tokens == 9 and list(rows[1].token_ids)[-1] == 100
+    assert lists == (["crosses"], [2], [1])
+    for r, (tokens, computed) in zip(rows[2:], before[2:], strict=True):
         assert (list(r.token_ids), r.num_computed_tokens, r.num_scheduled) == (tokens, computed, 0)
-    # Without caching a filled page needs nothing: only the crossing (and odd rows) remain.
-    assert ops.decode_fits([row("fills", 7)], [1], counts, cached, 4, 4, 64, 0, False) == []
-    # Lookahead slots past the pages cross; max_model_len caps them.
-    assert ops.decode_fits([row("fits", 5)], [1], counts, cached, 4, 4, 64, 3, True) == [0]
-    assert ops.decode_fits([row("fits", 5)], [1], counts, cached, 4, 4, 8, 3, True) == []
+    # Resumed after the stop (the caller handled row 2): row 3 applied, the end reached.
+    assert run(rows, start=3) == (4, 5)
+    # No free page left: a crossing stops (the caller refuses it), nothing listed.
+    for listed in lists:
+        listed.clear()
+    assert run([row("crosses", 8)], free=0) == (0, 0) and lists == ([], [], [])
+    # Two new pages (lookahead past the next page) are the caller's too.
+    assert run([row("twice", 4)], lookahead=4) == (0, 5)
+    # Fields that are not what the manager keeps: left to the caller, unchanged.
+    odd = [row("odd", 5, computed="5"), row(("odd",), 5), row("unknown", 5)]
+    for k, r in enumerate(odd):
+        assert run([r]) == (0, 5)
+        assert r.num_scheduled == 0 and len(r.token_ids) == 5, k
+    # Without caching a filled page needs nothing; max_model_len caps the lookahead.
+    assert run([row("fills", 7)], caching=False) == (1, 5)
+    assert run([row("fits", 5)], lookahead=7) == (0, 5)  # 4 pages: two new ones
+    assert run([row("fits", 5)], lookahead=7, max_len=8) == (1, 5)
     with pytest.raises(TypeError):
-        ops.decode_fits(rows, [1], counts, cached, 4, 4, 64, 0, True)
+        ops.decode_rows(rows, [1], 0, 5, counts, cached, 4, 4, 64, 0, True, *lists)
     with pytest.raises(ValueError):
-        ops.decode_fits([], [], counts, cached, 0, 4, 64, 0, True)
+        ops.decode_rows([], [], 0, 5, counts, cached, 0, 4, 64, 0, True, *lists)
+    with pytest.raises(ValueError):
+        ops.decode_rows([], [], 0, -1, counts, cached, 4, 4, 64, 0, True, *lists)

@@ -47,13 +47,17 @@
  *       tuples of ~125 hashes and page ids each were traversed by the next young
  *       collection, and thousands of events waiting for it made a 20 ms pause.
  *
- *   decode_fits(reqs, tokens, page_counts, num_cached_pages, page_size,
- *               hash_page_size, max_len, lookahead, caching) -> slow rows
- *       The manager's decode step for one full-attention group, for the rows that need
- *       nothing of the pool: request reqs[i] (a manager _Request) appends tokens[i] and
- *       counts one more computed token, when that takes no new page, fills no page and
- *       completes no hash page. Every other row (and any row whose fields are not what
- *       the manager keeps) is left unchanged and listed, in order, for the Python loop.
+ *   decode_rows(reqs, tokens, start, num_free, page_counts, num_cached_pages, page_size,
+ *               hash_page_size, max_len, lookahead, caching, crossing, crossing_held,
+ *               crossing_rows) -> (stop, num_free)
+ *       The manager's decode step for one full-attention group, row after row from `start`,
+ *       for the rows that need no Python: request reqs[i] (a manager _Request) appends
+ *       tokens[i] and counts one more computed token when that fills no page to cache and
+ *       completes no hash page, and takes at most one new page while `num_free` allows.
+ *       A row that takes a page is listed (its id, the pages it held, its row) in the three
+ *       crossing lists, whose pages the caller takes later in one pool call; num_free goes
+ *       down by one. Stops at the first other row (and at any row whose fields are not what
+ *       the manager keeps), leaving it unchanged: `stop` is its index (len(reqs) at the end).
  *
  * Page ids are checked against the state list's length before anything is written (an
  * IndexError, as the Python loops would raise, changes nothing here).
@@ -1038,7 +1042,7 @@ pool_untrack(PyObject *module, PyObject *obj)
     Py_RETURN_TRUE;
 }
 
-/* -- decode_fits: the manager's plain decode rows --------------------------------------- */
+/* -- decode_rows: the manager's plain decode rows --------------------------------------- */
 
 static PyObject *str_request_id, *str_num_computed_tokens, *str_token_ids, *str_hashes,
     *str_scheduled_start, *str_num_scheduled, *str_append, *int_one;
@@ -1058,15 +1062,30 @@ small_count(PyObject *obj)
     return v < 0 || v > PY_SSIZE_T_MAX / 4 ? -1 : v;
 }
 
-/* 1: row i fits and was applied; 0: left alone (the Python loop's); -1: an error, the row
- * unchanged. */
-static int
-decode_row(PyObject *req, PyObject *token, PyObject *page_counts, PyObject *num_cached,
-           Py_ssize_t ps, Py_ssize_t hps, Py_ssize_t max_len, Py_ssize_t lookahead,
-           int caching)
+typedef struct {
+    PyObject *page_counts, *num_cached, *crossing, *crossing_held, *crossing_rows;
+    Py_ssize_t ps, hps, max_len, lookahead, num_free;
+    int caching;
+} DecodeStep;
+
+/* Drop the last item of each of the first `k` crossing lists (undoing a row's entries). */
+static void
+unlist_crossing(DecodeStep *d, int k)
 {
-    int result = 0;
+    PyObject *lists[3] = {d->crossing, d->crossing_held, d->crossing_rows};
+    for (int j = 0; j < k; j++) {
+        Py_ssize_t n = PyList_GET_SIZE(lists[j]);
+        (void)PyList_SetSlice(lists[j], n - 1, n, NULL);
+    }
+}
+
+/* 1: row i applied; 0: left alone (the Python loop's); -1: an error, the row unchanged. */
+static int
+decode_row(DecodeStep *d, PyObject *req, PyObject *token, Py_ssize_t i)
+{
+    int result = 0, listed = 0;
     PyObject *rid = NULL, *computed_o = NULL, *ids = NULL, *hashes = NULL, *end_o = NULL;
+    PyObject *held_o = NULL, *row_o = NULL;
     rid = PyObject_GetAttr(req, str_request_id);
     computed_o = rid ? PyObject_GetAttr(req, str_num_computed_tokens) : NULL;
     ids = computed_o ? PyObject_GetAttr(req, str_token_ids) : NULL;
@@ -1074,29 +1093,31 @@ decode_row(PyObject *req, PyObject *token, PyObject *page_counts, PyObject *num_
         goto leave;  /* not a manager request (or a missing field): the general loop */
     }
     Py_ssize_t computed = small_count(computed_o);
-    Py_ssize_t held = small_count(PyDict_GetItemWithError(page_counts, rid));
+    held_o = PyDict_GetItemWithError(d->page_counts, rid); /* borrowed */
+    Py_ssize_t held = small_count(held_o);
     if (computed < 0 || held < 0 || PyErr_Occurred()) {
         goto leave;
     }
     Py_ssize_t end = computed + 1;
-    Py_ssize_t num_slots = end + lookahead > max_len ? max_len : end + lookahead;
-    if ((num_slots + ps - 1) / ps > held) {
-        goto leave;  /* crosses into a new page */
+    Py_ssize_t num_slots = end + d->lookahead > d->max_len ? d->max_len : end + d->lookahead;
+    Py_ssize_t num_new = (num_slots + d->ps - 1) / d->ps - held;
+    if (num_new > 1 || (num_new == 1 && d->num_free < 1)) {
+        goto leave;  /* several pages, or none left: the general loop decides */
     }
     Py_ssize_t num_tokens = PyObject_Size(ids);
     if (num_tokens < 0) {
         goto leave;
     }
     num_tokens += 1;
-    if (caching) {
+    if (d->caching) {
         hashes = PyObject_GetAttr(req, str_hashes);
         if (hashes == NULL || !PyList_CheckExact(hashes)
-            || num_tokens / hps > PyList_GET_SIZE(hashes)) {
+            || num_tokens / d->hps > PyList_GET_SIZE(hashes)) {
             goto leave;  /* completes a hash page */
         }
-        Py_ssize_t done = small_count(PyDict_GetItemWithError(num_cached, rid));
+        Py_ssize_t done = small_count(PyDict_GetItemWithError(d->num_cached, rid));
         if (done < 0 || PyErr_Occurred()
-            || (end < num_tokens ? end : num_tokens) / ps > done) {
+            || (end < num_tokens ? end : num_tokens) / d->ps > done) {
             goto leave;  /* fills a page to cache */
         }
     }
@@ -1105,18 +1126,45 @@ decode_row(PyObject *req, PyObject *token, PyObject *page_counts, PyObject *num_
         result = -1;
         goto done;
     }
+    if (num_new == 1) {
+        /* Listed first, so a failure below can take the entries back. */
+        row_o = PyLong_FromSsize_t(i);
+        if (row_o == NULL) {
+            result = -1;
+            goto done;
+        }
+        if (PyList_Append(d->crossing, rid) < 0) {
+            result = -1;
+            goto done;
+        }
+        listed = 1;
+        if (PyList_Append(d->crossing_held, held_o) < 0) {
+            result = -1;
+            goto done;
+        }
+        listed = 2;
+        if (PyList_Append(d->crossing_rows, row_o) < 0) {
+            result = -1;
+            goto done;
+        }
+        listed = 3;
+    }
     PyObject *appended = PyObject_CallMethodOneArg(ids, str_append, token);
     if (appended == NULL) {
         result = -1;
         goto done;
     }
     Py_DECREF(appended);
+    listed = 0; /* the row is applied: its entries stay */
     /* Slot writes of ints: they cannot fail once the token is in. */
     if (PyObject_SetAttr(req, str_num_computed_tokens, end_o) < 0
         || PyObject_SetAttr(req, str_scheduled_start, computed_o) < 0
         || PyObject_SetAttr(req, str_num_scheduled, int_one) < 0) {
         result = -1;
         goto done;
+    }
+    if (num_new == 1) {
+        d->num_free -= 1;
     }
     result = 1;
     goto done;
@@ -1125,70 +1173,81 @@ leave:
         PyErr_Clear();
     }
 done:
+    if (result < 0 && listed) {
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        unlist_crossing(d, listed);
+        PyErr_Restore(type, value, tb);
+    }
     Py_XDECREF(rid);
     Py_XDECREF(computed_o);
     Py_XDECREF(ids);
     Py_XDECREF(hashes);
     Py_XDECREF(end_o);
+    Py_XDECREF(row_o);
     return result;
 }
 
 static PyObject *
-pool_decode_fits(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+pool_decode_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (nargs != 9) {
+    if (nargs != 14) {
         PyErr_SetString(PyExc_TypeError,
-                        "decode_fits(reqs, tokens, page_counts, num_cached_pages, page_size, "
-                        "hash_page_size, max_len, lookahead, caching)");
+                        "decode_rows(reqs, tokens, start, num_free, page_counts, "
+                        "num_cached_pages, page_size, hash_page_size, max_len, lookahead, "
+                        "caching, crossing, crossing_held, crossing_rows)");
         return NULL;
     }
-    PyObject *reqs = args[0], *tokens = args[1], *page_counts = args[2], *num_cached = args[3];
+    PyObject *reqs = args[0], *tokens = args[1];
+    DecodeStep d = {
+        .page_counts = args[4], .num_cached = args[5], .crossing = args[11],
+        .crossing_held = args[12], .crossing_rows = args[13],
+    };
     if (!PyList_CheckExact(reqs) || !PyList_CheckExact(tokens)
         || PyList_GET_SIZE(reqs) != PyList_GET_SIZE(tokens)) {
         PyErr_SetString(PyExc_TypeError, "reqs and tokens must be lists of one length");
         return NULL;
     }
-    if (!PyDict_CheckExact(page_counts) || !PyDict_CheckExact(num_cached)) {
+    if (!PyDict_CheckExact(d.page_counts) || !PyDict_CheckExact(d.num_cached)) {
         PyErr_SetString(PyExc_TypeError, "page_counts and num_cached_pages must be dicts");
         return NULL;
     }
-    Py_ssize_t ps = PyLong_AsSsize_t(args[4]), hps = PyLong_AsSsize_t(args[5]);
-    Py_ssize_t max_len = PyLong_AsSsize_t(args[6]), lookahead = PyLong_AsSsize_t(args[7]);
-    int caching = PyObject_IsTrue(args[8]);
-    if (PyErr_Occurred() || caching < 0) {
+    if (!PyList_CheckExact(d.crossing) || !PyList_CheckExact(d.crossing_held)
+        || !PyList_CheckExact(d.crossing_rows)) {
+        PyErr_SetString(PyExc_TypeError, "the crossing lists must be lists");
         return NULL;
     }
-    if (ps < 1 || hps < 1 || max_len < 0 || lookahead < 0 || lookahead > PY_SSIZE_T_MAX / 4
-        || max_len > PY_SSIZE_T_MAX / 4) {
-        PyErr_SetString(PyExc_ValueError, "bad page sizes, max_len or lookahead");
+    Py_ssize_t start = PyLong_AsSsize_t(args[2]);
+    d.num_free = PyLong_AsSsize_t(args[3]);
+    d.ps = PyLong_AsSsize_t(args[6]);
+    d.hps = PyLong_AsSsize_t(args[7]);
+    d.max_len = PyLong_AsSsize_t(args[8]);
+    d.lookahead = PyLong_AsSsize_t(args[9]);
+    d.caching = PyObject_IsTrue(args[10]);
+    if (PyErr_Occurred() || d.caching < 0) {
         return NULL;
     }
-    PyObject *slow = PyList_New(0);
-    if (slow == NULL) {
+    if (start < 0 || d.num_free < 0 || d.ps < 1 || d.hps < 1 || d.max_len < 0
+        || d.lookahead < 0 || d.lookahead > PY_SSIZE_T_MAX / 4
+        || d.max_len > PY_SSIZE_T_MAX / 4) {
+        PyErr_SetString(PyExc_ValueError,
+                        "bad start, num_free, page sizes, max_len or lookahead");
         return NULL;
     }
-    Py_ssize_t n = PyList_GET_SIZE(reqs);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        /* The lists hold references for the whole call: only slot reads and writes, a
-         * dict lookup with str keys and an array append run, no Python code. */
-        int r = decode_row(PyList_GET_ITEM(reqs, i), PyList_GET_ITEM(tokens, i), page_counts,
-                           num_cached, ps, hps, max_len, lookahead, caching);
+    Py_ssize_t n = PyList_GET_SIZE(reqs), i = start;
+    for (; i < n; i++) {
+        /* The lists hold references for the whole call: only slot reads and writes, dict
+         * lookups with str keys, list appends and an array append run, no Python code. */
+        int r = decode_row(&d, PyList_GET_ITEM(reqs, i), PyList_GET_ITEM(tokens, i), i);
         if (r < 0) {
-            Py_DECREF(slow);
             return NULL;
         }
         if (r == 0) {
-            PyObject *row = PyLong_FromSsize_t(i);
-            if (row == NULL || PyList_Append(slow, row) < 0) {
-                Py_XDECREF(row);
-                Py_DECREF(slow);
-                return NULL;
-            }
-            Py_DECREF(row);
+            break;
         }
     }
-    return slow;
+    return Py_BuildValue("(nn)", i, d.num_free);
 }
 
 static PyMethodDef poolops_methods[] = {
@@ -1206,9 +1265,10 @@ static PyMethodDef poolops_methods[] = {
      "cache(index, hash_of, state, cached, pages, hashes, flag) -> bool: a fresh run."},
     {"release", (PyCFunction)(void (*)(void))pool_release, METH_FASTCALL,
      "release(state, pages, same, now) -> bool: a free of pages in one state."},
-    {"decode_fits", (PyCFunction)(void (*)(void))pool_decode_fits, METH_FASTCALL,
-     "decode_fits(reqs, tokens, page_counts, num_cached_pages, page_size, hash_page_size, "
-     "max_len, lookahead, caching) -> rows left to the caller: the plain decode rows."},
+    {"decode_rows", (PyCFunction)(void (*)(void))pool_decode_rows, METH_FASTCALL,
+     "decode_rows(reqs, tokens, start, num_free, page_counts, num_cached_pages, page_size, "
+     "hash_page_size, max_len, lookahead, caching, crossing, crossing_held, crossing_rows) "
+     "-> (stop, num_free): the manager's plain decode rows, in order from start."},
     {NULL, NULL, 0, NULL},
 };
 

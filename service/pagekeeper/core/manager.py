@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from array import array
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from math import lcm
 from operator import attrgetter
@@ -643,23 +643,34 @@ class PageManager:
             crossing_held.clear()
             crossing_rows.clear()
 
-        rows: Iterable[int] = range(len(reqs))
-        ops = pool._ops
-        if ops is not None and not extras:
-            # The rows that need nothing of the pool (most decodes) are applied in C; the
-            # rest, in order, here. Their pool work does not depend on those rows.
-            rows = ops.decode_fits(
-                reqs,
-                tokens,
-                page_counts,
-                num_cached_pages,
-                ps,
-                hps,
-                max_len,
-                num_lookahead_tokens,
-                caching,
-            )
-        for row in rows:
+        ops = pool._ops if not extras else None
+        n = len(reqs)
+        i = 0
+        while i < n:
+            if ops is not None:
+                # The rows that need no Python (most decodes: no page filled to cache, at
+                # most one new page while pages are free) are applied in C, in order, up
+                # to the next one that does, which the loop body below handles.
+                i, num_free = ops.decode_rows(
+                    reqs,
+                    tokens,
+                    i,
+                    num_free,
+                    page_counts,
+                    num_cached_pages,
+                    ps,
+                    hps,
+                    max_len,
+                    num_lookahead_tokens,
+                    caching,
+                    crossing,
+                    crossing_held,
+                    crossing_rows,
+                )
+                if i == n:
+                    break
+            row = i
+            i += 1
             req, token = reqs[row], tokens[row]
             rid = req.request_id
             computed = req.num_computed_tokens
