@@ -1255,18 +1255,12 @@ class ServiceState:
                     if rows:
                         granted[0].extend(rows if start == 0 else [start + r for r in rows])
                         granted[1].extend(pages)
-                    if not carriers.size and None not in answers.values():
-                        # Every growth took its one token (the common decode step).
-                        for record in map(requests.__getitem__, run):
-                            record.num_tokens += 1
-                            record.num_computed_tokens += 1
-                    else:
-                        for rid, k in zip(run, run_ids.tolist(), strict=True):
-                            # Absent: fitted in its pages; None: refused, nothing changed.
-                            if answers.get(rid, True) is not None:
-                                record = requests[rid]
-                                record.num_tokens += k
-                                record.num_computed_tokens += k
+                    for rid, k in zip(run, run_ids.tolist(), strict=True):
+                        # Absent: fitted in its pages; None: refused, nothing changed for it.
+                        if answers.get(rid, True) is not None:
+                            record = requests[rid]
+                            record.num_tokens += k
+                            record.num_computed_tokens += k
                     for rid, allocation in answers.items():
                         if allocation is None:
                             left_out.add(rid)

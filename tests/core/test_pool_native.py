@@ -336,17 +336,18 @@ def test_native_pool_is_built_where_it_can_be() -> None:
 # -- decode_rows: the manager's plain decode rows -------------------------------------------
 
 
-def _decode_twins(caching: bool, max_model_len: int) -> list:
+def _decode_twins(
+    caching: bool, max_model_len: int, num_pages: int, prompts: list[list[int]]
+) -> list:
     """Two managers, one decoding with the C row pass (the default where built) and one
-    with the Python loop, with the same running requests (partial pages, a page just
-    full, one that needs a page at the next token)."""
+    with the Python loop, each running ``prompts`` as requests ``r0``, ``r1``, ..."""
     from pagekeeper.core.config import GroupConfig, PoolConfig
     from pagekeeper.core.manager import PageManager
 
     managers = []
     for native in (True, False):
         config = PoolConfig(
-            num_pages=16,
+            num_pages=num_pages,
             groups=(GroupConfig(page_size=4),),
             enable_prefix_caching=caching,
             max_model_len=max_model_len,
@@ -354,20 +355,39 @@ def _decode_twins(caching: bool, max_model_len: int) -> list:
         manager = PageManager(config)
         if not native:
             manager.pool._ops = None
-        for k, length in enumerate((3, 4, 5, 7, 8, 2)):
-            manager.admit(f"r{k}", list(range(10 * k, 10 * k + length)))
+        for k, prompt in enumerate(prompts):
+            manager.admit(f"r{k}", prompt)
         manager.take_events()
         managers.append(manager)
     return managers
+
+
+def _decode_both(native, python, ids: list[str], tokens: list[int], lookahead: int = 0) -> dict:
+    """One decode step on both managers: the same answers (in request order), events,
+    request fields (tokens, hashes, the scheduled range a published batch writes) and free
+    queue. Returns the answer."""
+    want = python.allocate_decodes(ids, tokens, num_lookahead_tokens=lookahead)
+    got = native.allocate_decodes(ids, tokens, num_lookahead_tokens=lookahead)
+    assert list(got.items()) == list(want.items())  # in request order too
+    assert native.take_events() == python.take_events()
+    for rid in python.request_ids():
+        assert native.request_info(rid) == python.request_info(rid)
+        assert native._requests[rid] == python._requests[rid]
+    assert native.pool.free_queue() == python.pool.free_queue()
+    native.check_invariants()
+    return want
 
 
 @needs_native
 @pytest.mark.parametrize("caching", [True, False])
 @pytest.mark.parametrize("lookahead", [0, 1, 3])
 def test_decode_rows_in_c_match_the_python_loop(caching: bool, lookahead: int) -> None:
-    """Whole decode steps until the pool runs dry and rows hit max_model_len: the same
-    answers, events, request state and free queue with and without the C row pass."""
-    native, python = _decode_twins(caching, max_model_len=24)
+    """Whole decode steps until the pool runs dry and rows hit max_model_len (partial
+    pages, a page just full, one that needs a page at the next token): the same with and
+    without the C row pass."""
+    lengths = (3, 4, 5, 7, 8, 2)
+    prompts = [list(range(10 * k, 10 * k + n)) for k, n in enumerate(lengths)]
+    native, python = _decode_twins(caching, 24, 16, prompts)
     running = [f"r{k}" for k in range(6)]
     refused = crossed = 0
     for step in range(40):
@@ -376,16 +396,7 @@ def test_decode_rows_in_c_match_the_python_loop(caching: bool, lookahead: int) -
         tokens = tokens[: len(live)]
         if not live:
             break
-        want = python.allocate_decodes(live, tokens, num_lookahead_tokens=lookahead)
-        got = native.allocate_decodes(live, tokens, num_lookahead_tokens=lookahead)
-        assert list(got.items()) == list(want.items())  # in request order too
-        assert native.take_events() == python.take_events()
-        for rid in running:
-            assert native.request_info(rid) == python.request_info(rid)
-            # Every field: tokens, hashes, the scheduled range a published batch writes.
-            assert native._requests[rid] == python._requests[rid]
-        assert native.pool.free_queue() == python.pool.free_queue()
-        native.check_invariants()
+        want = _decode_both(native, python, live, tokens, lookahead)
         refused += sum(answer is None for answer in want.values())
         crossed += sum(answer is not None for answer in want.values())
     assert refused and crossed  # the pool ran dry; rows crossed into pages
@@ -396,35 +407,11 @@ def test_decode_rows_in_c_match_the_python_loop(caching: bool, lookahead: int) -
 def test_decode_rows_crossing_past_the_free_pages_matches_the_python_loop(caching: bool) -> None:
     """Every row crosses into a page at once and the pool has pages for only some: the
     same rows served (in order), refused and listed with and without the C rows."""
-    from pagekeeper.core.config import GroupConfig, PoolConfig
-    from pagekeeper.core.manager import PageManager
-
-    managers = []
-    for native in (True, False):
-        config = PoolConfig(
-            num_pages=12,
-            groups=(GroupConfig(page_size=4),),
-            enable_prefix_caching=caching,
-            max_model_len=64,
-        )
-        manager = PageManager(config)
-        if not native:
-            manager.pool._ops = None
-        for k in range(8):
-            manager.admit(f"r{k}", [10 * k + j for j in range(4)])  # one full page each
-        manager.take_events()
-        managers.append(manager)
-    native, python = managers
+    prompts = [[10 * k + j for j in range(4)] for k in range(8)]  # one full page each
+    native, python = _decode_twins(caching, 64, 12, prompts)
     ids = [f"r{k}" for k in range(8)]
     for step in range(3):
-        tokens = [step * 8 + k for k in range(8)]
-        want = python.allocate_decodes(ids, tokens)
-        got = native.allocate_decodes(ids, tokens)
-        assert list(got.items()) == list(want.items())  # in request order too
-        assert native.take_events() == python.take_events()
-        for rid in ids:
-            assert native._requests[rid] == python._requests[rid]
-        assert native.pool.free_queue() == python.pool.free_queue()
+        want = _decode_both(native, python, ids, [step * 8 + k for k in range(8)])
         if step == 0:
             assert sum(a is None for a in want.values()) == 5  # 3 free pages for 8 rows
 
