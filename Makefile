@@ -11,7 +11,8 @@ PYTEST_ARGS ?=
 
 all: test
 
-$(STAMP): pyproject.toml setup.py service/pagekeeper/core/_native.c service/pagekeeper/core/_poolops.c
+$(STAMP): pyproject.toml setup.py service/pagekeeper/core/_native.c service/pagekeeper/core/_poolops.c \
+		client/pagekeeper_client/_clientops.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip setuptools wheel
 	# The CPU wheel of torch lies on disk; naming the version keeps the CUDA build out.
@@ -84,4 +85,5 @@ vllm-diff: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis
-	rm -f service/pagekeeper/core/_native*.so service/pagekeeper/core/_poolops*.so
+	rm -f service/pagekeeper/core/_native*.so service/pagekeeper/core/_poolops*.so \
+		client/pagekeeper_client/_clientops*.so

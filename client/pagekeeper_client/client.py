@@ -52,6 +52,7 @@ with the same id, which the service answers from memory if it had applied it.
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 import math
 import operator
@@ -62,6 +63,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, TypeVar
 
 import grpc
@@ -117,6 +119,20 @@ from pagekeeper_client.types import (
 )
 
 log = logging.getLogger("pagekeeper_client")
+
+
+def _load_clientops() -> ModuleType | None:
+    """The mirror's decode-step loops in C (built with the package where a C compiler is;
+    the Python loops give the same results). ``PAGEKEEPER_NATIVE_CLIENT=0`` keeps Python."""
+    if os.environ.get("PAGEKEEPER_NATIVE_CLIENT", "1") == "0":
+        return None
+    try:
+        return importlib.import_module("pagekeeper_client._clientops")
+    except ImportError:
+        return None
+
+
+_clientops = _load_clientops()
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 ADDRESS_ENV = "PAGEKEEPER_GRPC_ADDRESS"
@@ -919,11 +935,19 @@ class SchedulerState:
         n = len(request_ids)
         if len(token_ids) != n:
             raise InvalidArgumentError(f"{len(token_ids)} token ids for {n} decoding requests")
-        _check_int32("num_lookahead_tokens", num_lookahead_tokens)
+        num_lookahead_tokens = _check_int32("num_lookahead_tokens", num_lookahead_tokens)
         token_bytes = encode_i32(token_ids)
         requests = self.requests
-        tracked = []
-        for request_id in request_ids:
+        checked = (
+            _clientops.check_decodes(
+                request_ids, requests, self.max_model_len, num_lookahead_tokens
+            )
+            if _clientops is not None and type(request_ids) is list
+            else None
+        )
+        # The C check hands back the requests, or a row it leaves to this loop to judge.
+        tracked: list[_Tracked] = checked if type(checked) is list else []
+        for request_id in request_ids if type(checked) is not list else ():
             t = requests.get(request_id)
             if t is None:
                 raise NotFoundError(self._missing(request_id))
@@ -977,7 +1001,22 @@ class SchedulerState:
         growths = []
         append = growths.append
         held_back = []
-        for i, (request_id, t) in enumerate(zip(request_ids, tracked, strict=True)):
+        # The C loop holds back rows in order up to the first one that needs planning here.
+        hold_rows = _clientops.hold_decodes if hold and _clientops is not None else None
+        aligned = alignment if caching else 0
+        ids = request_ids if type(request_ids) is list else list(request_ids)
+        i = 0
+        while i < n:
+            if hold_rows is not None:
+                i = hold_rows(
+                    tracked, token_bytes, i, page_size, max_len, num_lookahead_tokens, aligned,
+                    held_back,
+                )  # fmt: skip
+                if i == n:
+                    break
+            request_id, t = ids[i], tracked[i]
+            token = token_bytes[4 * i : 4 * i + 4]
+            i += 1
             num_tokens = t.num_tokens
             computed = t.num_computed_tokens
             num_slots = computed + 1 + num_lookahead_tokens
@@ -985,7 +1024,6 @@ class SchedulerState:
                 num_slots = max_len
             num_needed = -(-num_slots // page_size) - len(t.pages[0])
             needs = num_needed > 0
-            token = token_bytes[4 * i : 4 * i + 4]
             held = t.held
             if hold and not needs and not (caching and (computed + 1) % alignment == 0):
                 t.held = held + token

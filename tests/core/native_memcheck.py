@@ -1,5 +1,6 @@
-"""Memory check of the C extensions (``pagekeeper.core._native``, the hash loops, and
-``pagekeeper.core._poolops``, the page pool's loops) under valgrind.
+"""Memory check of the C extensions (``pagekeeper.core._native``, the hash loops,
+``pagekeeper.core._poolops``, the page pool's loops, and ``pagekeeper_client._clientops``,
+the scheduler mirror's decode loops) under valgrind.
 
 It drives the hash functions with random inputs (every CBOR width, parents of any length,
 shared or per-page extras, empty inputs) and with the argument errors they must refuse, and
@@ -39,6 +40,7 @@ def run(cases: int, seed: int) -> int:
         | pool_cases(cases, seed)
         | index_cases(cases, seed)
         | decode_cases(cases, seed)
+        | client_cases(cases, seed)
     )
 
 
@@ -320,6 +322,55 @@ def decode_cases(cases: int, seed: int) -> int:
     return 0
 
 
+def client_cases(cases: int, seed: int) -> int:
+    """``pagekeeper_client._clientops`` (the scheduler mirror's decode loops) against the
+    Python loops: twin mirrors through the same random decode steps, with and without
+    caching and lookahead, equal after every step; then the refusals (bad rows, bad
+    arguments)."""
+    import pagekeeper_client.client as client_module
+    from tests.client import test_decode_plan_native as twin
+
+    ops = client_module._clientops
+    if ops is None:
+        print("memcheck: pagekeeper_client._clientops is not built here; nothing to check")
+        return 0
+    rng = random.Random(seed)
+    checked = 0
+    for _ in range(max(1, cases // 10)):
+        caching, lookahead = rng.random() < 0.7, rng.choice([0, 0, 1, 3])
+        native, python = twin.twins(rng, caching, rng.randrange(1, 40))
+        pages_c, pages_py = [1000], [1000]
+        for _ in range(10):
+            live = [
+                rid
+                for rid, t in native.requests.items()
+                if max(t.num_tokens, t.num_computed_tokens) + 1 < twin.MAX_LEN - lookahead
+            ]
+            ids = rng.sample(live, rng.randrange(0, len(live) + 1))
+            tokens = [rng.randrange(50_000) for _ in ids]
+            plan_c = native.plan_decodes(ids, tokens, lookahead)
+            client_module._clientops = None
+            try:
+                plan_py = python.plan_decodes(ids, tokens, lookahead)
+            finally:
+                client_module._clientops = ops
+            assert twin.plan_fields(plan_c, native) == twin.plan_fields(plan_py, python)
+            assert twin.mirror_fields(native) == twin.mirror_fields(python)
+            twin.settle(native, plan_c, pages_c)
+            twin.settle(python, plan_py, pages_py)
+            checked += 1
+        ids = list(native.requests)
+        roomy = 1 << 30  # every row passes but the missing one at the end
+        assert ops.check_decodes([*ids, "missing"], native.requests, roomy, roomy) == len(ids)
+        assert ops.check_decodes(ids, native.requests, roomy, roomy) == [
+            native.requests[rid] for rid in ids
+        ]
+        assert _refused(lambda: ops.hold_decodes([], b"x", 0, 4, 64, 0, 0, []), "hold_decodes")
+        assert _refused(lambda: ops.check_decodes(None, {}, 64, 0), "check_decodes")
+    print(f"memcheck: {checked} decode steps with pagekeeper_client._clientops passed")
+    return 0
+
+
 # Words that name the extensions in a valgrind stack frame (their files and functions).
 _OUR_FRAMES = (
     "_native",
@@ -339,6 +390,10 @@ _OUR_FRAMES = (
     "visit_for_tracked",
     "PageIndex",
     "index_",
+    "_clientops",
+    "clientops_",
+    "int_attr",
+    "arg_ll",
 )
 
 

@@ -1,0 +1,254 @@
+/* The scheduler mirror's per-row decode loops in C (optional: the client runs the same
+ * loops in Python without them, with the same results).
+ *
+ * check_decodes: the step's up-front check (see below).
+ *
+ * hold_decodes(tracked, token_bytes, start, page_size, max_len, lookahead, alignment,
+ *              held_back) -> stop
+ *
+ * For rows start, start + 1, ... of a decode step on a pool of one full-attention group, a
+ * row whose decode needs no new page and completes no page to cache is held back in the
+ * mirror: its token (4 bytes of token_bytes) is appended to the request's ``held`` bytes,
+ * its ``num_tokens`` and ``num_computed_tokens`` grow by one, and the request is appended
+ * to ``held_back``. The loop stops at the first row that needs anything else (a page, a
+ * page to cache, or a field of a type it does not expect) and returns that row's index
+ * (len(tracked) when every row was held): the caller plans that row itself and calls again
+ * from the next. ``alignment`` is the caching alignment (0: prefix caching is off).
+ *
+ * Rows are applied strictly in order, each one whole: a row's new values are all built
+ * before any is stored.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <string.h>
+
+static PyObject *str_num_tokens, *str_num_computed_tokens, *str_pages, *str_held;
+
+/* An exact int attribute as a long long; 0 and *ok = 0 when it is missing, not an exact
+ * int or out of range (the row goes back to the caller); -1 with an exception set on an
+ * error other than a missing attribute. */
+static int
+int_attr(PyObject *obj, PyObject *name, long long *out)
+{
+    PyObject *value = PyObject_GetAttr(obj, name);
+    if (value == NULL) {
+        if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
+            PyErr_Clear();
+            return 0;
+        }
+        return -1;
+    }
+    int ok = 0;
+    if (PyLong_CheckExact(value)) {
+        int overflow = 0;
+        long long v = PyLong_AsLongLongAndOverflow(value, &overflow);
+        if (v == -1 && PyErr_Occurred()) {
+            Py_DECREF(value);
+            return -1;
+        }
+        if (!overflow && v >= 0 && v < (1LL << 40)) {
+            *out = v;
+            ok = 1;
+        }
+    }
+    Py_DECREF(value);
+    return ok;
+}
+
+static int
+arg_ll(PyObject *arg, const char *what, long long low, long long *out)
+{
+    if (!PyLong_Check(arg)) {
+        PyErr_Format(PyExc_TypeError, "%s must be an int", what);
+        return -1;
+    }
+    long long v = PyLong_AsLongLong(arg);
+    if (v == -1 && PyErr_Occurred())
+        return -1;
+    if (v < low || v > (1LL << 40)) {
+        PyErr_Format(PyExc_ValueError, "%s out of range", what);
+        return -1;
+    }
+    *out = v;
+    return 0;
+}
+
+static PyObject *
+clientops_hold_decodes(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "hold_decodes takes 8 arguments");
+        return NULL;
+    }
+    PyObject *tracked = args[0], *tokens = args[1], *held_back = args[7];
+    if (!PyList_CheckExact(tracked) || !PyBytes_CheckExact(tokens)
+        || !PyList_CheckExact(held_back)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "hold_decodes needs a list of requests, token bytes and a list");
+        return NULL;
+    }
+    long long start, page_size, max_len, lookahead, alignment;
+    if (arg_ll(args[2], "start", 0, &start) < 0 || arg_ll(args[3], "page_size", 1, &page_size) < 0
+        || arg_ll(args[4], "max_len", 1, &max_len) < 0
+        || arg_ll(args[5], "lookahead", 0, &lookahead) < 0
+        || arg_ll(args[6], "alignment", 0, &alignment) < 0)
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(tracked);
+    if (PyBytes_GET_SIZE(tokens) != 4 * n) {
+        PyErr_Format(PyExc_ValueError, "%zd token bytes for %zd rows",
+                     PyBytes_GET_SIZE(tokens), n);
+        return NULL;
+    }
+    if (start > n) {
+        PyErr_SetString(PyExc_ValueError, "start past the last row");
+        return NULL;
+    }
+    const char *token = PyBytes_AS_STRING(tokens);
+    Py_ssize_t i = (Py_ssize_t)start;
+    for (; i < n; i++) {
+        PyObject *t = PyList_GET_ITEM(tracked, i);
+        long long num_tokens, computed;
+        int ok = int_attr(t, str_num_tokens, &num_tokens);
+        if (ok == 1)
+            ok = int_attr(t, str_num_computed_tokens, &computed);
+        if (ok < 0)
+            return NULL;
+        if (!ok)
+            break;
+        long long num_slots = computed + 1 + lookahead;
+        if (num_slots > max_len)
+            num_slots = max_len;
+        if (num_slots <= 0)
+            break;
+        if (alignment && (computed + 1) % alignment == 0)
+            break; /* completes a page to cache */
+        PyObject *pages = PyObject_GetAttr(t, str_pages);
+        if (pages == NULL)
+            return NULL;
+        Py_ssize_t held_pages = -1;
+        if (PyList_CheckExact(pages) && PyList_GET_SIZE(pages) >= 1
+            && PyList_CheckExact(PyList_GET_ITEM(pages, 0)))
+            held_pages = PyList_GET_SIZE(PyList_GET_ITEM(pages, 0));
+        Py_DECREF(pages);
+        if (held_pages < 0 || (num_slots + page_size - 1) / page_size > held_pages)
+            break; /* needs a page (or not a layout this loop knows) */
+        PyObject *held = PyObject_GetAttr(t, str_held);
+        if (held == NULL)
+            return NULL;
+        if (!PyBytes_CheckExact(held)) {
+            Py_DECREF(held);
+            break;
+        }
+        Py_ssize_t k = PyBytes_GET_SIZE(held);
+        PyObject *new_held = PyBytes_FromStringAndSize(NULL, k + 4);
+        PyObject *new_tokens = PyLong_FromLongLong(num_tokens + 1);
+        PyObject *new_computed = PyLong_FromLongLong(computed + 1);
+        if (new_held == NULL || new_tokens == NULL || new_computed == NULL) {
+            Py_DECREF(held);
+            Py_XDECREF(new_held);
+            Py_XDECREF(new_tokens);
+            Py_XDECREF(new_computed);
+            return NULL;
+        }
+        char *dst = PyBytes_AS_STRING(new_held);
+        memcpy(dst, PyBytes_AS_STRING(held), (size_t)k);
+        memcpy(dst + k, token + 4 * i, 4);
+        Py_DECREF(held);
+        int failed = PyObject_SetAttr(t, str_held, new_held) < 0
+                     || PyObject_SetAttr(t, str_num_tokens, new_tokens) < 0
+                     || PyObject_SetAttr(t, str_num_computed_tokens, new_computed) < 0
+                     || PyList_Append(held_back, t) < 0;
+        Py_DECREF(new_held);
+        Py_DECREF(new_tokens);
+        Py_DECREF(new_computed);
+        if (failed)
+            return NULL;
+    }
+    return PyLong_FromSsize_t(i);
+}
+
+/* check_decodes(request_ids, requests, max_len, lookahead) -> list | int
+ *
+ * The up-front check of a decode step: every id names a request of ``requests`` whose
+ * counts leave room for one more token (num_tokens and num_computed_tokens below max_len,
+ * num_computed_tokens at most num_tokens + lookahead). Returns the requests in order when
+ * every row passes, else the index of the first row that fails or that it cannot judge (a
+ * count that is not an exact int): the caller's own check then says why. */
+static PyObject *
+clientops_check_decodes(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "check_decodes takes 4 arguments");
+        return NULL;
+    }
+    PyObject *ids = args[0], *requests = args[1];
+    if (!PyList_CheckExact(ids) || !PyDict_CheckExact(requests)) {
+        PyErr_SetString(PyExc_TypeError, "check_decodes needs a list of ids and a dict");
+        return NULL;
+    }
+    long long max_len, lookahead;
+    if (arg_ll(args[2], "max_len", 1, &max_len) < 0
+        || arg_ll(args[3], "lookahead", 0, &lookahead) < 0)
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(ids);
+    PyObject *out = PyList_New(n);
+    if (out == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *t = PyDict_GetItemWithError(requests, PyList_GET_ITEM(ids, i));
+        long long num_tokens, computed;
+        int ok = 0;
+        if (t != NULL) {
+            ok = int_attr(t, str_num_tokens, &num_tokens);
+            if (ok == 1)
+                ok = int_attr(t, str_num_computed_tokens, &computed);
+        }
+        else if (PyErr_Occurred()) {
+            if (!PyErr_ExceptionMatches(PyExc_TypeError)) {
+                Py_DECREF(out);
+                return NULL;
+            }
+            PyErr_Clear(); /* an unhashable id: the caller's check says so */
+        }
+        if (ok < 0) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        if (!ok || num_tokens >= max_len || computed >= max_len
+            || computed > num_tokens + lookahead) {
+            Py_DECREF(out);
+            return PyLong_FromSsize_t(i);
+        }
+        Py_INCREF(t);
+        PyList_SET_ITEM(out, i, t);
+    }
+    return out;
+}
+
+static PyMethodDef clientops_methods[] = {
+    {"check_decodes", (PyCFunction)(void (*)(void))clientops_check_decodes, METH_FASTCALL,
+     "The requests of a decode step when every row passes the up-front check, else the "
+     "index of the first row the caller must judge."},
+    {"hold_decodes", (PyCFunction)(void (*)(void))clientops_hold_decodes, METH_FASTCALL,
+     "Hold back decode rows that need nothing from the service, from `start` on, in order; "
+     "returns the index of the first row that needs planning (len(tracked): none)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef clientops_module = {
+    PyModuleDef_HEAD_INIT, "_clientops",
+    "The scheduler mirror's per-row decode loop in C (see the source's header).", -1,
+    clientops_methods,
+};
+
+PyMODINIT_FUNC
+PyInit__clientops(void)
+{
+    str_num_tokens = PyUnicode_InternFromString("num_tokens");
+    str_num_computed_tokens = PyUnicode_InternFromString("num_computed_tokens");
+    str_pages = PyUnicode_InternFromString("pages");
+    str_held = PyUnicode_InternFromString("held");
+    if (!str_num_tokens || !str_num_computed_tokens || !str_pages || !str_held)
+        return NULL;
+    return PyModule_Create(&clientops_module);
+}

@@ -1,0 +1,229 @@
+"""The mirror's decode loop in C (``_clientops.hold_decodes``) against the Python loop it
+stands in for: whole decode steps planned on twin mirrors, one with the C loop and one
+without, must leave the same requests, the same held-back rows and the same growths."""
+
+from __future__ import annotations
+
+import copy
+import random
+from typing import Any
+
+import numpy as np
+import pytest
+
+import pagekeeper_client.client as client_module
+from pagekeeper_client.client import SchedulerState, _DecodePlan, _Tracked
+from pagekeeper_client.types import GroupInfo, GroupKind, PoolConfig
+
+clientops = pytest.importorskip("pagekeeper_client._clientops")
+
+PAGE_SIZE = 4
+MAX_LEN = 96
+
+
+def pool(caching: bool) -> PoolConfig:
+    return PoolConfig(
+        num_pages=4096,
+        groups=(GroupInfo(0, GroupKind.FULL, PAGE_SIZE),),
+        enable_prefix_caching=caching,
+        hash_algorithm="sha256_cbor",
+        max_model_len=MAX_LEN,
+    )
+
+
+def growth_fields(growth: Any) -> tuple[Any, ...]:
+    return (
+        growth.request_id,
+        growth.token_bytes,
+        growth.num_computed_tokens,
+        growth.num_new_tokens,
+        growth.num_lookahead_tokens,
+        growth.needs_pages,
+        growth.num_pages_needed,
+        growth.prev_num_tokens,
+        growth.prev_num_computed_tokens,
+        growth.prev_held,
+        growth.is_local,
+        growth.is_computed_given,
+        growth.is_plain,
+        growth.tracked.num_tokens if growth.tracked is not None else None,
+    )
+
+
+def mirror_fields(state: SchedulerState) -> dict[str, tuple[Any, ...]]:
+    return {
+        rid: (t.num_tokens, t.num_computed_tokens, t.held, [list(p) for p in t.pages])
+        for rid, t in state.requests.items()
+    }
+
+
+def plan_fields(plan: _DecodePlan, state: SchedulerState) -> tuple[Any, ...]:
+    names = {id(t): rid for rid, t in state.requests.items()}
+    return (
+        [growth_fields(g) for g in plan.growths],
+        [names[id(t)] for t in plan.held],
+        sorted(rid for rid, t in state.requests.items() if t.pending is not None),
+    )
+
+
+def twins(rng: random.Random, caching: bool, num: int) -> tuple[SchedulerState, SchedulerState]:
+    state = SchedulerState(pool(caching))
+    for k in range(num):
+        computed = rng.randrange(0, 60)
+        num_tokens = computed + rng.choice((0, 0, 0, 1))
+        num_pages = -(-computed // PAGE_SIZE) + rng.choice((0, 0, 1))
+        held = b"".join(rng.randrange(1000).to_bytes(4, "little") for _ in range(rng.randrange(3)))
+        state.requests[f"r{k}"] = _Tracked(
+            num_tokens, computed, [list(range(1, num_pages + 1))], held=held
+        )
+    return state, copy.deepcopy(state)
+
+
+def settle(state: SchedulerState, plan: _DecodePlan, next_page: list[int]) -> None:
+    """What the service's answer does to the mirror (pages for the growths that need them)."""
+    for growth in plan.growths:
+        t = growth.tracked
+        assert t is not None
+        t.pending = None
+        for _ in range(growth.num_pages_needed):
+            t.pages[0].append(next_page[0])
+            next_page[0] += 1
+
+
+def run_both(
+    monkeypatch: pytest.MonkeyPatch,
+    native: SchedulerState,
+    python: SchedulerState,
+    ids: list[str],
+    tokens: list[int],
+    lookahead: int,
+) -> tuple[_DecodePlan, _DecodePlan]:
+    plan_c = native.plan_decodes(ids, tokens, lookahead)
+    with monkeypatch.context() as patch:
+        patch.setattr(client_module, "_clientops", None)
+        plan_py = python.plan_decodes(ids, tokens, lookahead)
+    assert plan_fields(plan_c, native) == plan_fields(plan_py, python)
+    assert mirror_fields(native) == mirror_fields(python)
+    return plan_c, plan_py
+
+
+@pytest.mark.parametrize("caching", [True, False])
+@pytest.mark.parametrize("lookahead", [0, 1, 3])
+def test_c_loop_plans_whole_steps_as_the_python_loop(
+    monkeypatch: pytest.MonkeyPatch, caching: bool, lookahead: int
+) -> None:
+    rng = random.Random(f"{caching}-{lookahead}")
+    native, python = twins(rng, caching, 40)
+    pages_c, pages_py = [1000], [1000]
+    num_held = 0
+    for _ in range(30):
+        live = [
+            rid
+            for rid, t in native.requests.items()
+            if t.num_tokens + 1 < MAX_LEN - lookahead
+            and t.num_computed_tokens + 1 < MAX_LEN - lookahead
+        ]
+        ids = rng.sample(live, rng.randrange(0, len(live) + 1))
+        tokens = [rng.randrange(50_000) for _ in ids]
+        plan_c, plan_py = run_both(monkeypatch, native, python, ids, tokens, lookahead)
+        num_held += len(plan_c.held)
+        settle(native, plan_c, pages_c)
+        settle(python, plan_py, pages_py)
+    assert num_held > 100  # the C loop did hold rows back (not only hand them over)
+
+
+def test_rows_it_does_not_expect_go_to_the_python_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A count that is not an exact int, pages not in lists: the C loop stops at that row
+    and the Python loop plans it, with the same outcome as the Python loop alone."""
+    native, python = twins(random.Random(5), True, 12)
+    for state in (native, python):
+        state.requests["r3"].num_computed_tokens = np.int64(
+            state.requests["r3"].num_computed_tokens
+        )
+        state.requests["r7"].pages = [tuple(state.requests["r7"].pages[0])]  # type: ignore[list-item]
+        state.requests["r9"].held = bytearray(state.requests["r9"].held)  # type: ignore[assignment]
+    ids = [f"r{k}" for k in range(12)]
+    run_both(monkeypatch, native, python, ids, list(range(12)), 0)
+
+
+def test_without_holding_every_row_is_a_growth(monkeypatch: pytest.MonkeyPatch) -> None:
+    native, python = twins(random.Random(9), True, 20)
+    native.hold_decodes = python.hold_decodes = False
+    plan_c, _ = run_both(monkeypatch, native, python, [f"r{k}" for k in range(20)], [7] * 20, 0)
+    assert len(plan_c.growths) == 20 and not plan_c.held
+
+
+def test_hold_decodes_contract() -> None:
+    rows = [_Tracked(5, 5, [[1, 2]]), _Tracked(8, 8, [[1, 2]]), _Tracked(3, 3, [[1]])]
+    held: list[_Tracked] = []
+    tokens = b"".join(k.to_bytes(4, "little") for k in (11, 12, 13))
+    # Row 0 fits (6 slots in 2 pages of 4); row 1 needs a third page: stop there.
+    assert clientops.hold_decodes(rows, tokens, 0, 4, 64, 0, 0, held) == 1
+    assert held == [rows[0]] and rows[0].held == (11).to_bytes(4, "little")
+    assert (rows[0].num_tokens, rows[0].num_computed_tokens) == (6, 6)
+    assert (rows[1].num_tokens, rows[1].held) == (8, b"")
+    # From row 2 on: 4 slots fit its one page, but token 4 completes it (alignment 4).
+    assert clientops.hold_decodes(rows, tokens, 2, 4, 64, 0, 4, held) == 2
+    assert clientops.hold_decodes(rows, tokens, 2, 4, 64, 0, 0, held) == 3
+    assert rows[2].held == (13).to_bytes(4, "little") and len(held) == 2
+    assert clientops.hold_decodes(rows, tokens, 3, 4, 64, 0, 0, held) == 3
+    with pytest.raises(ValueError, match="token bytes"):
+        clientops.hold_decodes(rows, tokens[:8], 0, 4, 64, 0, 0, held)
+    with pytest.raises(ValueError, match="start"):
+        clientops.hold_decodes(rows, tokens, 4, 4, 64, 0, 0, held)
+    with pytest.raises(ValueError, match="page_size"):
+        clientops.hold_decodes(rows, tokens, 0, 0, 64, 0, 0, held)
+    with pytest.raises(TypeError):
+        clientops.hold_decodes(tuple(rows), tokens, 0, 4, 64, 0, 0, held)
+    with pytest.raises(TypeError):
+        clientops.hold_decodes(rows, tokens, 0, 4, 64, 0, 0)
+
+
+def test_check_decodes_contract() -> None:
+    requests = {
+        "a": _Tracked(5, 5, [[1, 2]]),
+        "b": _Tracked(MAX_LEN, 10, [[1]]),  # no room for a token
+        "c": _Tracked(5, 8, [[1, 2]]),  # computed ran 3 ahead
+        "d": _Tracked(np.int64(5), 5, [[1, 2]]),  # type: ignore[arg-type]
+    }
+    assert clientops.check_decodes(["a"], requests, MAX_LEN, 0) == [requests["a"]]
+    assert clientops.check_decodes([], requests, MAX_LEN, 0) == []
+    assert clientops.check_decodes(["a", "x"], requests, MAX_LEN, 0) == 1
+    assert clientops.check_decodes(["a", "b"], requests, MAX_LEN, 0) == 1
+    assert clientops.check_decodes(["c", "a"], requests, MAX_LEN, 0) == 0
+    assert clientops.check_decodes(["c", "a"], requests, MAX_LEN, 3) == [
+        requests["c"],
+        requests["a"],
+    ]
+    assert clientops.check_decodes(["a", "d"], requests, MAX_LEN, 0) == 1
+    assert clientops.check_decodes(["a", ["unhashable"]], requests, MAX_LEN, 0) == 1
+    with pytest.raises(TypeError):
+        clientops.check_decodes(("a",), requests, MAX_LEN, 0)
+
+
+@pytest.mark.parametrize(
+    ("ids", "error"),
+    [
+        (["r0", "nope"], "NotFoundError"),
+        (["r0", "r1", "r0"], "InvalidArgumentError"),
+        (["r0", "full"], "InvalidArgumentError"),
+        (["r0", "ahead"], "InvalidArgumentError"),
+    ],
+)
+def test_bad_steps_are_refused_alike_and_plan_nothing(
+    monkeypatch: pytest.MonkeyPatch, ids: list[str], error: str
+) -> None:
+    native, python = twins(random.Random(3), True, 4)
+    for state in (native, python):
+        state.requests["full"] = _Tracked(MAX_LEN, MAX_LEN - 1, [[1] * (MAX_LEN // PAGE_SIZE)])
+        state.requests["ahead"] = _Tracked(5, 9, [[1, 2, 3]])
+    before = mirror_fields(native)
+    with pytest.raises(Exception) as native_error:
+        native.plan_decodes(ids, list(range(len(ids))), 0)
+    with monkeypatch.context() as patch:
+        patch.setattr(client_module, "_clientops", None)
+        with pytest.raises(Exception) as python_error:
+            python.plan_decodes(ids, list(range(len(ids))), 0)
+    assert type(native_error.value).__name__ == type(python_error.value).__name__ == error
+    assert str(native_error.value) == str(python_error.value)
+    assert mirror_fields(native) == mirror_fields(python) == before
