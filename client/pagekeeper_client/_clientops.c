@@ -73,6 +73,68 @@ arg_ll(PyObject *arg, const char *what, long long low, long long *out)
     return 0;
 }
 
+/* One row of hold_decodes: 1 when held back, 0 when it needs planning by the caller
+ * (nothing changed), -1 with an exception set. */
+static int
+hold_row(PyObject *t, const char *token, long long page_size, long long max_len,
+         long long lookahead, long long alignment, PyObject *held_back)
+{
+    long long num_tokens, computed;
+    int ok = int_attr(t, str_num_tokens, &num_tokens);
+    if (ok == 1)
+        ok = int_attr(t, str_num_computed_tokens, &computed);
+    if (ok <= 0)
+        return ok;
+    long long num_slots = computed + 1 + lookahead;
+    if (num_slots > max_len)
+        num_slots = max_len;
+    if (num_slots <= 0)
+        return 0;
+    if (alignment && (computed + 1) % alignment == 0)
+        return 0; /* completes a page to cache */
+    PyObject *pages = PyObject_GetAttr(t, str_pages);
+    if (pages == NULL)
+        return -1;
+    Py_ssize_t held_pages = -1;
+    if (PyList_CheckExact(pages) && PyList_GET_SIZE(pages) >= 1
+        && PyList_CheckExact(PyList_GET_ITEM(pages, 0)))
+        held_pages = PyList_GET_SIZE(PyList_GET_ITEM(pages, 0));
+    Py_DECREF(pages);
+    if (held_pages < 0 || (num_slots + page_size - 1) / page_size > held_pages)
+        return 0; /* needs a page (or not a layout this loop knows) */
+    PyObject *held = PyObject_GetAttr(t, str_held);
+    if (held == NULL)
+        return -1;
+    if (!PyBytes_CheckExact(held)) {
+        Py_DECREF(held);
+        return 0;
+    }
+    /* Every new value is built before any is stored. */
+    Py_ssize_t k = PyBytes_GET_SIZE(held);
+    PyObject *new_held = PyBytes_FromStringAndSize(NULL, k + 4);
+    PyObject *new_tokens = PyLong_FromLongLong(num_tokens + 1);
+    PyObject *new_computed = PyLong_FromLongLong(computed + 1);
+    if (new_held == NULL || new_tokens == NULL || new_computed == NULL) {
+        Py_DECREF(held);
+        Py_XDECREF(new_held);
+        Py_XDECREF(new_tokens);
+        Py_XDECREF(new_computed);
+        return -1;
+    }
+    char *dst = PyBytes_AS_STRING(new_held);
+    memcpy(dst, PyBytes_AS_STRING(held), (size_t)k);
+    memcpy(dst + k, token, 4);
+    Py_DECREF(held);
+    int failed = PyObject_SetAttr(t, str_held, new_held) < 0
+                 || PyObject_SetAttr(t, str_num_tokens, new_tokens) < 0
+                 || PyObject_SetAttr(t, str_num_computed_tokens, new_computed) < 0
+                 || PyList_Append(held_back, t) < 0;
+    Py_DECREF(new_held);
+    Py_DECREF(new_tokens);
+    Py_DECREF(new_computed);
+    return failed ? -1 : 1;
+}
+
 static PyObject *
 clientops_hold_decodes(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -105,64 +167,18 @@ clientops_hold_decodes(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     }
     const char *token = PyBytes_AS_STRING(tokens);
     Py_ssize_t i = (Py_ssize_t)start;
-    for (; i < n; i++) {
+    /* A row is held (a strong reference) while its attributes are read and set: a
+     * descriptor could run code that changes the list. */
+    for (; i < n && i < PyList_GET_SIZE(tracked); i++) {
         PyObject *t = PyList_GET_ITEM(tracked, i);
-        long long num_tokens, computed;
-        int ok = int_attr(t, str_num_tokens, &num_tokens);
-        if (ok == 1)
-            ok = int_attr(t, str_num_computed_tokens, &computed);
-        if (ok < 0)
+        Py_INCREF(t);
+        int done = hold_row(t, token + 4 * i, page_size, max_len, lookahead, alignment,
+                            held_back);
+        Py_DECREF(t);
+        if (done < 0)
             return NULL;
-        if (!ok)
+        if (!done)
             break;
-        long long num_slots = computed + 1 + lookahead;
-        if (num_slots > max_len)
-            num_slots = max_len;
-        if (num_slots <= 0)
-            break;
-        if (alignment && (computed + 1) % alignment == 0)
-            break; /* completes a page to cache */
-        PyObject *pages = PyObject_GetAttr(t, str_pages);
-        if (pages == NULL)
-            return NULL;
-        Py_ssize_t held_pages = -1;
-        if (PyList_CheckExact(pages) && PyList_GET_SIZE(pages) >= 1
-            && PyList_CheckExact(PyList_GET_ITEM(pages, 0)))
-            held_pages = PyList_GET_SIZE(PyList_GET_ITEM(pages, 0));
-        Py_DECREF(pages);
-        if (held_pages < 0 || (num_slots + page_size - 1) / page_size > held_pages)
-            break; /* needs a page (or not a layout this loop knows) */
-        PyObject *held = PyObject_GetAttr(t, str_held);
-        if (held == NULL)
-            return NULL;
-        if (!PyBytes_CheckExact(held)) {
-            Py_DECREF(held);
-            break;
-        }
-        Py_ssize_t k = PyBytes_GET_SIZE(held);
-        PyObject *new_held = PyBytes_FromStringAndSize(NULL, k + 4);
-        PyObject *new_tokens = PyLong_FromLongLong(num_tokens + 1);
-        PyObject *new_computed = PyLong_FromLongLong(computed + 1);
-        if (new_held == NULL || new_tokens == NULL || new_computed == NULL) {
-            Py_DECREF(held);
-            Py_XDECREF(new_held);
-            Py_XDECREF(new_tokens);
-            Py_XDECREF(new_computed);
-            return NULL;
-        }
-        char *dst = PyBytes_AS_STRING(new_held);
-        memcpy(dst, PyBytes_AS_STRING(held), (size_t)k);
-        memcpy(dst + k, token + 4 * i, 4);
-        Py_DECREF(held);
-        int failed = PyObject_SetAttr(t, str_held, new_held) < 0
-                     || PyObject_SetAttr(t, str_num_tokens, new_tokens) < 0
-                     || PyObject_SetAttr(t, str_num_computed_tokens, new_computed) < 0
-                     || PyList_Append(held_back, t) < 0;
-        Py_DECREF(new_held);
-        Py_DECREF(new_tokens);
-        Py_DECREF(new_computed);
-        if (failed)
-            return NULL;
     }
     return PyLong_FromSsize_t(i);
 }
@@ -194,11 +210,16 @@ clientops_check_decodes(PyObject *module, PyObject *const *args, Py_ssize_t narg
     PyObject *out = PyList_New(n);
     if (out == NULL)
         return NULL;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *t = PyDict_GetItemWithError(requests, PyList_GET_ITEM(ids, i));
+    Py_ssize_t i = 0;
+    for (; i < n && i < PyList_GET_SIZE(ids); i++) {
+        PyObject *key = PyList_GET_ITEM(ids, i);
+        Py_INCREF(key);
+        PyObject *t = PyDict_GetItemWithError(requests, key);
+        Py_DECREF(key);
         long long num_tokens, computed;
         int ok = 0;
         if (t != NULL) {
+            Py_INCREF(t); /* owned: reading its attributes could change the dict */
             ok = int_attr(t, str_num_tokens, &num_tokens);
             if (ok == 1)
                 ok = int_attr(t, str_num_computed_tokens, &computed);
@@ -210,17 +231,17 @@ clientops_check_decodes(PyObject *module, PyObject *const *args, Py_ssize_t narg
             }
             PyErr_Clear(); /* an unhashable id: the caller's check says so */
         }
-        if (ok < 0) {
-            Py_DECREF(out);
-            return NULL;
-        }
-        if (!ok || num_tokens >= max_len || computed >= max_len
+        if (ok <= 0 || num_tokens >= max_len || computed >= max_len
             || computed > num_tokens + lookahead) {
+            Py_XDECREF(t);
             Py_DECREF(out);
-            return PyLong_FromSsize_t(i);
+            return ok < 0 ? NULL : PyLong_FromSsize_t(i);
         }
-        Py_INCREF(t);
-        PyList_SET_ITEM(out, i, t);
+        PyList_SET_ITEM(out, i, t); /* the reference taken above */
+    }
+    if (i < n) { /* the id list shrank meanwhile: the caller's check judges it */
+        Py_DECREF(out);
+        return PyLong_FromSsize_t(i);
     }
     return out;
 }

@@ -227,3 +227,33 @@ def test_bad_steps_are_refused_alike_and_plan_nothing(
     assert type(native_error.value).__name__ == type(python_error.value).__name__ == error
     assert str(native_error.value) == str(python_error.value)
     assert mirror_fields(native) == mirror_fields(python) == before
+
+
+def test_rows_that_change_the_lists_while_read_do_not_crash_it() -> None:
+    """An attribute read can run code (a property); the loops hold their own references
+    and re-check the list lengths, so a row that empties the lists is safe."""
+    rows: list[Any] = []
+    requests: dict[str, Any] = {}
+
+    class Meddler:
+        num_tokens = 5
+        num_computed_tokens = 5
+        held = b""
+
+        @property
+        def pages(self) -> list[list[int]]:
+            rows.clear()
+            return [[1, 2]]
+
+        def __getattribute__(self, name: str) -> Any:
+            if name == "num_computed_tokens":
+                requests.clear()
+            return object.__getattribute__(self, name)
+
+    rows.extend([Meddler(), Meddler()])
+    held: list[Any] = []
+    tokens = bytes(8)
+    assert clientops.hold_decodes(rows, tokens, 0, 4, 64, 0, 0, held) == 1
+    assert len(held) == 1 and held[0].num_tokens == 6 and rows == []
+    requests.update(a=Meddler(), b=Meddler())
+    assert clientops.check_decodes(["a", "b"], requests, 64, 0) == 1
