@@ -24,9 +24,9 @@
 
 static PyObject *str_num_tokens, *str_num_computed_tokens, *str_pages, *str_held;
 
-/* An exact int attribute as a long long; 0 and *ok = 0 when it is missing, not an exact
- * int or out of range (the row goes back to the caller); -1 with an exception set on an
- * error other than a missing attribute. */
+/* An attribute that is an exact int in [0, 2**40): 1 with its value in *out; 0 when it is
+ * missing, of another type or out of range (the row goes back to the caller); -1 with an
+ * exception set on an error other than a missing attribute. */
 static int
 int_attr(PyObject *obj, PyObject *name, long long *out)
 {
