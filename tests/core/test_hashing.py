@@ -861,3 +861,41 @@ def test_native_memcheck_short_run(tmp_path: Path, capsys: pytest.CaptureFixture
 
     assert under_valgrind(tmp_path / "memcheck.log", cases=40, seed=0) == 0
     assert "no error in pagekeeper's C extensions" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(hashing._native is None, reason="the C hash loops are not built")
+@given(
+    page_size=st.sampled_from([1, 4, 16]),
+    tokens=st.lists(st.integers(0, 2**64 - 1), min_size=16, max_size=16),
+    parent=st.binary(min_size=1, max_size=40),
+    lora=st.sampled_from([None, "adapter-a"]),
+)
+@settings(max_examples=60, deadline=None)
+def test_one_page_hasher_matches_hash_next(
+    page_size: int, tokens: list[int], parent: bytes, lora: str | None
+) -> None:
+    """The decode step's direct hash of one filled page is hash_next's, for any parent
+    (client page hashes may have any length), any token id and common extra keys."""
+    hasher = PageHasher(page_size, extra_keys=ExtraKeys(lora_name=lora) if lora else None)
+    one_page = hasher.one_page_hasher()
+    assert one_page is not None
+    page = array.array("Q", tokens[:page_size])
+    want: list[bytes] = [parent]
+    hasher.hash_next(want, page)
+    assert one_page(parent, page) == want[1]
+
+
+def test_one_page_hasher_is_refused_where_pages_differ() -> None:
+    """Multimodal inputs and a salt make a page's extra keys depend on the page; other
+    algorithms and pure-Python hashing take hash_next."""
+    mm = ExtraKeys(mm_inputs=(MultiModalKey("img", 0, 4),))
+    assert PageHasher(4, extra_keys=mm).one_page_hasher() is None
+    assert PageHasher(4, extra_keys=ExtraKeys(cache_salt="s")).one_page_hasher() is None
+    if xxhash is not None:
+        assert PageHasher(4, algorithm="xxhash_cbor").one_page_hasher() is None
+    saved = hashing._native
+    hashing._native = None
+    try:
+        assert PageHasher(4).one_page_hasher() is None
+    finally:
+        hashing._native = saved

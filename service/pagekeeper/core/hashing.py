@@ -589,6 +589,27 @@ class PageHasher:
         hashes.append(new)
         return new
 
+    def one_page_hasher(self) -> Callable[[bytes, array.array[int]], bytes] | None:
+        """A function ``(parent, page)`` -> the hash of one full page of a request's stored
+        ``array('Q')`` token ids after ``parent`` (the page a decode just filled): what
+        :meth:`hash_next` computes, with the C loops called directly. None where the page's
+        extra keys can vary (multimodal inputs, a salt on page 0), the algorithm is not
+        ``sha256_cbor`` or the C loops are not built: then use :meth:`hash_next`."""
+        keys = self._keys
+        if _native is None or self.algorithm != SHA256_CBOR or keys.mm or keys.salt:
+            return None
+        encode, chain = _native.encode_pages, _native.chain_sha256
+        page_size, array_head, extra = self.page_size, self._array_head, keys.common
+        heads = _PARENT_HEADS
+
+        def one_page(parent: bytes, page: array.array[int]) -> bytes:
+            head = heads.get(len(parent)) or b"\x83" + _head(2, len(parent))
+            body, ends = encode(page, page_size)
+            digest: bytes = chain(head, head, parent, array_head, body, ends, extra)[0]
+            return digest
+
+        return one_page
+
     def _hash(self, token_ids: TokenIds, parent: bytes, first_page: int) -> list[bytes]:
         page_size = self.page_size
         if isinstance(token_ids, np.ndarray) and token_ids.ndim != 1:
