@@ -921,6 +921,9 @@ class SchedulerState:
     def must_flush_before_decodes(self, request_ids: Sequence[str]) -> bool:
         """``must_flush_before_growth`` for a whole decode step."""
         requests, admitting = self.requests, self._admitting
+        if _clientops is not None and type(request_ids) is list:
+            flush: bool = _clientops.must_flush(request_ids, requests, admitting)
+            return flush
         for request_id in request_ids:
             t = requests.get(request_id)
             if (t is not None and t.pending is not None) or request_id in admitting:
