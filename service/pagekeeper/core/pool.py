@@ -55,7 +55,13 @@ import numpy as np
 import numpy.typing as npt
 
 from pagekeeper.core.errors import InvalidArgument, InvariantViolation
-from pagekeeper.core.events import AllCleared, KVEvent, PageRemoved, PageStored, TokenRun
+from pagekeeper.core.events import (
+    AllCleared,
+    KVEvent,
+    TokenRun,
+    new_removed,
+    new_stored,
+)
 from pagekeeper.core.extensions import load_extension
 
 NULL_PAGE = 0
@@ -759,15 +765,15 @@ class PagePool:
         _untrack(packed)
         run = TokenRun.adopt(packed)
         _untrack(run)
-        event = PageStored(
-            seq=self._event_seq,
-            group_id=group_id,
-            page_hashes=_event_tuple(hashes),
-            parent_page_hash=parent_hash,
-            token_ids=run,
-            page_size=page_size,
-            page_ids=_event_tuple(pages),
-            lora_name=lora_name,
+        event = new_stored(
+            self._event_seq,
+            group_id,
+            _event_tuple(hashes),
+            parent_hash,
+            run,
+            page_size,
+            _event_tuple(pages),
+            lora_name,
         )
         _untrack(event)
         self._events.append(event)
@@ -842,12 +848,7 @@ class PagePool:
 
     def _removed_event(self, group_id: int, pages: list[int], hashes: list[bytes]) -> None:
         self._event_seq += 1
-        event = PageRemoved(
-            seq=self._event_seq,
-            group_id=group_id,
-            page_hashes=_event_tuple(hashes),
-            page_ids=_event_tuple(pages),
-        )
+        event = new_removed(self._event_seq, group_id, _event_tuple(hashes), _event_tuple(pages))
         _untrack(event)
         self._events.append(event)
 
