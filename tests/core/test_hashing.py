@@ -871,31 +871,39 @@ def test_native_memcheck_short_run(tmp_path: Path, capsys: pytest.CaptureFixture
     lora=st.sampled_from([None, "adapter-a"]),
 )
 @settings(max_examples=60, deadline=None)
-def test_one_page_hasher_matches_hash_next(
+def test_hash_next_of_stored_ids_matches_the_general_path(
     page_size: int, tokens: list[int], parent: bytes, lora: str | None
 ) -> None:
-    """The decode step's direct hash of one filled page is hash_next's, for any parent
-    (client page hashes may have any length), any token id and common extra keys."""
+    """hash_next hands a request's stored ``array('Q')`` page straight to the C loops; the
+    hash is the one the general path gives the same ids as a list, for any parent (client
+    page hashes may have any length), any 64-bit id and common extra keys."""
     hasher = PageHasher(page_size, extra_keys=ExtraKeys(lora_name=lora) if lora else None)
-    one_page = hasher.one_page_hasher()
-    assert one_page is not None
-    page = array.array("Q", tokens[:page_size])
-    want: list[bytes] = [parent]
-    hasher.hash_next(want, page)
-    assert one_page(parent, page) == want[1]
+    page = tokens[:page_size]
+    direct: list[bytes] = [parent]
+    general: list[bytes] = [parent]
+    hasher.hash_next(direct, array.array("Q", page))
+    hasher.hash_next(general, page)
+    assert direct == general
 
 
-def test_one_page_hasher_is_refused_where_pages_differ() -> None:
-    """Multimodal inputs and a salt make a page's extra keys depend on the page; other
-    algorithms and pure-Python hashing take hash_next."""
-    mm = ExtraKeys(mm_inputs=(MultiModalKey("img", 0, 4),))
-    assert PageHasher(4, extra_keys=mm).one_page_hasher() is None
-    assert PageHasher(4, extra_keys=ExtraKeys(cache_salt="s")).one_page_hasher() is None
-    if xxhash is not None:
-        assert PageHasher(4, algorithm="xxhash_cbor").one_page_hasher() is None
-    saved = hashing._native
-    hashing._native = None
-    try:
-        assert PageHasher(4).one_page_hasher() is None
-    finally:
-        hashing._native = saved
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ExtraKeys(mm_inputs=(MultiModalKey("img", 2, 4),)),
+        ExtraKeys(cache_salt="s"),
+        None,
+    ],
+)
+def test_hash_next_keeps_page_specific_keys(extra: ExtraKeys | None) -> None:
+    """Pages whose extra keys differ (a multimodal input, the salt on page 0) take the
+    general path: stored ids and a list hash alike, page after page, as hash_pages does."""
+    hasher = PageHasher(4, extra_keys=extra)
+    tokens = list(range(100, 112))
+    direct: list[bytes] = []
+    general: list[bytes] = []
+    for k in range(3):
+        hasher.hash_next(direct, array.array("Q", tokens[4 * k : 4 * k + 4]))
+        hasher.hash_next(general, tokens[4 * k : 4 * k + 4])
+    assert direct == general == hash_pages(tokens, 4, extra_keys=extra)
+    if extra is not None:
+        assert direct != hash_pages(tokens, 4)

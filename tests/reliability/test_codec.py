@@ -260,7 +260,6 @@ KNOWN_ATTRIBUTES = {
         "config", "enable_caching", "pool", "groups", "hash_page_size", "_hash_factors",
         "_hit_alignment", "_requests", "_stats", "_max_model_len", "_no_new_pages",
         "_single_full", "_hasher",
-        "_one_page",  # derived from _hasher (which loops hash a decode's page)
     },
     ServiceState: {
         "pool_config", "limits", "manager", "sink", "debug_invariants", "clock", "journal",

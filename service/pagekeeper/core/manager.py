@@ -150,8 +150,6 @@ class PageManager:
         self.hash_page_size = config.hash_page_size
         # Pages of requests without extra keys (most) are hashed by this shared hasher.
         self._hasher = PageHasher(self.hash_page_size, algorithm=config.hash_algorithm)
-        # The page a decode fills, hashed with one C call (None: hash_next).
-        self._one_page = self._hasher.one_page_hasher()
         self._hash_factors = [g.page_size // self.hash_page_size for g in config.groups]
         # A hit must end where every group's page ends.
         self._hit_alignment = lcm(*(g.page_size for g in config.groups))
@@ -646,7 +644,6 @@ class PageManager:
             crossing_rows.clear()
 
         ops = pool._ops if not extras else None
-        one_page = self._one_page
         n = len(reqs)
         i = 0
         while i < n:
@@ -696,17 +693,8 @@ class PageManager:
             if extra:
                 ids.extend(extra)
             ids.append(token)
-            if caching and (num_hashable := len(ids) // hps) > (have := len(hashes := req.hashes)):
-                if (
-                    num_hashable == have + 1
-                    and have
-                    and one_page is not None
-                    and req.extra_keys is NO_EXTRA_KEYS
-                ):
-                    # The one page this decode filled (the common case): hashed directly.
-                    hashes.append(one_page(hashes[-1], ids[have * hps : num_hashable * hps]))
-                else:
-                    self._extend_hashes(req, None)
+            if caching and len(ids) // hps > len(req.hashes):
+                self._extend_hashes(req, None)
             if num_new > 0:
                 num_free -= num_new
                 if num_new == 1:

@@ -40,7 +40,7 @@ import numpy.typing as npt
 from pagekeeper.core.config import PoolConfig
 from pagekeeper.core.errors import InvalidArgument, InvariantViolation
 from pagekeeper.core.events import AllCleared, KVEvent, PageRemoved, PageStored, TokenRun
-from pagekeeper.core.types import NO_EXTRA_KEYS, ExtraKeys, MultiModalKey
+from pagekeeper.core.types import ExtraKeys, MultiModalKey
 
 SNAPSHOT_VERSION = 1
 """Bumped whenever the tree's shape changes; :func:`restore_manager` refuses other versions."""
@@ -125,7 +125,7 @@ def extra_keys_to_tree(extra: ExtraKeys) -> list[Any] | None:
 
 def extra_keys_from_tree(tree: list[Any] | None) -> ExtraKeys:
     if tree is None:
-        return NO_EXTRA_KEYS  # the shared instance (frozen), as a fresh admission gets
+        return ExtraKeys()
     lora_name, lora_path, cache_salt, mm = tree
     return ExtraKeys(
         lora_name=lora_name,
