@@ -1,7 +1,6 @@
 /* The scheduler mirror's per-row decode loops in C (optional: the client runs the same
  * loops in Python without them, with the same results).
  *
- * must_flush: whether the step must wait for the queue to be sent (see below).
  * check_decodes: the step's up-front check (see below).
  *
  * hold_decodes(tracked, token_bytes, start, page_size, max_len, lookahead, alignment,
@@ -23,7 +22,7 @@
 #include <Python.h>
 #include <string.h>
 
-static PyObject *str_num_tokens, *str_num_computed_tokens, *str_pages, *str_held, *str_pending;
+static PyObject *str_num_tokens, *str_num_computed_tokens, *str_pages, *str_held;
 
 /* An attribute that is an exact int in [0, 2**40): 1 with its value in *out; 0 when it is
  * missing, of another type or out of range (the row goes back to the caller); -1 with an
@@ -247,62 +246,7 @@ clientops_check_decodes(PyObject *module, PyObject *const *args, Py_ssize_t narg
     return out;
 }
 
-/* must_flush(request_ids, requests, admitting) -> bool
- *
- * Whether a decode step must wait for the queue to be sent first: one of its requests has
- * a growth queued (``pending`` is not None) or is being admitted (a key of ``admitting``).
- * An id that is not in ``requests`` (and not admitting) needs no flush: the step's check
- * refuses it afterwards. */
-static PyObject *
-clientops_must_flush(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
-{
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "must_flush takes 3 arguments");
-        return NULL;
-    }
-    PyObject *ids = args[0], *requests = args[1], *admitting = args[2];
-    if (!PyList_CheckExact(ids) || !PyDict_CheckExact(requests)
-        || !PyDict_CheckExact(admitting)) {
-        PyErr_SetString(PyExc_TypeError, "must_flush needs a list of ids and two dicts");
-        return NULL;
-    }
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(ids); i++) {
-        PyObject *key = PyList_GET_ITEM(ids, i);
-        Py_INCREF(key);
-        int flush = 0;
-        PyObject *t = PyDict_GetItemWithError(requests, key);
-        if (t != NULL) {
-            Py_INCREF(t);
-            PyObject *pending = PyObject_GetAttr(t, str_pending);
-            Py_DECREF(t);
-            if (pending == NULL) {
-                Py_DECREF(key);
-                return NULL;
-            }
-            flush = pending != Py_None;
-            Py_DECREF(pending);
-        }
-        else if (PyErr_Occurred()) {
-            Py_DECREF(key);
-            return NULL;
-        }
-        if (!flush) {
-            flush = PyDict_Contains(admitting, key);
-            if (flush < 0) {
-                Py_DECREF(key);
-                return NULL;
-            }
-        }
-        Py_DECREF(key);
-        if (flush)
-            Py_RETURN_TRUE;
-    }
-    Py_RETURN_FALSE;
-}
-
 static PyMethodDef clientops_methods[] = {
-    {"must_flush", (PyCFunction)(void (*)(void))clientops_must_flush, METH_FASTCALL,
-     "Whether a request of the decode step has a queued growth or is being admitted."},
     {"check_decodes", (PyCFunction)(void (*)(void))clientops_check_decodes, METH_FASTCALL,
      "The requests of a decode step when every row passes the up-front check, else the "
      "index of the first row the caller must judge."},
@@ -314,7 +258,7 @@ static PyMethodDef clientops_methods[] = {
 
 static struct PyModuleDef clientops_module = {
     PyModuleDef_HEAD_INIT, "_clientops",
-    "The scheduler mirror's per-row decode loop in C (see the source's header).", -1,
+    "The scheduler mirror's per-row decode loops in C (see the source's header).", -1,
     clientops_methods,
 };
 
@@ -325,8 +269,7 @@ PyInit__clientops(void)
     str_num_computed_tokens = PyUnicode_InternFromString("num_computed_tokens");
     str_pages = PyUnicode_InternFromString("pages");
     str_held = PyUnicode_InternFromString("held");
-    str_pending = PyUnicode_InternFromString("pending");
-    if (!str_num_tokens || !str_num_computed_tokens || !str_pages || !str_held || !str_pending)
+    if (!str_num_tokens || !str_num_computed_tokens || !str_pages || !str_held)
         return NULL;
     return PyModule_Create(&clientops_module);
 }

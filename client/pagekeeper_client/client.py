@@ -921,36 +921,20 @@ class SchedulerState:
     def must_flush_before_decodes(self, request_ids: Sequence[str]) -> bool:
         """``must_flush_before_growth`` for a whole decode step."""
         requests, admitting = self.requests, self._admitting
-        if _clientops is not None and type(request_ids) is list:
-            flush: bool = _clientops.must_flush(request_ids, requests, admitting)
-            return flush
         for request_id in request_ids:
             t = requests.get(request_id)
             if (t is not None and t.pending is not None) or request_id in admitting:
                 return True
         return False
 
-    def plan_decodes(
-        self, request_ids: Sequence[str], token_ids: TokenIds, num_lookahead_tokens: int
-    ) -> _DecodePlan:
-        """``plan_growth(rid, 1, [token], None, lookahead)`` for every request, checked as a
-        whole first (nothing planned when one is bad)."""
-        n = len(request_ids)
-        if len(token_ids) != n:
-            raise InvalidArgumentError(f"{len(token_ids)} token ids for {n} decoding requests")
-        num_lookahead_tokens = _check_int32("num_lookahead_tokens", num_lookahead_tokens)
-        token_bytes = encode_i32(token_ids)
+    def _checked_decode_rows(
+        self, request_ids: Sequence[str], num_lookahead_tokens: int
+    ) -> list[_Tracked]:
+        """The requests of a decode step, each with room for one more token, else the error
+        that refuses the step."""
         requests = self.requests
-        checked = (
-            _clientops.check_decodes(
-                request_ids, requests, self.max_model_len, num_lookahead_tokens
-            )
-            if _clientops is not None and type(request_ids) is list
-            else None
-        )
-        # The C check hands back the requests, or a row it leaves to this loop to judge.
-        tracked: list[_Tracked] = checked if type(checked) is list else []
-        for request_id in request_ids if type(checked) is not list else ():
+        tracked = []
+        for request_id in request_ids:
             t = requests.get(request_id)
             if t is None:
                 raise NotFoundError(self._missing(request_id))
@@ -972,6 +956,33 @@ class SchedulerState:
                     f"exceed its {t.num_tokens + 1} tokens"
                 )
             tracked.append(t)
+        return tracked
+
+    def plan_decodes(
+        self, request_ids: Sequence[str], token_ids: TokenIds, num_lookahead_tokens: int
+    ) -> _DecodePlan:
+        """``plan_growth(rid, 1, [token], None, lookahead)`` for every request, checked as a
+        whole first (nothing planned when one is bad)."""
+        n = len(request_ids)
+        if len(token_ids) != n:
+            raise InvalidArgumentError(f"{len(token_ids)} token ids for {n} decoding requests")
+        num_lookahead_tokens = _check_int32("num_lookahead_tokens", num_lookahead_tokens)
+        token_bytes = encode_i32(token_ids)
+        requests = self.requests
+        # The C check hands back the requests, or the index of a row the Python check must
+        # judge (and refuse, with its reason).
+        checked = (
+            _clientops.check_decodes(
+                request_ids, requests, self.max_model_len, num_lookahead_tokens
+            )
+            if _clientops is not None and type(request_ids) is list
+            else None
+        )
+        tracked: list[_Tracked] = (
+            checked
+            if type(checked) is list
+            else self._checked_decode_rows(request_ids, num_lookahead_tokens)
+        )
         if len(set(request_ids)) != n:
             raise InvalidArgumentError("a request decodes twice in one call")
         if not self._is_simple:

@@ -257,28 +257,3 @@ def test_rows_that_change_the_lists_while_read_do_not_crash_it() -> None:
     assert len(held) == 1 and held[0].num_tokens == 6 and rows == []
     requests.update(a=Meddler(), b=Meddler())
     assert clientops.check_decodes(["a", "b"], requests, 64, 0) == 1
-
-
-def test_must_flush_matches_the_python_loop(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A decode step waits for the queue when one of its requests has a growth queued or is
-    being admitted; unknown ids need no flush (the step's check refuses them)."""
-    rng = random.Random(11)
-    state, _ = twins(rng, True, 30)
-    seen = set()
-    for _ in range(200):
-        for t in state.requests.values():
-            t.pending = object() if rng.random() < 0.03 else None  # type: ignore[assignment]
-        state._admitting = {f"r{k}": object() for k in range(40) if rng.random() < 0.02}  # type: ignore[misc]
-        ids = rng.sample([*state.requests, "unknown"], rng.randrange(0, 32))
-        native = state.must_flush_before_decodes(ids)
-        with monkeypatch.context() as patch:
-            patch.setattr(client_module, "_clientops", None)
-            assert state.must_flush_before_decodes(ids) is native
-        seen.add(native)
-    assert seen == {True, False}
-    assert clientops.must_flush(["a"], {}, {"a": 1}) is True
-    assert clientops.must_flush(["a"], {"a": _Tracked(1, 1, [[1]])}, {}) is False
-    with pytest.raises(TypeError):
-        clientops.must_flush([["unhashable"]], {}, {})
-    with pytest.raises(TypeError):
-        clientops.must_flush(("a",), {}, {})
