@@ -90,8 +90,19 @@ def settle(state: SchedulerState, plan: _DecodePlan, next_page: list[int]) -> No
             next_page[0] += 1
 
 
+def plan_without_c(
+    state: SchedulerState, ids: list[str], tokens: list[int], lookahead: int
+) -> _DecodePlan:
+    """``plan_decodes`` with the C loops switched off (the Python loops alone)."""
+    saved = client_module._clientops
+    client_module._clientops = None
+    try:
+        return state.plan_decodes(ids, tokens, lookahead)
+    finally:
+        client_module._clientops = saved
+
+
 def run_both(
-    monkeypatch: pytest.MonkeyPatch,
     native: SchedulerState,
     python: SchedulerState,
     ids: list[str],
@@ -99,40 +110,47 @@ def run_both(
     lookahead: int,
 ) -> tuple[_DecodePlan, _DecodePlan]:
     plan_c = native.plan_decodes(ids, tokens, lookahead)
-    with monkeypatch.context() as patch:
-        patch.setattr(client_module, "_clientops", None)
-        plan_py = python.plan_decodes(ids, tokens, lookahead)
+    plan_py = plan_without_c(python, ids, tokens, lookahead)
     assert plan_fields(plan_c, native) == plan_fields(plan_py, python)
     assert mirror_fields(native) == mirror_fields(python)
     return plan_c, plan_py
 
 
+def twin_step(
+    rng: random.Random,
+    native: SchedulerState,
+    python: SchedulerState,
+    lookahead: int,
+    next_pages: tuple[list[int], list[int]],
+) -> _DecodePlan:
+    """One random decode step of some running requests on both mirrors, compared, then
+    settled as the service's answer would (``next_pages``: each mirror's next page id)."""
+    live = [
+        rid
+        for rid, t in native.requests.items()
+        if max(t.num_tokens, t.num_computed_tokens) + 1 < MAX_LEN - lookahead
+    ]
+    ids = rng.sample(live, rng.randrange(0, len(live) + 1))
+    tokens = [rng.randrange(50_000) for _ in ids]
+    plan_c, plan_py = run_both(native, python, ids, tokens, lookahead)
+    settle(native, plan_c, next_pages[0])
+    settle(python, plan_py, next_pages[1])
+    return plan_c
+
+
 @pytest.mark.parametrize("caching", [True, False])
 @pytest.mark.parametrize("lookahead", [0, 1, 3])
-def test_c_loop_plans_whole_steps_as_the_python_loop(
-    monkeypatch: pytest.MonkeyPatch, caching: bool, lookahead: int
-) -> None:
+def test_c_loop_plans_whole_steps_as_the_python_loop(caching: bool, lookahead: int) -> None:
     rng = random.Random(f"{caching}-{lookahead}")
     native, python = twins(rng, caching, 40)
-    pages_c, pages_py = [1000], [1000]
+    next_pages = ([1000], [1000])
     num_held = 0
     for _ in range(30):
-        live = [
-            rid
-            for rid, t in native.requests.items()
-            if t.num_tokens + 1 < MAX_LEN - lookahead
-            and t.num_computed_tokens + 1 < MAX_LEN - lookahead
-        ]
-        ids = rng.sample(live, rng.randrange(0, len(live) + 1))
-        tokens = [rng.randrange(50_000) for _ in ids]
-        plan_c, plan_py = run_both(monkeypatch, native, python, ids, tokens, lookahead)
-        num_held += len(plan_c.held)
-        settle(native, plan_c, pages_c)
-        settle(python, plan_py, pages_py)
+        num_held += len(twin_step(rng, native, python, lookahead, next_pages).held)
     assert num_held > 100  # the C loop did hold rows back (not only hand them over)
 
 
-def test_rows_it_does_not_expect_go_to_the_python_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_rows_it_does_not_expect_go_to_the_python_loop() -> None:
     """A count that is not an exact int, pages not in lists: the C loop stops at that row
     and the Python loop plans it, with the same outcome as the Python loop alone."""
     native, python = twins(random.Random(5), True, 12)
@@ -143,13 +161,13 @@ def test_rows_it_does_not_expect_go_to_the_python_loop(monkeypatch: pytest.Monke
         state.requests["r7"].pages = [tuple(state.requests["r7"].pages[0])]  # type: ignore[list-item]
         state.requests["r9"].held = bytearray(state.requests["r9"].held)  # type: ignore[assignment]
     ids = [f"r{k}" for k in range(12)]
-    run_both(monkeypatch, native, python, ids, list(range(12)), 0)
+    run_both(native, python, ids, list(range(12)), 0)
 
 
-def test_without_holding_every_row_is_a_growth(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_without_holding_every_row_is_a_growth() -> None:
     native, python = twins(random.Random(9), True, 20)
     native.hold_decodes = python.hold_decodes = False
-    plan_c, _ = run_both(monkeypatch, native, python, [f"r{k}" for k in range(20)], [7] * 20, 0)
+    plan_c, _ = run_both(native, python, [f"r{k}" for k in range(20)], [7] * 20, 0)
     assert len(plan_c.growths) == 20 and not plan_c.held
 
 
@@ -210,9 +228,7 @@ def test_check_decodes_contract() -> None:
         (["r0", "ahead"], "InvalidArgumentError"),
     ],
 )
-def test_bad_steps_are_refused_alike_and_plan_nothing(
-    monkeypatch: pytest.MonkeyPatch, ids: list[str], error: str
-) -> None:
+def test_bad_steps_are_refused_alike_and_plan_nothing(ids: list[str], error: str) -> None:
     native, python = twins(random.Random(3), True, 4)
     for state in (native, python):
         state.requests["full"] = _Tracked(MAX_LEN, MAX_LEN - 1, [[1] * (MAX_LEN // PAGE_SIZE)])
@@ -220,10 +236,8 @@ def test_bad_steps_are_refused_alike_and_plan_nothing(
     before = mirror_fields(native)
     with pytest.raises(Exception) as native_error:
         native.plan_decodes(ids, list(range(len(ids))), 0)
-    with monkeypatch.context() as patch:
-        patch.setattr(client_module, "_clientops", None)
-        with pytest.raises(Exception) as python_error:
-            python.plan_decodes(ids, list(range(len(ids))), 0)
+    with pytest.raises(Exception) as python_error:
+        plan_without_c(python, ids, list(range(len(ids))), 0)
     assert type(native_error.value).__name__ == type(python_error.value).__name__ == error
     assert str(native_error.value) == str(python_error.value)
     assert mirror_fields(native) == mirror_fields(python) == before

@@ -339,25 +339,9 @@ def client_cases(cases: int, seed: int) -> int:
     for _ in range(max(1, cases // 10)):
         caching, lookahead = rng.random() < 0.7, rng.choice([0, 0, 1, 3])
         native, python = twin.twins(rng, caching, rng.randrange(1, 40))
-        pages_c, pages_py = [1000], [1000]
+        next_pages: tuple[list[int], list[int]] = ([1000], [1000])
         for _ in range(10):
-            live = [
-                rid
-                for rid, t in native.requests.items()
-                if max(t.num_tokens, t.num_computed_tokens) + 1 < twin.MAX_LEN - lookahead
-            ]
-            ids = rng.sample(live, rng.randrange(0, len(live) + 1))
-            tokens = [rng.randrange(50_000) for _ in ids]
-            plan_c = native.plan_decodes(ids, tokens, lookahead)
-            client_module._clientops = None
-            try:
-                plan_py = python.plan_decodes(ids, tokens, lookahead)
-            finally:
-                client_module._clientops = ops
-            assert twin.plan_fields(plan_c, native) == twin.plan_fields(plan_py, python)
-            assert twin.mirror_fields(native) == twin.mirror_fields(python)
-            twin.settle(native, plan_c, pages_c)
-            twin.settle(python, plan_py, pages_py)
+            twin.twin_step(rng, native, python, lookahead, next_pages)
             checked += 1
         ids = list(native.requests)
         roomy = 1 << 30  # every row passes but the missing one at the end
