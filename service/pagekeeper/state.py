@@ -35,7 +35,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from itertools import pairwise
@@ -66,6 +66,7 @@ from pagekeeper.core.types import (
     LookupResult,
     PoolStats,
     RequestInfo,
+    RunningRequest,
 )
 from pagekeeper.publish.api import RingDescriptor
 
@@ -337,8 +338,9 @@ Command = (
     | ConfigureLimitsCommand
 )
 
-STATE_SNAPSHOT_VERSION = 1
-"""Version of :meth:`ServiceState.snapshot_state`'s tree (the core's has its own)."""
+STATE_SNAPSHOT_VERSION = 2
+"""Version of :meth:`ServiceState.snapshot_state`'s tree (the core's has its own). Version
+1 also listed each request's owner and counts, which the core's tree holds: still read."""
 
 # -- results -------------------------------------------------------------------------------
 
@@ -498,18 +500,10 @@ class ClientRecord:
     num_steps: int = 0
 
 
-@dataclass(slots=True)
-class _RequestRecord:
-    """What the state tracks per running request to validate a whole step up front (the
-    same numbers the core tracks; ``--debug-invariants`` compares them)."""
-
-    owner: str
-    num_tokens: int
-    num_computed_tokens: int
-
-
+# A step is validated whole, up front, against the core's own running requests (its
+# read-only view): the state keeps no copy of their counts to update per row.
 _OWNER = attrgetter("owner")
-_NUM_TOKENS = attrgetter("num_tokens")
+_TOKEN_IDS = attrgetter("token_ids")
 _NUM_COMPUTED_TOKENS = attrgetter("num_computed_tokens")
 
 
@@ -614,7 +608,7 @@ class ServiceState:
         self._fenced_reason = ""
         self.counters = ServiceCounters()
         self._clients: dict[str, ClientRecord] = {}
-        self._requests: dict[str, _RequestRecord] = {}
+        self._requests: Mapping[str, RunningRequest] = self.manager.requests
         self._next_client_number = 1
         self._last_published_step_seq = 0
         # Distinct per-group kernel block size tuples of registered workers -> how many use
@@ -885,7 +879,6 @@ class ServiceState:
         # Sorted: the free order decides the free queue, so it must not depend on set order.
         for request_id in sorted(client.request_ids):
             self.manager.free(request_id)
-            del self._requests[request_id]
             freed += 1
         del self._clients[client.client_id]
         return freed
@@ -948,10 +941,8 @@ class ServiceState:
 
         # -- mutations: nothing below raises a PagekeeperError for this step as a whole --
         manager = self.manager
-        requests = self._requests
         for request_id in cmd.frees:
             manager.free(request_id)
-            del requests[request_id]
             client.request_ids.discard(request_id)
         outcomes: list[AllocationOutcome] = []
         left_out: set[str] = set()
@@ -1163,7 +1154,7 @@ class ServiceState:
             owner_of = np.repeat(np.arange(n), counts)
             i = int(owner_of[_first_true(cols.new_token_ids < 0)])
             raise InvalidArgument(f"request {ids[i]!r}: token ids must be >= 0")
-        num_tokens = np.fromiter(map(_NUM_TOKENS, recs), np.int64, n) + counts
+        num_tokens = np.fromiter(map(len, map(_TOKEN_IDS, recs)), np.int64, n) + counts
         if (num_tokens > max_len).any():
             i = _first_true(num_tokens > max_len)
             raise InvalidArgument(
@@ -1255,12 +1246,6 @@ class ServiceState:
                     if rows:
                         granted[0].extend(rows if start == 0 else [start + r for r in rows])
                         granted[1].extend(pages)
-                    for rid, k in zip(run, run_ids.tolist(), strict=True):
-                        # Absent: fitted in its pages; None: refused, nothing changed for it.
-                        if answers.get(rid, True) is not None:
-                            record = requests[rid]
-                            record.num_tokens += k
-                            record.num_computed_tokens += k
                     for rid, allocation in answers.items():
                         if allocation is None:
                             left_out.add(rid)
@@ -1276,7 +1261,7 @@ class ServiceState:
                     left_out.add(outcome.request_id)
                 outcomes.append(outcome)
 
-    def _check_owned(self, request_id: str, owner: str) -> _RequestRecord:
+    def _check_owned(self, request_id: str, owner: str) -> RunningRequest:
         record = self._requests.get(request_id)
         if record is None:
             raise NotFound(f"request {request_id!r} holds no pages")
@@ -1284,7 +1269,7 @@ class ServiceState:
             raise PermissionDenied(f"request {request_id!r} belongs to another client")
         return record
 
-    def _validate_growth(self, growth: Growth, record: _RequestRecord, max_len: int) -> None:
+    def _validate_growth(self, growth: Growth, record: RunningRequest, max_len: int) -> None:
         """The core's own checks, done up front so a bad growth cannot stop a step halfway."""
         rid = growth.request_id
         new_tokens = growth.new_token_ids
@@ -1295,7 +1280,7 @@ class ServiceState:
             raise InvalidArgument(f"request {rid!r}: num_new_tokens must be >= 1")
         if growth.num_lookahead_tokens < 0:
             raise InvalidArgument(f"request {rid!r}: num_lookahead_tokens must be >= 0")
-        num_tokens = record.num_tokens + len(new_tokens)
+        num_tokens = len(record.token_ids) + len(new_tokens)
         if num_tokens > max_len:
             raise InvalidArgument(
                 f"request {rid!r}: {num_tokens} tokens exceed max_model_len {max_len}"
@@ -1365,12 +1350,6 @@ class ServiceState:
             return AllocationOutcome(rid, AllocationStatus.REJECTED, reason=exc.message)
         if allocation is None:
             return AllocationOutcome(rid, AllocationStatus.NO_CAPACITY)
-        record = self._requests[rid]
-        record.num_tokens += len(growth.new_token_ids)
-        computed = growth.num_computed_tokens
-        record.num_computed_tokens = (
-            record.num_computed_tokens if computed is None else computed
-        ) + growth.num_new_tokens
         if not any(allocation.new_page_ids):
             return None
         return _outcome(allocation)
@@ -1393,12 +1372,6 @@ class ServiceState:
             return AllocationOutcome(rid, AllocationStatus.REJECTED, reason=exc.message)
         if allocation is None:
             return AllocationOutcome(rid, AllocationStatus.NO_CAPACITY)
-        num_tokens = len(admission.token_ids)
-        cached = allocation.num_cached_tokens
-        # As the core does: a chunk larger than what the cache hit left is clamped to it.
-        rest = num_tokens - cached
-        computed = cached + (rest if num_new is None or num_new > rest else num_new)
-        self._requests[rid] = _RequestRecord(client.client_id, num_tokens, computed)
         client.request_ids.add(rid)
         return _outcome(allocation)
 
@@ -1458,7 +1431,6 @@ class ServiceState:
         if record is None:
             raise NotFound(f"request {cmd.request_id!r} holds no pages")
         self.manager.free(cmd.request_id)
-        del self._requests[cmd.request_id]
         owner = self._clients.get(record.owner)
         if owner is not None:
             owner.request_ids.discard(cmd.request_id)
@@ -1524,19 +1496,12 @@ class ServiceState:
         return build
 
     def _snapshot_without_events(self) -> dict[str, Any]:
-        records = self._requests
         return {
             "version": STATE_SNAPSHOT_VERSION,
             "pool_config": self.pool_config.to_dict(),
             "limits": limits_to_tree(self.limits),
             "manager": None,  # filled by capture_snapshot's function
             "clients": [_client_to_tree(c) for c in self._clients.values()],
-            "requests": {
-                "request_ids": list(records),
-                "owners": [r.owner for r in records.values()],
-                "num_tokens": [r.num_tokens for r in records.values()],
-                "num_computed_tokens": [r.num_computed_tokens for r in records.values()],
-            },
             "next_client_number": self._next_client_number,
             "last_published_step_seq": self._last_published_step_seq,
             "kernel_sets": [[list(k), n] for k, n in self._kernel_sets.items()],
@@ -1554,7 +1519,7 @@ class ServiceState:
         if self.journal is not None or self._clients or self._requests:
             raise FailedPrecondition("restore_state needs a fresh state without a journal")
         version = tree.get("version") if isinstance(tree, dict) else None
-        if version != STATE_SNAPSHOT_VERSION:
+        if version not in (1, STATE_SNAPSHOT_VERSION):
             raise InvalidArgument(
                 f"state snapshot version {version!r} is not the supported {STATE_SNAPSHOT_VERSION}"
             )
@@ -1567,17 +1532,8 @@ class ServiceState:
             manager = PageManager.restore_state(self.pool_config, tree["manager"])
             limits = limits_from_tree(tree["limits"])
             clients = [_client_from_tree(t) for t in tree["clients"]]
-            rt = tree["requests"]
-            requests = {
-                str(rid): _RequestRecord(str(owner), int(n), int(c))
-                for rid, owner, n, c in zip(
-                    rt["request_ids"],
-                    rt["owners"],
-                    rt["num_tokens"],
-                    rt["num_computed_tokens"],
-                    strict=True,
-                )
-            }
+            if version == 1:
+                _check_v1_requests(tree["requests"], manager)
             kernel_sets = {tuple(int(k) for k in sizes): int(n) for sizes, n in tree["kernel_sets"]}
             events = events_from_tree(tree["events"])
             counters = {name: int(tree["counters"][name]) for name in _COUNTER_FIELDS}
@@ -1591,7 +1547,7 @@ class ServiceState:
         self.manager = manager
         self.limits = limits
         self._clients = {c.client_id: c for c in clients}
-        self._requests = requests
+        self._requests = manager.requests
         self._kernel_sets = kernel_sets
         self._events = deque(events)
         self._events_nbytes = sum(map(event_nbytes, events))
@@ -1735,33 +1691,47 @@ class ServiceState:
 
     # -- integrity ---------------------------------------------------------------------
     def check_invariants(self) -> None:
-        """The core's invariants, plus: the state's request records match the core's."""
+        """The core's invariants, plus: every running request is in its owner's set, and
+        every client's set names running requests of its own."""
         from pagekeeper.core.errors import InvariantViolation
 
         self.manager.check_invariants()
         problems = []
-        core_ids = set(self.manager.request_ids())
-        if core_ids != set(self._requests):
-            problems.append(
-                f"state tracks {len(self._requests)} requests, the core {len(core_ids)}"
-            )
-        for rid, record in self._requests.items():
-            if rid not in core_ids:
-                continue
-            info = self.manager.request_info(rid)
-            if (info.num_tokens, info.num_computed_tokens) != (
-                record.num_tokens,
-                record.num_computed_tokens,
-            ):
-                problems.append(
-                    f"request {rid!r}: state has {record.num_tokens}/{record.num_computed_tokens}"
-                    f" tokens/computed, core {info.num_tokens}/{info.num_computed_tokens}"
-                )
+        requests = self._requests
+        for rid, record in requests.items():
             owner = self._clients.get(record.owner)
             if owner is not None and rid not in owner.request_ids:
                 problems.append(f"request {rid!r} missing from its owner's set")
+        for client in self._clients.values():
+            for rid in sorted(client.request_ids):
+                listed = requests.get(rid)
+                if listed is None or listed.owner != client.client_id:
+                    problems.append(
+                        f"client {client.client_id!r} lists request {rid!r}, which "
+                        + ("is not running" if listed is None else f"{listed.owner!r} owns")
+                    )
         if problems:
             raise InvariantViolation("; ".join(problems))
+
+
+def _check_v1_requests(tree: dict[str, Any], manager: PageManager) -> None:
+    """A version-1 snapshot's own request list must agree with its core tree's."""
+    listed = {
+        str(rid): (str(owner), int(n), int(c))
+        for rid, owner, n, c in zip(
+            tree["request_ids"],
+            tree["owners"],
+            tree["num_tokens"],
+            tree["num_computed_tokens"],
+            strict=True,
+        )
+    }
+    core = {
+        rid: (r.owner, len(r.token_ids), r.num_computed_tokens)
+        for rid, r in manager.requests.items()
+    }
+    if listed != core:
+        raise ValueError("its request list disagrees with the core's")
 
 
 def _first_repeat(ids: Sequence[str]) -> str:

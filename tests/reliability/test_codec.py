@@ -25,6 +25,7 @@ from pagekeeper.durability.log import record_crc
 from pagekeeper.durability.snapshot import SnapshotError, decode_snapshot, encode_snapshot
 from pagekeeper.durability.values import ValueDecodeError, decode, encode
 from pagekeeper.state import (
+    STATE_SNAPSHOT_VERSION,
     Admission,
     Batch,
     ClientRecord,
@@ -231,7 +232,7 @@ def test_snapshot_header_and_body_are_checked():
     state = new_state()
     Workload(2).run_one(state)
     body = encode_snapshot(state.snapshot_state())
-    assert decode_snapshot(body)["version"] == 1
+    assert decode_snapshot(body)["version"] == STATE_SNAPSHOT_VERSION
     for bad in (body[:4], b"XXSNAP" + body[6:], body[:6] + b"\x07\x00" + body[8:], body[:-9]):
         with pytest.raises(SnapshotError):
             decode_snapshot(bad)
@@ -260,6 +261,7 @@ KNOWN_ATTRIBUTES = {
         "config", "enable_caching", "pool", "groups", "hash_page_size", "_hash_factors",
         "_hit_alignment", "_requests", "_stats", "_max_model_len", "_no_new_pages",
         "_single_full", "_hasher",
+        "requests",  # a read-only view of _requests
     },
     ServiceState: {
         "pool_config", "limits", "manager", "sink", "debug_invariants", "clock", "journal",

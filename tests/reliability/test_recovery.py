@@ -9,6 +9,7 @@ equal, and so must every answer to the next commands (the next allocations).
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import sqlite3
 import time
@@ -16,7 +17,12 @@ import time
 import numpy as np
 import pytest
 
-from pagekeeper.core.errors import FailedPrecondition, PagekeeperError
+from pagekeeper.core.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    InvariantViolation,
+    PagekeeperError,
+)
 from pagekeeper.durability import Durability, DurabilityError, state_digest
 from pagekeeper.durability.log import (
     DB_NAME,
@@ -72,6 +78,53 @@ def test_snapshot_restore_is_exact(pool_name):
             )
     assert_same_future(live, restored, workload, 200)
     assert state_digest(restored) == state_digest(live)
+
+
+def _as_version_1(state: ServiceState) -> dict:
+    """``state``'s snapshot as version 1 wrote it: with its own list of every request's
+    owner and counts (the core's tree holds them; version 2 leaves the list out)."""
+    tree = copy.deepcopy(state.snapshot_state())
+    infos = [state.request_info(rid) for rid in state.request_ids()]
+    tree["version"] = 1
+    tree["requests"] = {
+        "request_ids": [i.request_id for i in infos],
+        "owners": [i.owner for i in infos],
+        "num_tokens": [i.num_tokens for i in infos],
+        "num_computed_tokens": [i.num_computed_tokens for i in infos],
+    }
+    return tree
+
+
+def test_a_version_1_snapshot_restores_and_its_request_list_is_checked():
+    live, workload = new_state(FULL_POOL), Workload(5, FULL_POOL)
+    _drive(live, workload, 300)
+    assert live.request_ids(), "the workload leaves requests running"
+    old = _as_version_1(live)
+    restored = new_state(FULL_POOL)
+    restored.restore_state(copy.deepcopy(old))
+    restored.check_invariants()
+    assert state_digest(restored) == state_digest(live)
+    # A list that disagrees with the core's tree is a damaged snapshot: refused.
+    old["requests"]["num_computed_tokens"][0] += 1
+    with pytest.raises(InvalidArgument, match="disagrees with the core"):
+        new_state(FULL_POOL).restore_state(old)
+    old["version"] = 3
+    with pytest.raises(InvalidArgument, match="version 3"):
+        new_state(FULL_POOL).restore_state(old)
+
+
+def test_invariants_catch_a_client_set_out_of_step_with_the_core():
+    live, workload = new_state(FULL_POOL), Workload(5, FULL_POOL)
+    _drive(live, workload, 300)
+    live.check_invariants()
+    client = next(c for c in live._clients.values() if c.request_ids)
+    rid = sorted(client.request_ids)[0]
+    client.request_ids.discard(rid)
+    with pytest.raises(InvariantViolation, match="missing from its owner's set"):
+        live.check_invariants()
+    client.request_ids.update((rid, "ghost"))
+    with pytest.raises(InvariantViolation, match="'ghost', which is not running"):
+        live.check_invariants()
 
 
 def test_workload_exercises_what_recovery_must_keep():

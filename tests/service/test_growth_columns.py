@@ -123,7 +123,6 @@ def follow_answer(
             del running[g.request_id]
             for state, me in zip(states, clients, strict=True):
                 state.manager.free(g.request_id)
-                del state._requests[g.request_id]
                 state._clients[me[0]].request_ids.discard(g.request_id)
     for a in admissions:
         if statuses[a.request_id] is AllocationStatus.OK:

@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from math import lcm
 from operator import attrgetter
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -48,6 +49,7 @@ from pagekeeper.core.types import (
     LookupResult,
     PoolStats,
     RequestInfo,
+    RunningRequest,
 )
 
 TokenIds = Sequence[int] | np.ndarray
@@ -154,6 +156,9 @@ class PageManager:
         # A hit must end where every group's page ends.
         self._hit_alignment = lcm(*(g.page_size for g in config.groups))
         self._requests: dict[str, _Request] = {}
+        # Never rebound: the view stays the live one.
+        self.requests: Mapping[str, RunningRequest] = MappingProxyType(self._requests)
+        """The running requests by id, read-only and live (no copy)."""
         self._stats = PoolStats(num_pages=config.num_pages)
         self._max_model_len = config.max_model_len
         self._no_new_pages: tuple[tuple[int, ...], ...] = tuple(() for _ in self.groups)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -72,6 +74,23 @@ class RequestInfo:
     num_cached_tokens: int
     page_ids: tuple[tuple[int, ...], ...]
     owner: str = ""
+
+
+class RunningRequest(Protocol):
+    """A running request as the core tracks it (:attr:`PageManager.requests`), for a
+    caller that checks a whole step against the core's own numbers before applying it.
+    Read it, never change it: the core alone does."""
+
+    @property
+    def owner(self) -> str: ...
+
+    @property
+    def token_ids(self) -> Sequence[int]:
+        """Every token so far (its length is the request's token count)."""
+        ...
+
+    @property
+    def num_computed_tokens(self) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)
