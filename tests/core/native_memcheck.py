@@ -17,6 +17,7 @@ makes, are not the extension's); ``make memcheck`` and a short run in the tests 
 from __future__ import annotations
 
 import argparse
+import array
 import os
 import random
 import shutil
@@ -76,9 +77,8 @@ def hash_cases(cases: int, seed: int) -> int:
         )
         first = hashing._PARENT_HEADS.get(len(parent)) or b"\x83" + hashing._head(2, len(parent))
         array_head = hashing._head(4, page_size)
-        got = native.chain_sha256(
-            first, hashing._PARENT_HEADS[32], parent, array_head, body, ends, extras
-        )
+        head32 = hashing._PARENT_HEADS[32]
+        got = native.chain_sha256(first, head32, parent, array_head, body, ends, extras)
         hashing._native = None
         try:
             want = hashing._chain("sha256_cbor", parent, array_head, body, ends, extras)
@@ -86,6 +86,20 @@ def hash_cases(cases: int, seed: int) -> int:
             hashing._native = native
         assert got == want
         checked += 1
+        # One page read in place at any offset (pages past sha256_page's stack buffer too).
+        stored = array.array("Q", tokens)
+        for k in range(len(got)):
+            one = native.sha256_page(
+                first if k == 0 else head32,
+                parent if k == 0 else got[k - 1],
+                array_head,
+                stored,
+                k * page_size,
+                page_size,
+                extras if isinstance(extras, bytes) else extras[k],
+            )
+            assert one == got[k]
+            checked += 1
     # Refusals: offsets past the body or going back, wrong types. Each must raise.
     head = hashing._PARENT_HEADS[32]
     for ends in ([5, 100], [3, 2], [-1]):
@@ -96,12 +110,23 @@ def hash_cases(cases: int, seed: int) -> int:
         else:
             raise AssertionError(f"ends {ends} accepted")
     for bad in (np.arange(8, dtype=np.float32), np.arange(8, dtype=np.uint32)[::2], "x"):
+        for function, args in (
+            (native.encode_pages, (bad, 4)),
+            (native.sha256_page, (head, b"", b"", bad, 0, 4, b"")),
+        ):
+            try:
+                function(*args)
+            except (TypeError, ValueError):
+                checked += 1
+            else:
+                raise AssertionError(f"{bad!r} accepted")
+    for start, page_size in ((5, 4), (-1, 4), (0, 0), (0, 9)):
         try:
-            native.encode_pages(bad, 4)
-        except (TypeError, ValueError):
+            native.sha256_page(head, b"", b"", array.array("Q", range(8)), start, page_size, b"")
+        except ValueError:
             checked += 1
         else:
-            raise AssertionError(f"{bad!r} accepted")
+            raise AssertionError(f"a page of {page_size} at {start} of 8 accepted")
     print(f"memcheck: {checked} checks of pagekeeper.core._native passed")
     return 0
 
@@ -360,6 +385,7 @@ _OUR_FRAMES = (
     "_native",
     "encode_pages",
     "chain_sha256",
+    "sha256_page",
     "_poolops",
     "pool_take",
     "pool_evict",

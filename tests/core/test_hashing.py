@@ -785,6 +785,40 @@ def test_native_chain_equals_python(
 
 
 @needs_native
+@SETTINGS
+@given(
+    tokens=token_lists(max_size=120),
+    page_size=st.sampled_from([1, 3, 16, 65, 100]),
+    parent=st.binary(max_size=40),
+    extra=st.binary(max_size=30),
+    data=st.data(),
+)
+def test_native_one_page_equals_the_chain(
+    tokens: list[int], page_size: int, parent: bytes, extra: bytes, data: st.DataObject
+) -> None:
+    """sha256_page reads any full page in place (any offset, any width, pages past the
+    stack buffer too) and hashes what chain_sha256 hashes for that page."""
+    native = hashing._native
+    assert native is not None
+    assume(len(tokens) >= page_size)
+    start = data.draw(st.integers(0, len(tokens) - page_size), label="start")
+    page = tokens[start : start + page_size]
+    array_head = hashing._head(4, page_size)
+    head = hashing._parent_head(parent)
+    body, ends = hashing._encode_tokens_py(page, page_size)
+    (expected,) = native.chain_sha256(head, head, parent, array_head, body, ends, extra)
+    stored = array.array("Q", tokens)
+    assert native.sha256_page(head, parent, array_head, stored, start, page_size, extra) == (
+        expected
+    )
+    if max(tokens, default=0) < 2**16:
+        narrow = np.array(tokens, dtype=np.uint16)
+        assert native.sha256_page(head, parent, array_head, narrow, start, page_size, extra) == (
+            expected
+        )
+
+
+@needs_native
 def test_native_refuses_bad_arguments() -> None:
     """Wrong types and out-of-range offsets are Python exceptions, never a crash or a read
     past the buffer."""
@@ -817,6 +851,22 @@ def test_native_refuses_bad_arguments() -> None:
     ]:
         with pytest.raises(error):
             native.encode_pages(tokens, page_size)
+    ids = array.array("Q", range(40))
+    one = (head, NONE_HASH, b"\x90", ids, 16, 16, b"")
+    assert len(native.sha256_page(*one)) == 32
+    for args, error, match in [
+        ((*one[:4], 25, 16, b""), ValueError, "no full page of 16 tokens at 25"),
+        ((*one[:4], -1, 16, b""), ValueError, "start"),
+        ((*one[:4], 0, 0, b""), ValueError, "page_size"),
+        ((*one[:4], 0, 41, b""), ValueError, "no full page"),
+        ((*one[:3], np.arange(40, dtype=np.int64), 0, 16, b""), TypeError, "unsigned"),
+        ((*one[:3], np.arange(80, dtype=np.uint64)[::2], 0, 16, b""), ValueError, "contiguous"),
+        ((*one[:6], "x"), TypeError, "extra"),
+        ((head, "parent", *one[2:]), TypeError, "parent"),
+        (one[:6], TypeError, "sha256_page"),
+    ]:
+        with pytest.raises(error, match=match):
+            native.sha256_page(*args)
 
 
 def test_native_hashing_can_be_turned_off() -> None:
@@ -878,12 +928,14 @@ def test_hash_next_of_stored_ids_matches_the_general_path(
     hash is the one the general path gives the same ids as a list, for any parent (client
     page hashes may have any length), any 64-bit id and common extra keys."""
     hasher = PageHasher(page_size, extra_keys=ExtraKeys(lora_name=lora) if lora else None)
-    page = tokens[:page_size]
+    # One page hashed already (``parent``): the next page is read at ``page_size``.
+    ids = [7] * page_size + tokens[:page_size]
     direct: list[bytes] = [parent]
     general: list[bytes] = [parent]
-    hasher.hash_next(direct, array.array("Q", page))
-    hasher.hash_next(general, page)
+    hasher.hash_next(direct, array.array("Q", ids))
+    hasher.hash_next(general, ids)
     assert direct == general
+    assert direct[1] == hasher.hash_pages(tokens[:page_size], parent=parent, first_page_index=1)[0]
 
 
 @pytest.mark.parametrize(
@@ -902,8 +954,8 @@ def test_hash_next_keeps_page_specific_keys(extra: ExtraKeys | None) -> None:
     direct: list[bytes] = []
     general: list[bytes] = []
     for k in range(3):
-        hasher.hash_next(direct, array.array("Q", tokens[4 * k : 4 * k + 4]))
-        hasher.hash_next(general, tokens[4 * k : 4 * k + 4])
+        hasher.hash_next(direct, array.array("Q", tokens[: 4 * k + 4]))
+        hasher.hash_next(general, tokens[: 4 * k + 4])
     assert direct == general == hash_pages(tokens, 4, extra_keys=extra)
     if extra is not None:
         assert direct != hash_pages(tokens, 4)

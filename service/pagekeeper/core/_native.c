@@ -15,6 +15,12 @@
  *         of the page before. `extras` is one bytes object (the same for every page) or a
  *         list of them, one per page.
  *
+ *   sha256_page(head, parent, array_head, tokens, start, page_size, extra) -> digest
+ *       One page of a chain in one call: the SHA-256 of
+ *             head | parent | array_head | CBOR(tokens[start : start + page_size]) | extra
+ *         with `tokens` a buffer as for encode_pages, read in place (a decode's filled
+ *         page, straight from the request's stored ids: no slice, body or list).
+ *
  * SHA-256 is OpenSSL's (the library CPython's hashlib uses): one EVP context per call,
  * reused for its pages, so a page costs the digest itself and one bytes object, not four
  * Python objects and a call frame. The extension is built when a C compiler and OpenSSL's headers are there
@@ -301,12 +307,103 @@ fail:
     return NULL;
 }
 
+static PyObject *
+sha256_page(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError,
+                        "sha256_page(head, parent, array_head, tokens, start, page_size, extra)");
+        return NULL;
+    }
+    const char *head, *parent, *array_head, *extra;
+    Py_ssize_t head_len, parent_len, array_head_len, extra_len;
+    if (as_bytes(args[0], "head", &head, &head_len) < 0
+        || as_bytes(args[1], "parent", &parent, &parent_len) < 0
+        || as_bytes(args[2], "array_head", &array_head, &array_head_len) < 0
+        || as_bytes(args[6], "extra", &extra, &extra_len) < 0) {
+        return NULL;
+    }
+    Py_ssize_t start = PyLong_AsSsize_t(args[4]);
+    Py_ssize_t page_size = start == -1 && PyErr_Occurred() ? -1 : PyLong_AsSsize_t(args[5]);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    if (start < 0 || page_size < 1 || page_size > PY_SSIZE_T_MAX / 9) {
+        PyErr_SetString(PyExc_ValueError, "start must be >= 0 and page_size >= 1");
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[3], &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        return NULL;
+    }
+    PyObject *result = NULL;
+    unsigned char small[9 * 64], *encoded = small;
+    EVP_MD_CTX *ctx = NULL;
+    Py_ssize_t itemsize = view.itemsize;
+    const char *fmt = view.format ? view.format : "B";
+    if (*fmt == '@' || *fmt == '=' || (PY_LITTLE_ENDIAN && *fmt == '<')) {
+        fmt++;  /* native byte order */
+    }
+    if (!(itemsize == 1 || itemsize == 2 || itemsize == 4 || itemsize == 8)
+        || strchr("BHILQN", *fmt) == NULL || fmt[0] == '\0' || fmt[1] != '\0') {
+        PyErr_Format(PyExc_TypeError,
+                     "tokens must be a buffer of unsigned integers, got format '%s'",
+                     view.format ? view.format : "B");
+        goto done;
+    }
+    if (start > view.len / itemsize - page_size) {
+        PyErr_Format(PyExc_ValueError, "no full page of %zd tokens at %zd (%zd tokens)",
+                     page_size, start, view.len / itemsize);
+        goto done;
+    }
+    if (page_size > 64) {
+        encoded = PyMem_Malloc(9 * page_size);
+        if (encoded == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+    }
+    Py_ssize_t n = 0;
+    for (Py_ssize_t i = start; i < start + page_size; i++) {
+        n += put_uint(encoded + n, load_uint(view.buf, itemsize, i));
+    }
+    ctx = EVP_MD_CTX_new();
+    if (ctx == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    unsigned char digest[DIGEST_SIZE];
+    unsigned int digest_len = 0;
+    if (!EVP_DigestInit_ex(ctx, sha256_md, NULL)
+        || !EVP_DigestUpdate(ctx, head, (size_t)head_len)
+        || !EVP_DigestUpdate(ctx, parent, (size_t)parent_len)
+        || !EVP_DigestUpdate(ctx, array_head, (size_t)array_head_len)
+        || !EVP_DigestUpdate(ctx, encoded, (size_t)n)
+        || !EVP_DigestUpdate(ctx, extra, (size_t)extra_len)
+        || !EVP_DigestFinal_ex(ctx, digest, &digest_len) || digest_len != DIGEST_SIZE) {
+        PyErr_SetString(PyExc_RuntimeError, "OpenSSL SHA-256 failed");
+        goto done;
+    }
+    result = PyBytes_FromStringAndSize((const char *)digest, DIGEST_SIZE);
+done:
+    EVP_MD_CTX_free(ctx);
+    if (encoded != small) {
+        PyMem_Free(encoded);
+    }
+    PyBuffer_Release(&view);
+    return result;
+}
+
 static PyMethodDef native_methods[] = {
     {"encode_pages", (PyCFunction)(void (*)(void))encode_pages, METH_FASTCALL,
      "encode_pages(tokens, page_size) -> (body, ends): CBOR uints of the full pages."},
     {"chain_sha256", (PyCFunction)(void (*)(void))chain_sha256, METH_FASTCALL,
      "chain_sha256(first_head, head, parent, array_head, body, ends, extras) -> list of "
      "SHA-256 digests, each page's the next one's parent."},
+    {"sha256_page", (PyCFunction)(void (*)(void))sha256_page, METH_FASTCALL,
+     "sha256_page(head, parent, array_head, tokens, start, page_size, extra) -> the "
+     "SHA-256 of one page read in place."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -734,9 +734,13 @@ class PageManager:
         ps = self.hash_page_size
         num_full = len(tokens) // ps
         have = len(req.hashes)
-        if num_full == have + 1 and not new_page_hashes and req.extra_keys == NO_EXTRA_KEYS:
+        if (
+            num_full == have + 1
+            and not new_page_hashes
+            and (req.extra_keys is NO_EXTRA_KEYS or req.extra_keys == NO_EXTRA_KEYS)
+        ):
             # A decode filled one page: hash just that page (its ids are checked ints).
-            self._hasher.hash_next(req.hashes, tokens[have * ps : num_full * ps])
+            self._hasher.hash_next(req.hashes, tokens)
             return
         if new_page_hashes:
             extra = list(new_page_hashes)[: num_full - have]

