@@ -304,45 +304,24 @@ def index_cases(cases: int, seed: int) -> int:
 
 
 def decode_cases(cases: int, seed: int) -> int:
-    """``_poolops.decode_rows`` (the manager's plain decode rows) against the manager's
-    Python loop: two managers through the same random admissions, decode steps (with
-    lookahead, refusals when the pool runs dry) and frees; equal after every step."""
-    from pagekeeper.core.config import GroupConfig, PoolConfig
-    from pagekeeper.core.manager import PageManager
+    """``_poolops.decode_rows`` (the manager's plain decode rows, filled pages cached in C
+    included) against the manager's Python loop: twin managers of random configurations
+    through the same random admissions, decode steps and frees
+    (``tests.core.test_pool_native.decode_workload``), equal after every step."""
+    from tests.core.test_pool_native import _decode_twins, decode_workload
 
     if pool_module._ops is None:
         print("memcheck: pagekeeper.core._poolops is not built here; nothing to check")
         return 0
     rng = random.Random(seed)
     checked = 0
-    for _ in range(max(1, cases // 10)):
-        config = PoolConfig(
-            num_pages=rng.randrange(8, 40),
-            groups=(GroupConfig(page_size=rng.choice([1, 2, 4])),),
-            enable_prefix_caching=rng.random() < 0.8,
-            max_model_len=64,
+    ops = ["admit", "decode", "decode", "decode", "free"]
+    for _ in range(max(1, cases // 5)):
+        native, python = _decode_twins(
+            rng.random() < 0.8, 64, rng.randrange(8, 40), [], page_size=rng.choice([1, 2, 4])
         )
-        native, python = PageManager(config), PageManager(config)
-        python.pool._ops = None
-        for step in range(30):
-            running = native.request_ids()
-            if len(running) < 6 and rng.random() < 0.4:
-                rid = f"q{step}"
-                prompt = [rng.randrange(50) for _ in range(rng.randrange(1, 12))]
-                assert native.admit(rid, prompt) == python.admit(rid, prompt)
-            elif running and rng.random() < 0.1:
-                rid = rng.choice(running)
-                native.free(rid)
-                python.free(rid)
-            live = [r for r in native.request_ids() if native.request_info(r).num_tokens < 60]
-            tokens = [rng.randrange(2**40) for _ in live]
-            lookahead = rng.choice([0, 0, 1, 2])
-            want = python.allocate_decodes(live, tokens, num_lookahead_tokens=lookahead)
-            assert native.allocate_decodes(live, tokens, num_lookahead_tokens=lookahead) == want
-            assert native.take_events() == python.take_events()
-            for rid in native.request_ids():
-                assert native._requests[rid] == python._requests[rid]
-            checked += 1
+        steps = [(rng.choice(ops), rng.randrange(2**16)) for _ in range(40)]
+        checked += decode_workload(native, python, steps, 64)
     print(f"memcheck: {checked} decode steps with pagekeeper.core._poolops.decode_rows passed")
     return 0
 

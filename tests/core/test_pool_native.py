@@ -22,7 +22,7 @@ from types import ModuleType
 import hypothesis.strategies as st
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from pagekeeper.core import pool as pool_module
@@ -337,7 +337,11 @@ def test_native_pool_is_built_where_it_can_be() -> None:
 
 
 def _decode_twins(
-    caching: bool, max_model_len: int, num_pages: int, prompts: list[list[int]]
+    caching: bool,
+    max_model_len: int,
+    num_pages: int,
+    prompts: list[list[int]],
+    page_size: int = 4,
 ) -> list:
     """Two managers, one decoding with the C row pass (the default where built) and one
     with the Python loop, each running ``prompts`` as requests ``r0``, ``r1``, ..."""
@@ -348,7 +352,7 @@ def _decode_twins(
     for native in (True, False):
         config = PoolConfig(
             num_pages=num_pages,
-            groups=(GroupConfig(page_size=4),),
+            groups=(GroupConfig(page_size=page_size),),
             enable_prefix_caching=caching,
             max_model_len=max_model_len,
         )
@@ -414,6 +418,156 @@ def test_decode_rows_crossing_past_the_free_pages_matches_the_python_loop(cachin
         want = _decode_both(native, python, ids, [step * 8 + k for k in range(8)])
         if step == 0:
             assert sum(a is None for a in want.values()) == 5  # 3 free pages for 8 rows
+
+
+def _admit_both(native, python, rid: str, prompt: list[int], **kw) -> None:
+    want = python.admit(rid, prompt, **kw)
+    assert native.admit(rid, prompt, **kw) == want
+    assert native.take_events() == python.take_events()
+
+
+def decode_workload(native, python, steps: list[tuple[str, int]], max_len: int) -> int:
+    """Twin managers (C, Python) through random admissions, decode steps and frees, one
+    ``(op, seed)`` each, compared after every step (:func:`_decode_both`); returns how many
+    decode steps ran. Small alphabets make prompts and decode tokens recur (hashes already
+    in the index); some requests have a LoRA or send their first page's hash (8 or 32
+    bytes); lookahead makes a fill take a page too; refused rows are preempted."""
+    import random
+
+    from pagekeeper.core.types import ExtraKeys
+
+    running: list[str] = []
+    decoded = 0
+    for n, (op, seed) in enumerate(steps):
+        rng = random.Random(seed)
+        if op == "admit" and len(running) < 6:
+            rid = f"a{n}"
+            prompt = [rng.choice((1, 2)) for _ in range(rng.randrange(1, 14))]
+            kw: dict = {}
+            if rng.random() < 0.25:
+                kw["extra_keys"] = ExtraKeys(lora_name="adapter")
+            full = len(prompt) // native.hash_page_size
+            if rng.random() < 0.25 and full:
+                kw["page_hashes"] = [bytes([seed % 251, 7]) * (rng.choice((8, 32)) // 2)]
+            _admit_both(native, python, rid, prompt, **kw)
+            if native.has_request(rid):
+                running.append(rid)
+        elif op == "free" and running:
+            rid = running.pop(rng.randrange(len(running)))
+            native.free(rid)
+            python.free(rid)
+            assert native.take_events() == python.take_events()
+        elif op == "decode" and running:
+            lookahead = rng.choice((0, 0, 1))
+            live = [
+                r for r in running if python.request_info(r).num_tokens < max_len - lookahead - 1
+            ]
+            if not live:
+                continue
+            tokens = [
+                rng.choice((1, 2)) if rng.random() < 0.8 else rng.randrange(2**40) for _ in live
+            ]
+            answers = _decode_both(native, python, live, tokens, lookahead)
+            decoded += 1
+            for rid, answer in answers.items():
+                if answer is None:  # refused: preempted, as a scheduler would
+                    running.remove(rid)
+                    native.free(rid)
+                    python.free(rid)
+            assert native.take_events() == python.take_events()
+    return decoded
+
+
+@needs_native
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    steps=st.lists(
+        st.tuples(
+            st.sampled_from(["admit", "decode", "decode", "decode", "free"]),
+            st.integers(0, 2**16),
+        ),
+        min_size=5,
+        max_size=40,
+    )
+)
+def test_filled_pages_cached_in_c_match_the_python_loop(steps: list[tuple[str, int]]) -> None:
+    """The C decode loop caches a filled page itself (hash, index, ``stored`` event) in
+    the plain case and leaves the rest to the Python loop: a hash already in the index,
+    extra keys, a client's parent hash that is not a 32-byte digest, a fill that also
+    takes a page, a crossing waiting for its page. Both twins give the same answers,
+    events, requests and pools."""
+    native, python = _decode_twins(True, 40, 48, [])
+    decode_workload(native, python, steps, 40)
+
+
+@needs_native
+def test_a_fill_after_a_waiting_crossing_keeps_the_event_order() -> None:
+    """Row 0 crosses into a page (taken later, with the others, and evicting a cached
+    page: a ``removed`` event), row 1 then fills its page (a ``stored`` event): the
+    crossing's page is taken first, as one allocate() per row in order would."""
+    native, python = _decode_twins(True, 64, 13, [])
+    for k in range(3):  # every page of the pool cached and free
+        _admit_both(native, python, f"old{k}", [50 + 16 * k + j for j in range(16)])
+    for k in range(3):
+        native.free(f"old{k}")
+        python.free(f"old{k}")
+    assert native.take_events() == python.take_events()
+    assert native.pool.num_free_pages == native.pool.num_cached_pages == 12
+    _admit_both(native, python, "r0", [1, 2, 3, 4])  # full: its next token crosses
+    _admit_both(native, python, "r1", [5, 6, 7])  # its next token fills page 0
+    events_before = len(python.pool._events)
+    want = python.allocate_decodes(["r0", "r1"], [8, 9])
+    kinds = [type(e).__name__ for e in python.pool._events[events_before:]]
+    assert kinds == ["PageRemoved", "PageStored"], kinds
+    got = native.allocate_decodes(["r0", "r1"], [8, 9])
+    assert got == want
+    assert native.take_events() == python.take_events()
+
+
+@needs_native
+def test_filled_pages_cached_in_c_announce_what_the_python_loop_does() -> None:
+    """A fill in C is really taken there (not left to Python) and gives the same hash,
+    index entry and ``stored`` event as the Python loop, page after page."""
+    prompts = [[10 * k + j for j in range(3)] for k in range(4)]  # 3 of 4 tokens each
+    native, python = _decode_twins(True, 64, 40, prompts)
+    ids = [f"r{k}" for k in range(4)]
+    calls = []
+    real = native.pool._ops
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def decode_rows(self, *args):
+            calls.append(args[2])
+            return real.decode_rows(*args)
+
+    native.pool._ops = Spy()
+    for step in range(12):
+        calls.clear()
+        want = python.allocate_decodes(ids, [100 + 4 * step + k for k in range(4)])
+        assert native.allocate_decodes(ids, [100 + 4 * step + k for k in range(4)]) == want
+        if step % 4 == 0:  # every row fills a page: one C call takes them all
+            assert calls == [0], calls
+        # The same objects, held as often (a reference taken or dropped too many is a
+        # leak or a crash waiting to happen): hashes, events, their tuples and runs.
+        got_events, want_events = native.take_events(), python.take_events()
+        assert got_events == want_events
+        for got, expected in zip(got_events, want_events, strict=True):
+            assert sys.getrefcount(got) == sys.getrefcount(expected)
+            for name in ("page_hashes", "token_ids", "page_ids"):
+                assert sys.getrefcount(getattr(got, name)) == sys.getrefcount(
+                    getattr(expected, name)
+                ), name
+            assert gc.is_tracked(got) == gc.is_tracked(expected)
+            assert gc.is_tracked(got.token_ids) == gc.is_tracked(expected.token_ids)
+        for rid in ids:
+            mine, theirs = native._requests[rid], python._requests[rid]
+            assert mine == theirs
+            assert list(map(sys.getrefcount, mine.hashes)) == list(
+                map(sys.getrefcount, theirs.hashes)
+            )
+    assert native.pool.num_cached_pages == python.pool.num_cached_pages == 4 * 3
 
 
 @dataclass(slots=True)

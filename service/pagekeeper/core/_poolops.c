@@ -49,7 +49,7 @@
  *
  *   decode_rows(reqs, tokens, start, num_free, page_counts, num_cached_pages, page_size,
  *               hash_page_size, max_len, lookahead, caching, crossing, crossing_held,
- *               crossing_rows) -> (stop, num_free)
+ *               crossing_rows[, fill]) -> (stop, num_free)
  *       The manager's decode step for one full-attention group, row after row from `start`,
  *       for the rows that need no Python: request reqs[i] (a manager _Request) appends
  *       tokens[i] and counts one more computed token when that fills no page to cache and
@@ -58,6 +58,10 @@
  *       crossing lists, whose pages the caller takes later in one pool call; num_free goes
  *       down by one. Stops at the first other row (and at any row whose fields are not what
  *       the manager keeps), leaving it unchanged: `stop` is its index (len(reqs) at the end).
+ *       With `fill` (a FillContext tuple, see below), a row whose token fills its page is
+ *       one of them too, when it takes no page and no crossing waits: the page is hashed,
+ *       entered into the index and announced by a `stored` event, as the manager's
+ *       _extend_hashes + GroupManager.cache_next + PagePool.cache_one do.
  *
  * Page ids are checked against the state list's length before anything is written (an
  * IndexError, as the Python loops would raise, changes nothing here).
@@ -1062,11 +1066,223 @@ small_count(PyObject *obj)
     return v < 0 || v > PY_SSIZE_T_MAX / 4 ? -1 : v;
 }
 
+/* What a filled page's caching reads and writes (decode_rows' `fill` tuple, in this
+ * order; built by PageManager._fill_context):
+ *   pool, index, hash_of, state, cached, events   the pool and its group's index
+ *   table, request_rows                           the group's PageRows table (2-D int32)
+ *                                                 and its request -> row dict
+ *   no_extra_keys                                 requests with these keys (identity) only
+ *   sha256_page, head, array_head, extra, none_hash
+ *                                                 _native.sha256_page and its constant
+ *                                                 parts (parents of 32 bytes only)
+ *   new_stored, adopt, group_id                   events.new_stored, TokenRun.adopt, group */
+enum {
+    F_POOL, F_INDEX, F_HASH_OF, F_STATE, F_CACHED, F_EVENTS, F_TABLE, F_REQUEST_ROWS,
+    F_NO_EXTRA_KEYS, F_SHA256_PAGE, F_HEAD, F_ARRAY_HEAD, F_EXTRA, F_NONE_HASH, F_NEW_STORED,
+    F_ADOPT, F_GROUP_ID, F_SIZE
+};
+
+#define DIGEST_SIZE 32
+
 typedef struct {
     PyObject *page_counts, *num_cached, *crossing, *crossing_held, *crossing_rows;
     Py_ssize_t ps, hps, max_len, lookahead, num_free;
     int caching;
+    PyObject **fill;           /* the fill tuple's items (borrowed), or NULL */
+    Py_buffer table;           /* fill's table, when fill is set */
+    Py_ssize_t table_rows, table_cols;
+    long flag;                 /* group_id + 1: the cached-flag value of the group */
 } DecodeStep;
+
+static PyObject *str_extra_keys, *str_event_seq, *str_pop;
+
+/* The page row i fills, cached as the Python loop would; `k` is the page's index in the
+ * request (= its hashes so far = its cached pages), `held` its pages. 1: done (the token
+ * appended, the hash listed, the page indexed and announced, num_cached_pages[rid] set);
+ * 0: left for the Python loop, nothing changed (the row's keys, a parent hash that is
+ * not a digest, a page whose state or hash is not the plain case, e.g. a duplicate hash);
+ * -1: an error. A MemoryError after the index took the page may leave the row partly
+ * applied, as it would leave the Python loop. */
+static int
+fill_page(DecodeStep *d, PyObject *req, PyObject *rid, PyObject *token, PyObject *ids,
+          PyObject *hashes, Py_ssize_t k, Py_ssize_t held)
+{
+    PyObject **f = d->fill;
+    PyObject *keys = PyObject_GetAttr(req, str_extra_keys);
+    if (keys == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    Py_DECREF(keys);  /* only compared by identity; the request keeps it */
+    if (keys != f[F_NO_EXTRA_KEYS] || k >= held) {
+        return 0;
+    }
+    PyObject *parent = k ? PyList_GET_ITEM(hashes, k - 1) : f[F_NONE_HASH];
+    if (!PyBytes_CheckExact(parent) || PyBytes_GET_SIZE(parent) != DIGEST_SIZE) {
+        return 0;
+    }
+    PyObject *row_o = PyDict_GetItemWithError(f[F_REQUEST_ROWS], rid); /* borrowed */
+    Py_ssize_t row = small_count(row_o);
+    if (row < 0 || row >= d->table_rows || k >= d->table_cols) {
+        if (PyErr_Occurred()) {
+            PyErr_Clear();
+        }
+        return 0;
+    }
+    Py_ssize_t page = ((const int32_t *)d->table.buf)[row * d->table_cols + k];
+    PyObject *state = f[F_STATE], *hash_of = f[F_HASH_OF], *cached = f[F_CACHED];
+    if (page <= 0 || page >= PyList_GET_SIZE(state) || page >= PyList_GET_SIZE(hash_of)
+        || page >= PyByteArray_GET_SIZE(cached)) {
+        return 0;
+    }
+    unsigned char *flags = (unsigned char *)PyByteArray_AS_STRING(cached);
+    PyObject *state_o = PyList_GET_ITEM(state, page);
+    Py_ssize_t page_state = small_count(state_o);
+    if (flags[page] || page_state < 2) {
+        return 0;  /* cached, free or odd: the Python loop says what is wrong */
+    }
+    /* Everything the row creates, before anything changes but the token. */
+    int result = -1, appended = 0, listed = 0;
+    PyObject *digest = NULL, *page_o = NULL, *run_ids = NULL, *run = NULL, *hash_tuple = NULL;
+    PyObject *page_tuple = NULL, *seq_o = NULL, *next_seq = NULL, *event = NULL;
+    PyObject *done_o = NULL, *state_next = NULL, *r;
+    r = PyObject_CallMethodOneArg(ids, str_append, token);
+    if (r == NULL) {
+        goto fail;
+    }
+    Py_DECREF(r);
+    appended = 1;
+    PyObject *start_o = PyLong_FromSsize_t(k * d->ps), *ps_o = PyLong_FromSsize_t(d->ps);
+    if (start_o != NULL && ps_o != NULL) {
+        PyObject *args[7] = {f[F_HEAD], parent, f[F_ARRAY_HEAD], ids, start_o, ps_o,
+                             f[F_EXTRA]};
+        digest = PyObject_Vectorcall(f[F_SHA256_PAGE], args, 7, NULL);
+    }
+    Py_XDECREF(start_o);
+    if (digest == NULL || !PyBytes_CheckExact(digest)) {
+        Py_XDECREF(ps_o);
+        if (digest != NULL) {
+            PyErr_SetString(PyExc_TypeError, "sha256_page must return bytes");
+        }
+        goto fail;
+    }
+    page_o = PyLong_FromSsize_t(page);
+    run_ids = PySequence_GetSlice(ids, k * d->ps, (k + 1) * d->ps);
+    if (page_o == NULL || run_ids == NULL) {
+        Py_DECREF(ps_o);
+        goto fail;
+    }
+    Py_XDECREF(pool_untrack(NULL, run_ids));
+    run = PyObject_CallOneArg(f[F_ADOPT], run_ids);
+    if (run == NULL) {
+        Py_DECREF(ps_o);
+        goto fail;
+    }
+    Py_XDECREF(pool_untrack(NULL, run));
+    hash_tuple = PyTuple_Pack(1, digest);
+    page_tuple = PyTuple_Pack(1, page_o);
+    seq_o = PyObject_GetAttr(f[F_POOL], str_event_seq);
+    if (hash_tuple == NULL || page_tuple == NULL || seq_o == NULL) {
+        Py_DECREF(ps_o);
+        goto fail;
+    }
+    PyObject_GC_UnTrack(hash_tuple);  /* bytes and ints only: in no cycle */
+    PyObject_GC_UnTrack(page_tuple);
+    next_seq = PyNumber_Add(seq_o, int_one);
+    if (next_seq == NULL) {
+        Py_DECREF(ps_o);
+        goto fail;
+    }
+    {
+        PyObject *args[8] = {next_seq, f[F_GROUP_ID], hash_tuple, k ? parent : Py_None, run,
+                             ps_o, page_tuple, Py_None};
+        event = PyObject_Vectorcall(f[F_NEW_STORED], args, 8, NULL);
+    }
+    Py_DECREF(ps_o);
+    if (event == NULL) {
+        goto fail;
+    }
+    Py_XDECREF(pool_untrack(NULL, event));
+    done_o = PyLong_FromSsize_t(k + 1);
+    state_next = PyLong_FromSsize_t(page_state + 1);
+    if (done_o == NULL || state_next == NULL) {
+        goto fail;
+    }
+    if (PyList_Append(hashes, digest) < 0) {
+        goto fail;
+    }
+    listed = 1;
+    /* The index: a hash already there (a duplicate page) is the Python loop's. */
+    PyObject *index = f[F_INDEX];
+    if (PageIndex_Check(index)) {
+        int rc = index_insert((PageIndexObject *)index, digest, page_o);
+        if (rc <= 0) {
+            result = rc;
+            goto fail;
+        }
+    }
+    else {
+        Py_ssize_t before = PyDict_GET_SIZE(index);
+        if (PyDict_SetDefault(index, digest, page_o) == NULL) {
+            goto fail;
+        }
+        if (PyDict_GET_SIZE(index) == before) {
+            result = 0;
+            goto fail;
+        }
+    }
+    /* Past this point the page is the index's: the rest is the pool's and the group's
+     * bookkeeping, then the event. */
+    listed = 0;
+    appended = 0;
+    flags[page] = (unsigned char)d->flag;
+    PyList_SET_ITEM(state, page, state_next);
+    state_next = NULL;
+    Py_DECREF(state_o);
+    PyObject *old_hash = PyList_GET_ITEM(hash_of, page);
+    PyList_SET_ITEM(hash_of, page, Py_NewRef(digest));
+    Py_DECREF(old_hash);
+    if (PyDict_SetItem(d->num_cached, rid, done_o) < 0
+        || PyList_Append(f[F_EVENTS], event) < 0
+        || PyObject_SetAttr(f[F_POOL], str_event_seq, next_seq) < 0) {
+        goto fail;
+    }
+    result = 1;
+fail:
+    if (result <= 0 && (listed || appended)) {
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        if (listed) {
+            Py_ssize_t n = PyList_GET_SIZE(hashes);
+            (void)PyList_SetSlice(hashes, n - 1, n, NULL);
+        }
+        if (appended) {
+            Py_XDECREF(PyObject_CallMethodNoArgs(ids, str_pop));
+        }
+        if (result == 0) {
+            PyErr_Clear();  /* a refusal, not an error: nothing is left changed */
+        }
+        else {
+            PyErr_Restore(type, value, tb);
+            type = value = tb = NULL;
+        }
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(tb);
+    }
+    Py_XDECREF(digest);
+    Py_XDECREF(page_o);
+    Py_XDECREF(run_ids);
+    Py_XDECREF(run);
+    Py_XDECREF(hash_tuple);
+    Py_XDECREF(page_tuple);
+    Py_XDECREF(seq_o);
+    Py_XDECREF(next_seq);
+    Py_XDECREF(event);
+    Py_XDECREF(done_o);
+    Py_XDECREF(state_next);
+    return result;
+}
 
 /* Drop the last item of each of the first `k` crossing lists (undoing a row's entries). */
 static void
@@ -1109,20 +1325,44 @@ decode_row(DecodeStep *d, PyObject *req, PyObject *token, Py_ssize_t i)
         goto leave;
     }
     num_tokens += 1;
+    int fills = 0;
     if (d->caching) {
         hashes = PyObject_GetAttr(req, str_hashes);
-        if (hashes == NULL || !PyList_CheckExact(hashes)
-            || num_tokens / d->hps > PyList_GET_SIZE(hashes)) {
-            goto leave;  /* completes a hash page */
+        if (hashes == NULL || !PyList_CheckExact(hashes)) {
+            goto leave;
         }
         Py_ssize_t done = small_count(PyDict_GetItemWithError(d->num_cached, rid));
-        if (done < 0 || PyErr_Occurred()
-            || (end < num_tokens ? end : num_tokens) / d->ps > done) {
-            goto leave;  /* fills a page to cache */
+        if (done < 0 || PyErr_Occurred()) {
+            goto leave;
+        }
+        Py_ssize_t num_hashed = PyList_GET_SIZE(hashes);
+        Py_ssize_t num_full = (end < num_tokens ? end : num_tokens) / d->ps;
+        if (num_tokens / d->hps > num_hashed || num_full > done) {
+            /* Completes a hash page or fills a page to cache: here only the plain case
+             * (exactly the next page, hashed and cached so far, no page taken, no
+             * crossing waiting to take its page first), with a fill context. */
+            if (d->fill == NULL || num_new != 0 || d->hps != d->ps
+                || PyList_GET_SIZE(d->crossing) != 0 || num_hashed != done
+                || num_full != done + 1 || num_tokens / d->ps != done + 1) {
+                goto leave;
+            }
+            fills = 1;
+            end_o = PyLong_FromSsize_t(end);
+            if (end_o == NULL) {
+                result = -1;
+                goto done;
+            }
+            int r = fill_page(d, req, rid, token, ids, hashes, done, held);
+            if (r < 0) {
+                result = -1;
+                goto done;
+            }
+            if (r == 0) {
+                goto leave;
+            }
         }
     }
-    end_o = PyLong_FromSsize_t(end);
-    if (end_o == NULL) {
+    if (end_o == NULL && (end_o = PyLong_FromSsize_t(end)) == NULL) {
         result = -1;
         goto done;
     }
@@ -1149,12 +1389,14 @@ decode_row(DecodeStep *d, PyObject *req, PyObject *token, Py_ssize_t i)
         }
         listed = 3;
     }
-    PyObject *appended = PyObject_CallMethodOneArg(ids, str_append, token);
-    if (appended == NULL) {
-        result = -1;
-        goto done;
+    if (!fills) {  /* fill_page appended it */
+        PyObject *appended = PyObject_CallMethodOneArg(ids, str_append, token);
+        if (appended == NULL) {
+            result = -1;
+            goto done;
+        }
+        Py_DECREF(appended);
     }
-    Py_DECREF(appended);
     listed = 0; /* the row is applied: its entries stay */
     /* Slot writes of ints: they cannot fail once the token is in. */
     if (PyObject_SetAttr(req, str_num_computed_tokens, end_o) < 0
@@ -1188,15 +1430,62 @@ done:
     return result;
 }
 
+/* Check decode_rows' `fill` tuple and take its table's buffer (released by the caller). */
+static int
+set_fill(DecodeStep *d, PyObject *fill)
+{
+    if (!PyTuple_CheckExact(fill) || PyTuple_GET_SIZE(fill) != F_SIZE) {
+        PyErr_Format(PyExc_TypeError, "fill must be a tuple of %d items", (int)F_SIZE);
+        return -1;
+    }
+    PyObject **f = &PyTuple_GET_ITEM(fill, 0);
+    if (!PyList_CheckExact(f[F_HASH_OF]) || !PyList_CheckExact(f[F_STATE])
+        || !PyByteArray_CheckExact(f[F_CACHED]) || !PyList_CheckExact(f[F_EVENTS])
+        || !PyDict_CheckExact(f[F_REQUEST_ROWS])
+        || !(PageIndex_Check(f[F_INDEX]) || PyDict_CheckExact(f[F_INDEX]))
+        || !PyBytes_CheckExact(f[F_HEAD]) || !PyBytes_CheckExact(f[F_ARRAY_HEAD])
+        || !PyBytes_CheckExact(f[F_EXTRA]) || !PyBytes_CheckExact(f[F_NONE_HASH])
+        || !PyCallable_Check(f[F_SHA256_PAGE]) || !PyCallable_Check(f[F_NEW_STORED])
+        || !PyCallable_Check(f[F_ADOPT]) || !PyLong_CheckExact(f[F_GROUP_ID])) {
+        PyErr_SetString(PyExc_TypeError, "fill holds an item of the wrong type");
+        return -1;
+    }
+    long group_id = PyLong_AsLong(f[F_GROUP_ID]);
+    if (group_id < 0 || group_id > 254) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_ValueError, "fill's group_id must be in 0..254");
+        }
+        return -1;
+    }
+    if (PyObject_GetBuffer(f[F_TABLE], &d->table, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        return -1;
+    }
+    const char *fmt = d->table.format ? d->table.format : "B";
+    if (*fmt == '@' || *fmt == '=' || (PY_LITTLE_ENDIAN && *fmt == '<')) {
+        fmt++;
+    }
+    if (d->table.ndim != 2 || d->table.itemsize != 4 || (*fmt != 'i' && *fmt != 'l')
+        || fmt[1] != '\0') {
+        PyBuffer_Release(&d->table);
+        PyErr_SetString(PyExc_TypeError, "fill's table must be a 2-D C-contiguous int32 array");
+        return -1;
+    }
+    d->table_rows = d->table.shape[0];
+    d->table_cols = d->table.shape[1];
+    d->flag = group_id + 1;
+    d->fill = f;
+    return 0;
+}
+
 static PyObject *
 pool_decode_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (nargs != 14) {
+    if (nargs != 14 && nargs != 15) {
         PyErr_SetString(PyExc_TypeError,
                         "decode_rows(reqs, tokens, start, num_free, page_counts, "
                         "num_cached_pages, page_size, hash_page_size, max_len, lookahead, "
-                        "caching, crossing, crossing_held, crossing_rows)");
+                        "caching, crossing, crossing_held, crossing_rows[, fill])");
         return NULL;
     }
     PyObject *reqs = args[0], *tokens = args[1];
@@ -1235,19 +1524,34 @@ pool_decode_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                         "bad start, num_free, page sizes, max_len or lookahead");
         return NULL;
     }
-    Py_ssize_t n = PyList_GET_SIZE(reqs), i = start;
-    for (; i < n; i++) {
-        /* The lists hold references for the whole call: only slot reads and writes, dict
-         * lookups with str keys, list appends and an array append run, no Python code. */
-        int r = decode_row(&d, PyList_GET_ITEM(reqs, i), PyList_GET_ITEM(tokens, i), i);
+    PyObject *fill = nargs == 15 ? args[14] : Py_None;
+    if (fill != Py_None && set_fill(&d, fill) < 0) {
+        return NULL;
+    }
+    /* A filled page's hash and event come from Python functions (sha256_page,
+     * TokenRun.adopt, new_stored): each row's request and token are owned while it is
+     * applied, and the lists' sizes are read again for every row. */
+    PyObject *result = NULL;
+    Py_ssize_t i = start;
+    for (; i < PyList_GET_SIZE(reqs) && i < PyList_GET_SIZE(tokens); i++) {
+        PyObject *req = Py_NewRef(PyList_GET_ITEM(reqs, i));
+        PyObject *token = Py_NewRef(PyList_GET_ITEM(tokens, i));
+        int r = decode_row(&d, req, token, i);
+        Py_DECREF(req);
+        Py_DECREF(token);
         if (r < 0) {
-            return NULL;
+            goto done;
         }
         if (r == 0) {
             break;
         }
     }
-    return Py_BuildValue("(nn)", i, d.num_free);
+    result = Py_BuildValue("(nn)", i, d.num_free);
+done:
+    if (d.fill != NULL) {
+        PyBuffer_Release(&d.table);
+    }
+    return result;
 }
 
 static PyMethodDef poolops_methods[] = {
@@ -1267,8 +1571,8 @@ static PyMethodDef poolops_methods[] = {
      "release(state, pages, same, now) -> bool: a free of pages in one state."},
     {"decode_rows", (PyCFunction)(void (*)(void))pool_decode_rows, METH_FASTCALL,
      "decode_rows(reqs, tokens, start, num_free, page_counts, num_cached_pages, page_size, "
-     "hash_page_size, max_len, lookahead, caching, crossing, crossing_held, crossing_rows) "
-     "-> (stop, num_free): the manager's plain decode rows, in order from start."},
+     "hash_page_size, max_len, lookahead, caching, crossing, crossing_held, crossing_rows"
+     "[, fill]) -> (stop, num_free): the manager's plain decode rows, in order from start."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1296,6 +1600,9 @@ PyInit__poolops(void)
         {&str_scheduled_start, "scheduled_start"},
         {&str_num_scheduled, "num_scheduled"},
         {&str_append, "append"},
+        {&str_extra_keys, "extra_keys"},
+        {&str_event_seq, "_event_seq"},
+        {&str_pop, "pop"},
     };
     if (int_one == NULL && (int_one = PyLong_FromLong(1)) == NULL) {
         return NULL;

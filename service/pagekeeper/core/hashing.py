@@ -582,6 +582,21 @@ class PageHasher:
             self._keys.common if algorithm == SHA256_CBOR and not self._keys.mm else None
         )
 
+    def native_page_parts(self) -> tuple[Callable[..., bytes], bytes, bytes, bytes, bytes] | None:
+        """``(sha256_page, head, array_head, extra, none_hash)``: what the C decode loop
+        needs to hash a page of stored ids as :meth:`hash_next` does, for pages whose
+        parent is a 32-byte digest and whose keys are the same on every page (no
+        multimodal input, no salt); None when that is not C's to do here."""
+        if self._one_page_extra is None or _native is None or self._keys.salt:
+            return None
+        return (
+            _native.sha256_page,
+            _PARENT_HEADS[32],
+            self._array_head,
+            self._one_page_extra,
+            self._none_hash,
+        )
+
     def hash_pages(
         self,
         token_ids: TokenIds,

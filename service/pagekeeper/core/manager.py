@@ -36,7 +36,7 @@ from pagekeeper.core.errors import (
     InvariantViolation,
     NotFound,
 )
-from pagekeeper.core.events import KVEvent
+from pagekeeper.core.events import KVEvent, TokenRun, new_stored
 from pagekeeper.core.groups import GroupManager, make_group_manager
 from pagekeeper.core.hashing import PageHasher, hash_pages, join_hashes
 from pagekeeper.core.pool import NULL_PAGE, PagePool
@@ -649,6 +649,9 @@ class PageManager:
             crossing_rows.clear()
 
         ops = pool._ops if not extras else None
+        # With the C loops, a row whose token fills its page (and takes none) is theirs
+        # too: hashed, indexed and announced as cache_next would.
+        fill = self._fill_context(group) if caching and ops is not None else None
         n = len(reqs)
         i = 0
         while i < n:
@@ -671,6 +674,7 @@ class PageManager:
                     crossing,
                     crossing_held,
                     crossing_rows,
+                    fill,
                 )
                 if i == n:
                     break
@@ -727,6 +731,23 @@ class PageManager:
         if crossing:
             take_crossing_pages()
         return out
+
+    def _fill_context(self, group: GroupManager) -> tuple[Any, ...] | None:
+        """``_poolops.decode_rows``' fill tuple for the single full-attention group (None:
+        the hasher's pages are not C's; the Python loop caches them)."""
+        parts = self._hasher.native_page_parts()
+        if parts is None or self.hash_page_size != group.page_size:
+            return None
+        return (
+            *self.pool.fill_parts(group.group_id),
+            group.rows.storage(),
+            group.request_rows,
+            NO_EXTRA_KEYS,
+            *parts,
+            new_stored,
+            TokenRun.adopt,
+            group.group_id,
+        )
 
     def _extend_hashes(self, req: _Request, new_page_hashes: Sequence[bytes] | None) -> None:
         """Hash the request's newly full pages (the client's hashes first, if it sent any)."""

@@ -745,6 +745,19 @@ class PagePool:
         self._state[page] += 1
         self._page_hash[page] = page_hash
 
+    def fill_parts(self, group_id: int) -> tuple[Any, ...]:
+        """``(pool, index, hash_of, state, cached, events)`` of one group: what the C decode
+        loop (``_poolops.decode_rows``' fill) reads and writes to cache a filled page as
+        :meth:`cache_one` does. Its lists may change only while that loop runs."""
+        return (
+            self,
+            self._index[group_id],
+            self._page_hash,
+            self._state,
+            self._cached,
+            self._events,
+        )
+
     def _stored_event(
         self,
         group_id: int,

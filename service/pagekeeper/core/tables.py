@@ -748,6 +748,11 @@ class PageRows:
         self._check_live(row)
         return int(self._num_pages[row])
 
+    def storage(self) -> Int32Array:
+        """The table itself (rows x max pages, not a copy), for C loops that read page ids
+        in place; valid until the next :meth:`add_row` (growth moves it)."""
+        return self._table
+
     def page(self, row: int, index: int) -> int:
         """Entry ``index`` of a row (a live row, an index below its length)."""
         # .item(): plain ints out of numpy without scalar objects (~4x faster here).
