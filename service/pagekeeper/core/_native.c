@@ -86,6 +86,30 @@ load_uint(const char *data, Py_ssize_t itemsize, Py_ssize_t i)
     }
 }
 
+/* `view` of `obj`: a C-contiguous buffer of unsigned integers of 1, 2, 4 or 8 bytes in
+ * native order; -1 with an exception set (and nothing held) otherwise. */
+static int
+get_tokens(PyObject *obj, Py_buffer *view)
+{
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        return -1;
+    }
+    Py_ssize_t itemsize = view->itemsize;
+    const char *fmt = view->format ? view->format : "B";
+    if (*fmt == '@' || *fmt == '=' || (PY_LITTLE_ENDIAN && *fmt == '<')) {
+        fmt++;  /* native byte order */
+    }
+    if (!(itemsize == 1 || itemsize == 2 || itemsize == 4 || itemsize == 8)
+        || strchr("BHILQN", *fmt) == NULL || fmt[0] == '\0' || fmt[1] != '\0') {
+        PyErr_Format(PyExc_TypeError,
+                     "tokens must be a buffer of unsigned integers, got format '%s'",
+                     view->format ? view->format : "B");
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *
 encode_pages(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -103,22 +127,11 @@ encode_pages(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     Py_buffer view;
-    if (PyObject_GetBuffer(args[0], &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+    if (get_tokens(args[0], &view) < 0) {
         return NULL;
     }
     PyObject *body = NULL, *ends = NULL, *result = NULL;
     Py_ssize_t itemsize = view.itemsize;
-    const char *fmt = view.format ? view.format : "B";
-    if (*fmt == '@' || *fmt == '=' || (PY_LITTLE_ENDIAN && *fmt == '<')) {
-        fmt++;  /* native byte order */
-    }
-    if (!(itemsize == 1 || itemsize == 2 || itemsize == 4 || itemsize == 8)
-        || strchr("BHILQN", *fmt) == NULL || fmt[0] == '\0' || fmt[1] != '\0') {
-        PyErr_Format(PyExc_TypeError,
-                     "tokens must be a buffer of unsigned integers, got format '%s'",
-                     view.format ? view.format : "B");
-        goto done;
-    }
     Py_ssize_t num_pages = (view.len / itemsize) / page_size;
     if (num_pages > PY_SSIZE_T_MAX / 9 / page_size) {
         PyErr_NoMemory();
@@ -334,24 +347,13 @@ sha256_page(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     Py_buffer view;
-    if (PyObject_GetBuffer(args[3], &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+    if (get_tokens(args[3], &view) < 0) {
         return NULL;
     }
     PyObject *result = NULL;
     unsigned char small[9 * 64], *encoded = small;
     EVP_MD_CTX *ctx = NULL;
     Py_ssize_t itemsize = view.itemsize;
-    const char *fmt = view.format ? view.format : "B";
-    if (*fmt == '@' || *fmt == '=' || (PY_LITTLE_ENDIAN && *fmt == '<')) {
-        fmt++;  /* native byte order */
-    }
-    if (!(itemsize == 1 || itemsize == 2 || itemsize == 4 || itemsize == 8)
-        || strchr("BHILQN", *fmt) == NULL || fmt[0] == '\0' || fmt[1] != '\0') {
-        PyErr_Format(PyExc_TypeError,
-                     "tokens must be a buffer of unsigned integers, got format '%s'",
-                     view.format ? view.format : "B");
-        goto done;
-    }
     if (start > view.len / itemsize - page_size) {
         PyErr_Format(PyExc_ValueError, "no full page of %zd tokens at %zd (%zd tokens)",
                      page_size, start, view.len / itemsize);

@@ -474,7 +474,7 @@ def _sha256_one_page(
     the C loops (built)."""
     assert _native is not None
     digest: bytes = _native.sha256_page(
-        _PARENT_HEADS.get(len(parent)) or _parent_head(parent),
+        _parent_head(parent),
         parent,
         array_head,
         token_ids,
