@@ -187,7 +187,13 @@ class GrowthColumns:
 
     ``new_token_ids`` holds every growth's new tokens concatenated in growth order,
     ``num_new_token_ids[i]`` of them for growth ``i``; ``num_computed_tokens[i]`` is -1
-    for "what the service tracked"."""
+    for "what the service tracked".
+
+    ``defaults_only``: whoever built the columns vouches that the four count columns hold
+    their defaults alone (``num_new_tokens`` and ``num_new_token_ids`` 1, ``num_computed_
+    tokens`` -1, ``num_lookahead_tokens`` 0), as the wire conversion knows when they were
+    left out: every growth is a plain decode, and the state checks and applies the step
+    without reading those columns (the same outcome, ~50 us less for 256 decodes)."""
 
     request_ids: tuple[str, ...]
     num_new_tokens: Int32Array
@@ -195,6 +201,7 @@ class GrowthColumns:
     num_new_token_ids: Int32Array
     num_computed_tokens: Int32Array
     num_lookahead_tokens: Int32Array
+    defaults_only: bool = False
 
     def __len__(self) -> int:
         return len(self.request_ids)
@@ -213,6 +220,7 @@ class GrowthColumns:
             ones,
             np.full(n, -1, dtype=np.int32),
             np.full(n, num_lookahead_tokens, dtype=np.int32),
+            defaults_only=num_lookahead_tokens == 0,
         )
 
     def check_shape(self) -> None:
@@ -502,7 +510,6 @@ class ClientRecord:
 
 # A step is validated whole, up front, against the core's own running requests (its
 # read-only view): the state keeps no copy of their counts to update per row.
-_OWNER = attrgetter("owner")
 _TOKEN_IDS = attrgetter("token_ids")
 _NUM_COMPUTED_TOKENS = attrgetter("num_computed_tokens")
 
@@ -1122,19 +1129,32 @@ class ServiceState:
         messages); returns the grown request ids."""
         ids = cols.request_ids
         n = len(ids)
+        if cols.defaults_only and n and cols.new_token_ids.shape == (n,):
+            # Plain decodes (one token each, tracked counts): the checks below reduce to
+            # the rows' maxima and the tokens' minimum (computed <= tokens < max_len also
+            # keeps computed + 1 within it); any doubt, and they run in full.
+            rows = self.manager.running_rows(ids, owner)
+            if (
+                rows is not None
+                and rows.max_tokens + 1 <= max_len
+                and rows.max_ahead <= 0
+                and int(cols.new_token_ids.min()) >= 0
+            ):
+                grown = set(ids)
+                if len(grown) == n and not grown & freed:
+                    return grown
         cols.check_shape()
         if n == 0:
             return set()
         counts = cols.num_new_token_ids
-        # C-level passes for the common case; any unknown or foreign request: row by row,
-        # so the first bad row (in order) names the error.
-        try:
-            recs = list(map(self._requests.__getitem__, ids))
-            is_owned = set(map(_OWNER, recs)) == {owner}
-        except KeyError:
-            is_owned = False
-        if not is_owned:
+        # One pass for the common case (each row's counts gathered as it goes); any
+        # unknown or foreign request: row by row, so the first bad row names the error.
+        lengths = np.empty(n, dtype=np.int64)
+        tracked = np.empty(n, dtype=np.int64)
+        if self.manager.running_rows(ids, owner, lengths, tracked) is None:
             recs = [self._check_owned(rid, owner) for rid in ids]
+            lengths[:] = list(map(len, map(_TOKEN_IDS, recs)))
+            tracked[:] = list(map(_NUM_COMPUTED_TOKENS, recs))
         grown = set(ids)
         if len(grown) != n:
             raise InvalidArgument(f"request {_first_repeat(ids)!r} is grown twice in one step")
@@ -1154,7 +1174,7 @@ class ServiceState:
             owner_of = np.repeat(np.arange(n), counts)
             i = int(owner_of[_first_true(cols.new_token_ids < 0)])
             raise InvalidArgument(f"request {ids[i]!r}: token ids must be >= 0")
-        num_tokens = np.fromiter(map(len, map(_TOKEN_IDS, recs)), np.int64, n) + counts
+        num_tokens = lengths + counts
         if (num_tokens > max_len).any():
             i = _first_true(num_tokens > max_len)
             raise InvalidArgument(
@@ -1167,7 +1187,6 @@ class ServiceState:
                 f"request {ids[i]!r}: num_computed_tokens {int(explicit[i])} outside "
                 f"[0, {int(num_tokens[i])}] (-1: tracked)"
             )
-        tracked = np.fromiter(map(_NUM_COMPUTED_TOKENS, recs), np.int64, n)
         computed = np.where(explicit < 0, tracked, explicit)
         over = computed + num_new > num_tokens + lookahead
         if over.any():
@@ -1203,38 +1222,47 @@ class ServiceState:
         requests = self._requests
         explicit = cols.num_computed_tokens
         num_ids = cols.num_new_token_ids
-        one_new = cols.num_new_tokens == 1
-        plain = one_new & (num_ids == 1) & (explicit == -1)
-        # A decode with a computed count is a plain one too when the count is the tracked
-        # one plus the tokens before its own: a client's held-back decodes riding with it
-        # (or a client that always sends its mirror's count).
-        given = np.flatnonzero(one_new & (num_ids >= 1) & (explicit >= 0))
-        for i in given.tolist():
-            tracked = requests[ids[i]].num_computed_tokens  # Python ints: no int32 overflow
-            plain[i] = tracked + int(num_ids[i]) - 1 == int(explicit[i])
         lookahead = cols.num_lookahead_tokens
-        cuts = np.flatnonzero((plain[1:] != plain[:-1]) | (lookahead[1:] != lookahead[:-1])) + 1
-        bounds = [0, *cuts.tolist(), n]
-        offsets = cols.token_offsets()
+        if cols.defaults_only:
+            plain = np.ones(n, dtype=bool)  # one run of plain decodes
+            bounds = [0, n]
+        else:
+            one_new = cols.num_new_tokens == 1
+            plain = one_new & (num_ids == 1) & (explicit == -1)
+            # A decode with a computed count is a plain one too when the count is the
+            # tracked one plus the tokens before its own: a client's held-back decodes
+            # riding with it (or a client that always sends its mirror's count).
+            given = np.flatnonzero(one_new & (num_ids >= 1) & (explicit >= 0))
+            for i in given.tolist():
+                tracked = requests[ids[i]].num_computed_tokens  # Python ints: no overflow
+                plain[i] = tracked + int(num_ids[i]) - 1 == int(explicit[i])
+            changes = (plain[1:] != plain[:-1]) | (lookahead[1:] != lookahead[:-1])
+            bounds = [0, *(np.flatnonzero(changes) + 1).tolist(), n]
+        offsets: npt.NDArray[np.int64] | None = None
         manager = self.manager
         for start, stop in pairwise(bounds):
             if plain[start]:
                 run = ids[start:stop]
-                run_ids = num_ids[start:stop]
-                # Each growth's own token is its last; any before it are held-back decodes'.
-                tokens = cols.new_token_ids[offsets[start + 1 : stop + 1] - 1]
-                carriers = np.flatnonzero(run_ids > 1)
-                held = {
-                    run[k]: cols.new_token_ids[
-                        int(offsets[start + k]) : int(offsets[start + k + 1]) - 1
-                    ].tolist()
-                    for k in carriers.tolist()
-                }
+                held: dict[str, list[int]] = {}
+                if cols.defaults_only:
+                    tokens = cols.new_token_ids
+                else:
+                    offsets = cols.token_offsets() if offsets is None else offsets
+                    # Each growth's own token is its last; any before it are held-back
+                    # decodes'.
+                    tokens = cols.new_token_ids[offsets[start + 1 : stop + 1] - 1]
+                    carriers = np.flatnonzero(num_ids[start:stop] > 1)
+                    held = {
+                        run[k]: cols.new_token_ids[
+                            int(offsets[start + k]) : int(offsets[start + k + 1]) - 1
+                        ].tolist()
+                        for k in carriers.tolist()
+                    }
                 crossed: tuple[list[int], list[int]] = ([], [])
                 try:
                     answers = manager.allocate_decodes(
                         run,
-                        tokens.tolist(),
+                        tokens,
                         num_lookahead_tokens=int(lookahead[start]),
                         held_token_ids=held,
                         crossed=crossed,
@@ -1253,6 +1281,7 @@ class ServiceState:
                         else:
                             outcomes.append(_outcome(allocation))
                     continue
+            offsets = cols.token_offsets() if offsets is None else offsets
             for i in range(start, stop):
                 outcome = self._apply_growth(cols.growth(i, offsets))
                 if outcome is None:

@@ -475,6 +475,18 @@ def decode_workload(native, python, steps: list[tuple[str, int]], max_len: int) 
                     native.free(rid)
                     python.free(rid)
             assert native.take_events() == python.take_events()
+        if running:
+            # The batch gather (C on one twin, Python on the other): same counts and
+            # maxima, the same refusal of an unknown id or another owner.
+            batch = running + ["ghost"] if rng.random() < 0.2 else list(running)
+            owner = rng.choice((None, "", "someone"))
+            counts = [np.zeros((2, len(batch)), dtype=np.int64) for _ in range(2)]
+            twins = zip((native, python), counts, strict=True)
+            rows = [m.running_rows(batch, owner, *c) for m, c in twins]
+            assert (rows[0] is None) == (rows[1] is None)
+            if rows[0] is not None and rows[1] is not None:
+                assert rows[0][1:] == rows[1][1:]
+                assert counts[0].tolist() == counts[1].tolist()
     return decoded
 
 
@@ -652,3 +664,80 @@ def test_decode_rows_applies_rows_in_order_up_to_the_first_it_cannot() -> None:
         ops.decode_rows([], [], 0, 5, counts, cached, 0, 4, 64, 0, True, *lists)
     with pytest.raises(ValueError):
         ops.decode_rows([], [], 0, -1, counts, cached, 4, 4, 64, 0, True, *lists)
+
+
+@needs_native
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    specs=st.lists(
+        st.tuples(st.integers(1, 40), st.integers(0, 40), st.sampled_from(["s1", "s2"])),
+        min_size=0,
+        max_size=12,
+    ),
+    picks=st.lists(st.integers(0, 14), max_size=16),
+    owner=st.sampled_from([None, "s1", "s2"]),
+)
+def test_running_rows_in_c_equal_python(specs, picks, owner) -> None:
+    """``PageManager.running_rows``: the C pass and the Python one give the same requests,
+    maxima and per-row counts, and refuse the same batches (an unknown id, another
+    owner's request, an id not a str)."""
+    from pagekeeper.core.config import GroupConfig, PoolConfig
+    from pagekeeper.core.manager import PageManager
+
+    manager = PageManager(PoolConfig(num_pages=400, groups=(GroupConfig(page_size=4),)))
+    names = []
+    for k, (length, computed, whose) in enumerate(specs):
+        rid = f"r{k}"
+        prompt = np.arange(k * 50, k * 50 + length, dtype=np.int32)
+        if manager.admit(rid, prompt, num_new_tokens=min(computed, length) or None, owner=whose):
+            names.append(rid)
+    # Indexes past the admitted requests name unknown ids; 14 a non-str id.
+    ids: list[object] = [
+        7 if p == 14 else names[p] if p < len(names) else f"nope{p}" for p in picks
+    ]
+    answers = []
+    for ops in (manager.pool._ops, None):
+        manager.pool._ops = ops
+        lengths = np.full(len(ids) + 2, -9, dtype=np.int64)
+        computed = np.full(len(ids) + 2, -9, dtype=np.int64)
+        rows = manager.running_rows(ids, owner, lengths, computed)  # type: ignore[arg-type]
+        answers.append(
+            (rows, lengths.tolist() if rows else None, computed.tolist() if rows else None)
+        )
+    native, python = answers
+    assert native == python
+    rows = native[0]
+    expect_ok = all(
+        isinstance(r, str) and r in names and owner in (None, manager.requests[r].owner)
+        for r in ids
+    )
+    assert (rows is not None) == expect_ok
+    if rows is not None:
+        reqs = [manager.requests[r] for r in ids]  # type: ignore[index]
+        assert all(a is b for a, b in zip(rows.requests, reqs, strict=True))
+        assert native[1][: len(ids)] == [len(r.token_ids) for r in reqs]
+        assert native[2][: len(ids)] == [r.num_computed_tokens for r in reqs]
+        assert native[1][len(ids) :] == [-9, -9]  # nothing written past the rows
+        if not ids:
+            assert rows[1:] == (0, 0, 0)
+
+
+@needs_native
+def test_running_rows_refuses_bad_buffers() -> None:
+    from pagekeeper.core.config import GroupConfig, PoolConfig
+    from pagekeeper.core.manager import PageManager
+
+    manager = PageManager(PoolConfig(num_pages=40, groups=(GroupConfig(page_size=4),)))
+    manager.admit("a", np.arange(9, dtype=np.int32))
+    with pytest.raises(ValueError, match="int64"):
+        manager.running_rows(["a"], None, np.zeros(1, dtype=np.int32))
+    with pytest.raises(ValueError, match=">= 2 items"):
+        manager.running_rows(["a", "a"], None, np.zeros(1, dtype=np.int64))
+    frozen = np.zeros(1, dtype=np.int64)
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError):
+        manager.running_rows(["a"], None, None, frozen)
+    with pytest.raises(TypeError):
+        manager.running_rows(5, None)  # type: ignore[arg-type]
+    rows = manager.running_rows(("a",))
+    assert rows is not None and rows.max_tokens == 9 and rows.max_computed == 9

@@ -107,9 +107,9 @@ def follow_answer(
     step: tuple[tuple[str, ...], list[Growth], tuple[Admission, ...]],
     result: StepResult,
 ) -> int:
-    """Bring ``running`` (request -> tokens) up to the answered step, preempt (free on both
-    twins) the growths refused, compare the twins' requests and pools; returns how many
-    were preempted."""
+    """Bring ``running`` (request -> tokens) up to the answered step, preempt (free on every
+    twin) the growths refused, compare the twins' requests, pools and events; returns how
+    many were preempted."""
     frees, growths, admissions = step
     for rid in frees:
         del running[rid]
@@ -127,9 +127,12 @@ def follow_answer(
     for a in admissions:
         if statuses[a.request_id] is AllocationStatus.OK:
             running[a.request_id] = len(a.token_ids)
-    for rid in running:
-        assert states[0].request_info(rid) == states[1].request_info(rid)
-    assert states[0].manager.pool.free_queue() == states[1].manager.pool.free_queue()
+    for twin in states[1:]:
+        for rid in running:
+            assert states[0].request_info(rid) == twin.request_info(rid)
+        assert states[0].manager.pool.free_queue() == twin.manager.pool.free_queue()
+        # The same tokens too: the pages they filled were hashed and announced alike.
+        assert list(states[0]._events) == list(twin._events)
     return num_preempted
 
 
@@ -170,6 +173,8 @@ def decodes(ids: list[str], toks: list[int]) -> GrowthColumns:
 
 def replace_column(cols: GrowthColumns, **changes: object) -> GrowthColumns:
     fields = {name: getattr(cols, name) for name in GrowthColumns.__slots__}
+    # A changed column is no longer vouched for as defaults (unless the test says so).
+    fields["defaults_only"] = False
     fields.update(changes)
     return GrowthColumns(**fields)  # type: ignore[arg-type]
 
@@ -316,13 +321,18 @@ def test_columns_round_trip_through_the_journal_codec() -> None:
     assert decoded.growths == ()
     got = decoded.growth_columns
     assert got is not None and got.request_ids == cols.request_ids
-    for name in GrowthColumns.__slots__[1:]:
+    for name in GrowthColumns.__slots__[1:-1]:
         assert getattr(got, name).tolist() == getattr(cols, name).tolist(), name
+    assert not got.defaults_only
     uniform = GrowthColumns.decodes(["a", "b"], np.array([3, 4], dtype=np.int32))
     decoded, _ = decode_command(encode_command(StepCommand(1.0, "s", 1, 1, growth_columns=uniform)))
     assert decoded.growth_columns is not None
     assert decoded.growth_columns.new_token_ids.tolist() == [3, 4]
     assert decoded.growth_columns.num_computed_tokens.tolist() == [-1, -1]
+    assert decoded.growth_columns.defaults_only  # replayed as the plain decodes they are
+    ahead = GrowthColumns.decodes(["a", "b"], np.array([3, 4], dtype=np.int32), 2)
+    decoded, _ = decode_command(encode_command(StepCommand(1.0, "s", 1, 1, growth_columns=ahead)))
+    assert decoded.growth_columns is not None and not decoded.growth_columns.defaults_only
 
 
 def test_decodes_crossing_together_are_granted_as_columns() -> None:
@@ -446,3 +456,101 @@ def test_lockstep_decodes_match_messages_step_for_step(seed: int) -> None:
         )
         follow_answer(states, clients, running, step, by_message)
     assert num_granted >= 30, "the workload should cross into pages together often"
+
+
+def plain_running(ahead: bool = False) -> tuple[ServiceState, tuple[str, int], list[str]]:
+    """Ten requests of 7 tokens (r0..r9), one of 96 tokens with 50 computed ("long", a
+    chunked prefill at max_model_len 96) and one request of another client ("theirs");
+    with ``ahead``, r9's computed count runs 2 past its tokens (a lookahead growth of 3
+    new tokens, 1 token id)."""
+    state = ServiceState(FULL, Limits(), debug_invariants=True)
+    me, other = scheduler(state), scheduler(state)
+    ids = [f"r{i}" for i in range(10)]
+    admissions = tuple(Admission(r, tokens(3 * i, 7)) for i, r in enumerate(ids))
+    state.step(
+        StepCommand(
+            1.0,
+            *me,
+            1,
+            admissions=(*admissions, Admission("long", tokens(1, 96), num_new_tokens=50)),
+        )
+    )
+    state.step(StepCommand(1.0, *other, 1, admissions=(Admission("theirs", tokens(2, 5)),)))
+    if ahead:
+        lookahead = Growth("r9", 3, tokens(4, 1), num_lookahead_tokens=2)
+        state.step(StepCommand(1.0, *me, 2, growths=(lookahead,)))
+    return state, me, ids
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "match"),
+    [
+        ({"r3": "zz"}, NotFound, "'zz' holds no pages"),
+        ({"r3": "theirs"}, PermissionDenied, "'theirs' belongs to another client"),
+        ({"r3": "r2"}, InvalidArgument, "'r2' is grown twice"),
+        ({"frees": "r4"}, InvalidArgument, "'r4' is both freed and grown"),
+        ({"token": -1}, InvalidArgument, "'r5': token ids must be >= 0"),
+        ({"r3": "long"}, InvalidArgument, "'long': 97 tokens exceed max_model_len 96"),
+        ({"ahead": True}, InvalidArgument, "'r9': 10 computed \\+ 1 new tokens exceed its 9"),
+    ],
+)
+def test_plain_decode_columns_refused_as_in_full(change, error, match) -> None:
+    """Columns vouched plain (``defaults_only``, as the wire conversion makes them) are
+    checked by the rows' maxima; every problem still gets the full check's answer, and
+    the step changes nothing."""
+    state, me, ids = plain_running(ahead=bool(change.get("ahead")))
+    step_id = 3
+    ids = [change.get(r, r) for r in ids]
+    toks = np.arange(10, dtype=np.int32)
+    if "token" in change:
+        toks[5] = change["token"]
+    cols = GrowthColumns.decodes(ids, toks)
+    assert cols.defaults_only
+    frees = (change["frees"],) if "frees" in change else ()
+    before = {r: state.request_info(r) for r in state.manager.request_ids()}
+    queue = state.manager.pool.free_queue()
+    with pytest.raises(error, match=match):
+        state.step(StepCommand(2.0, *me, step_id, frees, growth_columns=cols))
+    assert {r: state.request_info(r) for r in state.manager.request_ids()} == before
+    assert state.manager.pool.free_queue() == queue
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_plain_decode_columns_match_messages(seed: int) -> None:
+    """Plain decodes only, vouched (``defaults_only``), between frees and admissions until
+    the pool runs dry: every answer, request and pool equals the messages' (and the
+    unvouched columns')."""
+    config = PoolConfig(num_pages=120, groups=(GroupConfig(GroupKind.FULL, 4),), max_model_len=96)
+    states = [ServiceState(config, Limits(), debug_invariants=True) for _ in range(3)]
+    clients = [scheduler(s) for s in states]
+    rng = np.random.default_rng(seed)
+    running: dict[str, int] = {}
+    serial = num_refused = 0
+    for step_id in range(1, 70):
+        frees = tuple(r for r in running if rng.random() < 0.04)
+        growths = [
+            Growth(r, 1, tokens(int(rng.integers(0, 30)), 1))
+            for r in running
+            if r not in frees and running[r] < 90
+        ]
+        admissions = tuple(
+            Admission(f"q{serial + j}", tokens((serial + j) % 5 * 8, int(rng.integers(5, 30))))
+            for j in range(int(rng.integers(0, 4)) if len(running) < 40 else 0)
+        )
+        serial += len(admissions)
+        vouched = columns_of(growths)
+        vouched = GrowthColumns(**{n: getattr(vouched, n) for n in GrowthColumns.__slots__[:-1]},
+                                defaults_only=True)  # fmt: skip
+        forms = [
+            {"growths": tuple(growths)},
+            {"growth_columns": columns_of(growths)},
+            {"growth_columns": vouched},
+        ]
+        results = [
+            state.step(StepCommand(1.0, *me, step_id, frees, admissions=admissions, **form))
+            for state, me, form in zip(states, clients, forms, strict=True)
+        ]
+        assert results[0] == results[1] == results[2]
+        step = (frees, growths, admissions)
+        num_refused += follow_answer(states, clients, running, step, results[0])
+    assert num_refused > 0, "the workload should run the pool dry at least once"

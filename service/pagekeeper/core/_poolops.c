@@ -1554,6 +1554,138 @@ done:
     return result;
 }
 
+/* -- gather_rows: a batch of running requests, looked up and measured in one pass ------- */
+
+static PyObject *str_owner;
+
+/* A writable C-contiguous int64 buffer of at least n items, or None (no buffer). */
+static int
+out_column(PyObject *obj, Py_buffer *view, Py_ssize_t n, const char *name)
+{
+    if (obj == Py_None) {
+        return 0;
+    }
+    if (PyObject_GetBuffer(obj, view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        return -1;
+    }
+    const char *fmt = view->format ? view->format : "B";
+    if (*fmt == '<' || *fmt == '=' || *fmt == '@') {
+        fmt++;
+    }
+    if (view->itemsize != 8 || (strcmp(fmt, "q") != 0 && strcmp(fmt, "l") != 0)
+        || view->len < n * 8) {
+        PyBuffer_Release(view);
+        PyErr_Format(PyExc_ValueError, "%s must be a writable int64 buffer of >= %zd items",
+                     name, n);
+        return -1;
+    }
+    return 1;
+}
+
+static PyObject *
+pool_gather_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError,
+                        "gather_rows(requests, request_ids, owner, lengths, computed)");
+        return NULL;
+    }
+    PyObject *requests = args[0], *owner = args[2];
+    PyObject *ids = PySequence_Fast(args[1], "request_ids must be a sequence");
+    if (ids == NULL) {
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(ids);
+    Py_buffer lengths_view, computed_view;
+    int has_lengths = out_column(args[3], &lengths_view, n, "lengths");
+    int has_computed = has_lengths < 0 ? -1 : out_column(args[4], &computed_view, n, "computed");
+    PyObject *reqs = NULL, *result = NULL;
+    if (has_computed < 0) {
+        goto done;
+    }
+    reqs = PyList_New(n);
+    if (reqs == NULL) {
+        goto done;
+    }
+    int64_t *lengths = has_lengths ? (int64_t *)lengths_view.buf : NULL;
+    int64_t *computed = has_computed ? (int64_t *)computed_view.buf : NULL;
+    Py_ssize_t max_tokens = 0, max_computed = 0, max_ahead = 0;
+    int is_dict = PyDict_CheckExact(requests);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *rid = PySequence_Fast_GET_ITEM(ids, i);
+        PyObject *req;
+        if (!PyUnicode_CheckExact(rid)) {
+            goto refuse;
+        }
+        if (is_dict) {
+            req = Py_XNewRef(PyDict_GetItemWithError(requests, rid));
+        } else {
+            req = PyObject_GetItem(requests, rid);
+        }
+        if (req == NULL) {
+            if (PyErr_Occurred() && !PyErr_ExceptionMatches(PyExc_KeyError)) {
+                goto done;
+            }
+            PyErr_Clear();
+            goto refuse;
+        }
+        PyList_SET_ITEM(reqs, i, req); /* owns it */
+        if (owner != Py_None) {
+            PyObject *whose = PyObject_GetAttr(req, str_owner);
+            int same = whose == NULL ? -1 : PyObject_RichCompareBool(whose, owner, Py_EQ);
+            Py_XDECREF(whose);
+            if (same < 0) {
+                goto done;
+            }
+            if (!same) {
+                goto refuse;
+            }
+        }
+        PyObject *tokens = PyObject_GetAttr(req, str_token_ids);
+        Py_ssize_t length = tokens == NULL ? -1 : PyObject_Size(tokens);
+        Py_XDECREF(tokens);
+        PyObject *count_o = length < 0 ? NULL : PyObject_GetAttr(req, str_num_computed_tokens);
+        Py_ssize_t count = small_count(count_o);
+        Py_XDECREF(count_o);
+        if (PyErr_Occurred()) {
+            goto done;
+        }
+        if (count < 0) {
+            goto refuse; /* not an exact non-negative int: the Python path's to judge */
+        }
+        if (lengths != NULL) {
+            lengths[i] = length;
+        }
+        if (computed != NULL) {
+            computed[i] = count;
+        }
+        if (length > max_tokens) {
+            max_tokens = length;
+        }
+        if (count > max_computed) {
+            max_computed = count;
+        }
+        if (i == 0 || count - length > max_ahead) {
+            max_ahead = count - length;
+        }
+    }
+    result = Py_BuildValue("(Onnn)", reqs, max_tokens, max_computed, max_ahead);
+    goto done;
+refuse:
+    result = Py_NewRef(Py_None);
+done:
+    Py_XDECREF(reqs);
+    if (has_lengths > 0) {
+        PyBuffer_Release(&lengths_view);
+    }
+    if (has_computed > 0) {
+        PyBuffer_Release(&computed_view);
+    }
+    Py_DECREF(ids);
+    return result;
+}
+
 static PyMethodDef poolops_methods[] = {
     {"untrack", (PyCFunction)pool_untrack, METH_O,
      "untrack(obj) -> bool: stop the GC tracking obj when nothing it references is "
@@ -1573,6 +1705,12 @@ static PyMethodDef poolops_methods[] = {
      "decode_rows(reqs, tokens, start, num_free, page_counts, num_cached_pages, page_size, "
      "hash_page_size, max_len, lookahead, caching, crossing, crossing_held, crossing_rows"
      "[, fill]) -> (stop, num_free): the manager's plain decode rows, in order from start."},
+    {"gather_rows", (PyCFunction)(void (*)(void))pool_gather_rows, METH_FASTCALL,
+     "gather_rows(requests, request_ids, owner, lengths, computed) -> (reqs, max_tokens, "
+     "max_computed, max_ahead) | None: each id's request (None: an id unknown, not a str, "
+     "not owner's unless owner is None, or a count not a plain int), the most tokens, the "
+     "most computed tokens and the most computed past the tokens (0s when empty); "
+     "lengths and computed (int64 buffers or None) get each row's."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1603,6 +1741,7 @@ PyInit__poolops(void)
         {&str_extra_keys, "extra_keys"},
         {&str_event_seq, "_event_seq"},
         {&str_pop, "pop"},
+        {&str_owner, "owner"},
     };
     if (int_one == NULL && (int_one = PyLong_FromLong(1)) == NULL) {
         return NULL;

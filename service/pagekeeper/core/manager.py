@@ -50,6 +50,7 @@ from pagekeeper.core.types import (
     PoolStats,
     RequestInfo,
     RunningRequest,
+    RunningRows,
 )
 
 TokenIds = Sequence[int] | np.ndarray
@@ -278,6 +279,42 @@ class PageManager:
 
     def request_ids(self) -> list[str]:
         return list(self._requests)
+
+    def running_rows(
+        self,
+        request_ids: Sequence[str],
+        owner: str | None = None,
+        lengths: np.ndarray | None = None,
+        computed: np.ndarray | None = None,
+    ) -> RunningRows | None:
+        """The running requests ``request_ids`` name, in order, in one pass (C with the C
+        pool loops): None when one is unknown (or not a str), or not ``owner``'s when an
+        owner is given -- the caller then goes row by row to name the first. ``lengths``
+        and ``computed`` (int64 arrays of at least ``len(request_ids)``, or None) receive
+        each row's token count and computed count."""
+        ops = self.pool._ops
+        if ops is not None:
+            found = ops.gather_rows(self._requests, request_ids, owner, lengths, computed)
+            return None if found is None else RunningRows(*found)
+        requests = self._requests
+        reqs: list[RunningRequest] = []
+        for rid in request_ids:
+            req = requests.get(rid) if type(rid) is str else None
+            if req is None or (owner is not None and req.owner != owner):
+                return None
+            reqs.append(req)
+        num_tokens = [len(r.token_ids) for r in reqs]
+        counts = [r.num_computed_tokens for r in reqs]
+        if lengths is not None:
+            lengths[: len(reqs)] = num_tokens
+        if computed is not None:
+            computed[: len(reqs)] = counts
+        return RunningRows(
+            reqs,
+            max(num_tokens, default=0),
+            max(counts, default=0),
+            max((c - t for c, t in zip(counts, num_tokens, strict=True)), default=0),
+        )
 
     def request_info(self, request_id: str) -> RequestInfo:
         req = self._get(request_id)
@@ -553,11 +590,11 @@ class PageManager:
         if num_lookahead_tokens < 0:
             raise InvalidArgument("num_lookahead_tokens must be >= 0")
         requests = self._requests
-        try:
-            reqs = [requests[rid] for rid in request_ids]
-        except (KeyError, TypeError):
+        rows = self.running_rows(request_ids)
+        if rows is None:
             missing = next(r for r in request_ids if not isinstance(r, str) or r not in requests)
-            raise NotFound(f"request {missing!r} holds no pages") from None
+            raise NotFound(f"request {missing!r} holds no pages")
+        reqs: list[_Request] = rows.requests  # type: ignore[assignment]
         decoding = set(request_ids)
         if len(decoding) != len(request_ids):
             raise InvalidArgument("a request decodes twice in one call")
@@ -572,28 +609,29 @@ class PageManager:
 
         def first_past(counts: list[int]) -> int | None:
             """The first request whose count, with its held tokens and this decode's, passes
-            max_model_len (None: none; one C-speed max unless the largest count might)."""
-            if max(counts, default=0) + held_most + 1 <= max_len:
-                return None
+            max_model_len (None: none)."""
             held = [len(extras.get(r.request_id, ())) for r in reqs]
             return next((i for i, c in enumerate(counts) if c + held[i] + 1 > max_len), None)
 
         # The tokens after this decode, and the computed ones (a count that can run ahead
-        # of the tokens after speculative lookahead): both within max_model_len.
-        lengths = list(map(len, map(_TOKEN_IDS, reqs)))
-        if (i := first_past(lengths)) is not None:
-            num_held = len(extras.get(reqs[i].request_id, ()))
-            raise InvalidArgument(
-                f"request {reqs[i].request_id!r}: {lengths[i] + num_held + 1} tokens exceed "
-                f"max_model_len {max_len}"
-            )
-        computed_counts = list(map(_NUM_COMPUTED, reqs))
-        if (i := first_past(computed_counts)) is not None:
-            num_held = len(extras.get(reqs[i].request_id, ()))
-            raise InvalidArgument(
-                f"request {reqs[i].request_id!r}: {computed_counts[i] + num_held} computed + 1 "
-                f"new tokens exceed max_model_len {max_len}"
-            )
+        # of the tokens after speculative lookahead): both within max_model_len (row by
+        # row only when the largest might not be).
+        if rows.max_tokens + held_most + 1 > max_len:
+            lengths = list(map(len, map(_TOKEN_IDS, reqs)))
+            if (i := first_past(lengths)) is not None:
+                num_held = len(extras.get(reqs[i].request_id, ()))
+                raise InvalidArgument(
+                    f"request {reqs[i].request_id!r}: {lengths[i] + num_held + 1} tokens "
+                    f"exceed max_model_len {max_len}"
+                )
+        if rows.max_computed + held_most + 1 > max_len:
+            computed_counts = list(map(_NUM_COMPUTED, reqs))
+            if (i := first_past(computed_counts)) is not None:
+                num_held = len(extras.get(reqs[i].request_id, ()))
+                raise InvalidArgument(
+                    f"request {reqs[i].request_id!r}: {computed_counts[i] + num_held} "
+                    f"computed + 1 new tokens exceed max_model_len {max_len}"
+                )
         out: dict[str, Allocation | None] = {}
         group = self._single_full
         if group is None:

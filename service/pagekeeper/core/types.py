@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -91,6 +91,20 @@ class RunningRequest(Protocol):
 
     @property
     def num_computed_tokens(self) -> int: ...
+
+
+class RunningRows(NamedTuple):
+    """:meth:`PageManager.running_rows`' answer: a batch of running requests, in order,
+    with the maxima a caller checks a step's limits against."""
+
+    requests: list[RunningRequest]
+    max_tokens: int
+    """The most tokens any of them has (0 for none)."""
+    max_computed: int
+    """The highest ``num_computed_tokens`` (0 for none)."""
+    max_ahead: int
+    """The most ``num_computed_tokens - len(token_ids)`` (computed past the tokens after
+    speculative lookahead; 0 for none)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -356,6 +356,11 @@ def _step_from_tree(tree: list[Any]) -> tuple[StepCommand, Publication | None]:
             num_new_token_ids=_int32_column(token_lens, n),
             num_computed_tokens=_int32_column(computed, n),
             num_lookahead_tokens=_int32_column(lookahead, n),
+            # Uniform columns at their defaults: plain decodes, as the wire said.
+            defaults_only=all(
+                isinstance(v, int) for v in (num_new, token_lens, computed, lookahead)
+            )
+            and (num_new, token_lens, computed, lookahead) == (1, 1, -1, 0),
         )
     elif growths_tree is not None:
         n, ids, num_new, tokens, token_lens, computed, lookahead = growths_tree

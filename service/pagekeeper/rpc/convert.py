@@ -256,13 +256,16 @@ def growth_columns_from_pb(c: pb.GrowthColumns) -> GrowthColumns:
     """Column form -> :class:`GrowthColumns` (empty columns filled with their default;
     lengths are checked by the state with the rest of the step)."""
     n = len(c.request_ids)
+    counts = (c.num_new_tokens, c.num_new_token_ids, c.num_computed_tokens, c.num_lookahead_tokens)
     return GrowthColumns(
         request_ids=tuple(c.request_ids),
-        num_new_tokens=_column_from_pb(c.num_new_tokens, "num_new_tokens", n, 1),
+        num_new_tokens=_column_from_pb(counts[0], "num_new_tokens", n, 1),
         new_token_ids=decode_i32(c.new_token_ids, "growth_columns.new_token_ids"),
-        num_new_token_ids=_column_from_pb(c.num_new_token_ids, "num_new_token_ids", n, 1),
-        num_computed_tokens=_column_from_pb(c.num_computed_tokens, "num_computed_tokens", n, -1),
-        num_lookahead_tokens=_column_from_pb(c.num_lookahead_tokens, "num_lookahead_tokens", n, 0),
+        num_new_token_ids=_column_from_pb(counts[1], "num_new_token_ids", n, 1),
+        num_computed_tokens=_column_from_pb(counts[2], "num_computed_tokens", n, -1),
+        num_lookahead_tokens=_column_from_pb(counts[3], "num_lookahead_tokens", n, 0),
+        # All four left out: plain decodes, which the state checks by the rows' maxima.
+        defaults_only=not any(counts),
     )
 
 
