@@ -537,6 +537,57 @@ def test_a_fill_after_a_waiting_crossing_keeps_the_event_order() -> None:
 
 
 @needs_native
+@pytest.mark.parametrize(
+    ("num_pages", "old_pages"), [(7, 0), (7, 2), (7, 1)], ids=["clean", "first", "second"]
+)
+def test_a_fill_after_crossings_into_clean_pages_stays_in_c(num_pages, old_pages) -> None:
+    """Rows 0 and 1 cross into a page, row 2 then fills its page, row 3 fits. When the two
+    pages the
+    crossings will take are not cached (the free queue's head is clean), the fill is
+    cached in the same C pass (one ``decode_rows`` call); when either is cached (the first, or
+    only the second), the C pass stops at the fill so the pages are taken first
+    (``removed`` before ``stored``). Either way answers, events and pools are the Python
+    loop's."""
+    native, python = _decode_twins(True, 64, num_pages, [])
+    if old_pages:  # a finished request's pages: cached, at the queue's tail
+        _admit_both(native, python, "old", [70 + j for j in range(4 * old_pages)])
+        native.free("old")
+        python.free("old")
+    prompts = [[1, 2, 3, 4], [9, 8, 7, 6], [5, 6, 7], [3, 3]]
+    for k, prompt in enumerate(prompts):
+        _admit_both(native, python, f"r{k}", prompt)
+    assert native.take_events() == python.take_events()
+    assert native.pool.num_free_pages == 2
+    cached_free = 0 if old_pages == 0 else native.pool.num_free_cached_pages
+    calls = []
+    real = native.pool._ops
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def decode_rows(self, *args):
+            calls.append(args[2])
+            return real.decode_rows(*args)
+
+    native.pool._ops = Spy()
+    events_before = len(python.pool._events)
+    ids = ["r0", "r1", "r2", "r3"]
+    want = python.allocate_decodes(ids, [10, 11, 12, 13])
+    kinds = [type(e).__name__ for e in python.pool._events[events_before:]]
+    got = native.allocate_decodes(ids, [10, 11, 12, 13])
+    assert got == want
+    assert native.take_events() == python.take_events()
+    assert native.pool.free_queue() == python.pool.free_queue()
+    if cached_free:
+        assert kinds[0] == "PageRemoved" and kinds[-1] == "PageStored", kinds
+        assert calls == [0, 3]  # stopped at the fill, which Python cached
+    else:
+        assert kinds == ["PageStored"], kinds
+        assert calls == [0]  # the whole step in one C pass
+
+
+@needs_native
 def test_filled_pages_cached_in_c_announce_what_the_python_loop_does() -> None:
     """A fill in C is really taken there (not left to Python) and gives the same hash,
     index entry and ``stored`` event as the Python loop, page after page."""

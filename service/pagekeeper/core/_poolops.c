@@ -59,9 +59,16 @@
  *       down by one. Stops at the first other row (and at any row whose fields are not what
  *       the manager keeps), leaving it unchanged: `stop` is its index (len(reqs) at the end).
  *       With `fill` (a FillContext tuple, see below), a row whose token fills its page is
- *       one of them too, when it takes no page and no crossing waits: the page is hashed,
- *       entered into the index and announced by a `stored` event, as the manager's
- *       _extend_hashes + GroupManager.cache_next + PagePool.cache_one do.
+ *       one of them too, when it takes no page and the crossings waiting will take pages
+ *       that are not cached (so evict nothing): the page is hashed, entered into the index
+ *       and announced by a `stored` event, as the manager's _extend_hashes +
+ *       GroupManager.cache_next + PagePool.cache_one do.
+ *
+ *   gather_rows(requests, request_ids, owner, lengths, computed)
+ *       -> (reqs, max_tokens, max_computed, max_ahead) | None
+ *       PageManager.running_rows in one pass: each id's request, None when one is unknown
+ *       or not `owner`'s (unless owner is None); each row's token and computed counts into
+ *       the int64 buffers `lengths` and `computed` when given.
  *
  * Page ids are checked against the state list's length before anything is written (an
  * IndexError, as the Python loops would raise, changes nothing here).
@@ -1094,7 +1101,7 @@ typedef struct {
     long flag;                 /* group_id + 1: the cached-flag value of the group */
 } DecodeStep;
 
-static PyObject *str_extra_keys, *str_event_seq, *str_pop;
+static PyObject *str_extra_keys, *str_event_seq, *str_pop, *str_head, *str_buf;
 
 /* The page row i fills, cached as the Python loop would; `k` is the page's index in the
  * request (= its hashes so far = its cached pages), `held` its pages. 1: done (the token
@@ -1284,6 +1291,52 @@ fail:
     return result;
 }
 
+/* Whether the crossings waiting for their pages will take pages that are not cached: the
+ * next len(crossing) pages of the free queue (from pool._head in pool._buf, holes skipped)
+ * all have state 0. A fill may then be cached before they take them: taking them evicts
+ * nothing and announces nothing, so every page, hash and event comes out as in the Python
+ * loop, which takes them first. 1: yes; 0: no, or the pool is not as expected. */
+static int
+crossings_take_clean_pages(DecodeStep *d)
+{
+    Py_ssize_t k = PyList_GET_SIZE(d->crossing);
+    if (k == 0) {
+        return 1;
+    }
+    PyObject *pool = d->fill[F_POOL], *state = d->fill[F_STATE];
+    PyObject *head_o = PyObject_GetAttr(pool, str_head);
+    Py_ssize_t head = small_count(head_o);
+    Py_XDECREF(head_o);
+    PyObject *buf = head < 0 ? NULL : PyObject_GetAttr(pool, str_buf);
+    Py_buffer view;
+    if (buf == NULL || PyObject_GetBuffer(buf, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        Py_XDECREF(buf);
+        PyErr_Clear();
+        return 0;
+    }
+    int clean = 0;
+    const char *fmt = view.format ? view.format : "B";
+    if (view.itemsize == 4 && (strcmp(fmt, "i") == 0 || strcmp(fmt, "=i") == 0)) {
+        const int32_t *queue = (const int32_t *)view.buf;
+        Py_ssize_t len = view.len / 4, seen = 0;
+        clean = 1;
+        for (Py_ssize_t j = head; j < len && seen < k && clean; j++) {
+            int32_t page = queue[j];
+            if (page < 0) {
+                continue; /* a hole: a page taken out of the middle */
+            }
+            seen++;
+            clean = page < PyList_GET_SIZE(state)
+                    && small_count(PyList_GET_ITEM(state, page)) == 0;
+        }
+        clean = clean && seen == k;
+    }
+    PyBuffer_Release(&view);
+    Py_DECREF(buf);
+    PyErr_Clear(); /* small_count leaves none; nothing here is the caller's error */
+    return clean;
+}
+
 /* Drop the last item of each of the first `k` crossing lists (undoing a row's entries). */
 static void
 unlist_crossing(DecodeStep *d, int k)
@@ -1339,11 +1392,12 @@ decode_row(DecodeStep *d, PyObject *req, PyObject *token, Py_ssize_t i)
         Py_ssize_t num_full = (end < num_tokens ? end : num_tokens) / d->ps;
         if (num_tokens / d->hps > num_hashed || num_full > done) {
             /* Completes a hash page or fills a page to cache: here only the plain case
-             * (exactly the next page, hashed and cached so far, no page taken, no
-             * crossing waiting to take its page first), with a fill context. */
-            if (d->fill == NULL || num_new != 0 || d->hps != d->ps
-                || PyList_GET_SIZE(d->crossing) != 0 || num_hashed != done
-                || num_full != done + 1 || num_tokens / d->ps != done + 1) {
+             * (exactly the next page, hashed and cached so far, no page taken, and any
+             * crossing waiting to take its page first taking one that evicts nothing),
+             * with a fill context. */
+            if (d->fill == NULL || num_new != 0 || d->hps != d->ps || num_hashed != done
+                || num_full != done + 1 || num_tokens / d->ps != done + 1
+                || !crossings_take_clean_pages(d)) {
                 goto leave;
             }
             fills = 1;
@@ -1742,6 +1796,8 @@ PyInit__poolops(void)
         {&str_event_seq, "_event_seq"},
         {&str_pop, "pop"},
         {&str_owner, "owner"},
+        {&str_head, "_head"},
+        {&str_buf, "_buf"},
     };
     if (int_one == NULL && (int_one = PyLong_FromLong(1)) == NULL) {
         return NULL;
