@@ -366,12 +366,15 @@ def _decode_twins(
     return managers
 
 
-def _decode_both(native, python, ids: list[str], tokens: list[int], lookahead: int = 0) -> dict:
-    """One decode step on both managers: the same answers (in request order), events,
-    request fields (tokens, hashes, the scheduled range a published batch writes) and free
-    queue. Returns the answer."""
-    want = python.allocate_decodes(ids, tokens, num_lookahead_tokens=lookahead)
-    got = native.allocate_decodes(ids, tokens, num_lookahead_tokens=lookahead)
+def _decode_both(
+    native, python, ids: list[str], tokens: list[int], lookahead: int = 0, held=None
+) -> dict:
+    """One decode step on both managers (``held``: held-back tokens per request): the same
+    answers (in request order), events, request fields (tokens, hashes, the scheduled range
+    a published batch writes) and free queue. Returns the answer."""
+    kw = {"num_lookahead_tokens": lookahead, "held_token_ids": held}
+    want = python.allocate_decodes(ids, tokens, **kw)
+    got = native.allocate_decodes(ids, tokens, **kw)
     assert list(got.items()) == list(want.items())  # in request order too
     assert native.take_events() == python.take_events()
     for rid in python.request_ids():
@@ -431,7 +434,8 @@ def decode_workload(native, python, steps: list[tuple[str, int]], max_len: int) 
     ``(op, seed)`` each, compared after every step (:func:`_decode_both`); returns how many
     decode steps ran. Small alphabets make prompts and decode tokens recur (hashes already
     in the index); some requests have a LoRA or send their first page's hash (8 or 32
-    bytes); lookahead makes a fill take a page too; refused rows are preempted."""
+    bytes); lookahead makes a fill take a page too; some rows carry held-back tokens;
+    refused rows are preempted."""
     import random
 
     from pagekeeper.core.types import ExtraKeys
@@ -460,14 +464,20 @@ def decode_workload(native, python, steps: list[tuple[str, int]], max_len: int) 
         elif op == "decode" and running:
             lookahead = rng.choice((0, 0, 1))
             live = [
-                r for r in running if python.request_info(r).num_tokens < max_len - lookahead - 1
+                r for r in running if python.request_info(r).num_tokens < max_len - lookahead - 4
             ]
             if not live:
                 continue
             tokens = [
                 rng.choice((1, 2)) if rng.random() < 0.8 else rng.randrange(2**40) for _ in live
             ]
-            answers = _decode_both(native, python, live, tokens, lookahead)
+            # Some rows carry 1-3 held-back decodes' tokens (a client's hold_decodes).
+            held = {
+                r: [rng.choice((1, 2)) for _ in range(rng.randrange(1, 4))]
+                for r in live
+                if rng.random() < 0.3
+            }
+            answers = _decode_both(native, python, live, tokens, lookahead, held)
             decoded += 1
             for rid, answer in answers.items():
                 if answer is None:  # refused: preempted, as a scheduler would
@@ -585,6 +595,41 @@ def test_a_fill_after_crossings_into_clean_pages_stays_in_c(num_pages, old_pages
     else:
         assert kinds == ["PageStored"], kinds
         assert calls == [0]  # the whole step in one C pass
+
+
+@needs_native
+def test_rows_carrying_held_tokens_stay_in_c() -> None:
+    """Rows with held-back tokens (a scheduler's ``hold_decodes``), one that fits and two
+    whose tokens fill their page, are applied in the same C pass as the plain rows (one
+    that crosses into a page among them), with the Python loop's tokens, counts, pages and
+    events. (Held tokens that fill a page just before the row's own token crosses into the
+    next are the Python loop's: a fill that also takes a page.)"""
+    prompts = [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16], [16, 17, 18, 19]]
+    native, python = _decode_twins(True, 64, 40, prompts)
+    ids = ["r0", "r1", "r2", "r3"]
+    calls = []
+    real = native.pool._ops
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def decode_rows(self, *args):
+            calls.append(args[2])
+            return real.decode_rows(*args)
+
+    native.pool._ops = Spy()
+    # r0: 1 held + its token fit in page 1; r1: 2 held + its token fill page 1 (8 tokens);
+    # r2: 1 held + its token fill page 1 (6 + 2 tokens); r3: plain, crosses into page 1.
+    held = {"r0": [21], "r1": [22, 23], "r2": [24]}
+    want = _decode_both(native, python, ids, [31, 32, 33, 34], held=held)
+    assert calls == [0]
+    assert list(want) == ["r3"]  # the crossing's new page
+    info = {r: native.request_info(r) for r in ids}
+    assert [info[r].num_tokens for r in ids] == [7, 8, 8, 5]
+    assert [native._requests[r].scheduled_start for r in ids] == [6, 7, 7, 4]
+    assert native.groups[0].num_cached_pages["r1"] == 2
+    assert native.groups[0].num_cached_pages["r2"] == 2
 
 
 @needs_native

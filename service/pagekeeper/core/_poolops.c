@@ -49,7 +49,7 @@
  *
  *   decode_rows(reqs, tokens, start, num_free, page_counts, num_cached_pages, page_size,
  *               hash_page_size, max_len, lookahead, caching, crossing, crossing_held,
- *               crossing_rows[, fill]) -> (stop, num_free)
+ *               crossing_rows[, fill[, extras]]) -> (stop, num_free)
  *       The manager's decode step for one full-attention group, row after row from `start`,
  *       for the rows that need no Python: request reqs[i] (a manager _Request) appends
  *       tokens[i] and counts one more computed token when that fills no page to cache and
@@ -62,7 +62,9 @@
  *       one of them too, when it takes no page and the crossings waiting will take pages
  *       that are not cached (so evict nothing): the page is hashed, entered into the index
  *       and announced by a `stored` event, as the manager's _extend_hashes +
- *       GroupManager.cache_next + PagePool.cache_one do.
+ *       GroupManager.cache_next + PagePool.cache_one do. `extras` (a dict or None): a
+ *       request's held-back decode tokens (a list of checked ints), appended and counted
+ *       as computed before its own token, as the manager's loop does.
  *
  *   gather_rows(requests, request_ids, owner, lengths, computed)
  *       -> (reqs, max_tokens, max_computed, max_ahead) | None
@@ -1093,6 +1095,7 @@ enum {
 
 typedef struct {
     PyObject *page_counts, *num_cached, *crossing, *crossing_held, *crossing_rows;
+    PyObject *extras;          /* request id -> its held-back tokens (a list), or NULL */
     Py_ssize_t ps, hps, max_len, lookahead, num_free;
     int caching;
     PyObject **fill;           /* the fill tuple's items (borrowed), or NULL */
@@ -1101,7 +1104,7 @@ typedef struct {
     long flag;                 /* group_id + 1: the cached-flag value of the group */
 } DecodeStep;
 
-static PyObject *str_extra_keys, *str_event_seq, *str_pop, *str_head, *str_buf;
+static PyObject *str_extra_keys, *str_event_seq, *str_pop, *str_head, *str_buf, *str_extend;
 
 /* The page row i fills, cached as the Python loop would; `k` is the page's index in the
  * request (= its hashes so far = its cached pages), `held` its pages. 1: done (the token
@@ -1348,13 +1351,41 @@ unlist_crossing(DecodeStep *d, int k)
     }
 }
 
+/* Append a row's held-back tokens to its token ids; *extended counts them for an undo
+ * (-1: an error, ids as they were). */
+static int
+extend_ids(PyObject *ids, PyObject *extra, Py_ssize_t *extended)
+{
+    Py_ssize_t before = PyObject_Size(ids);
+    if (before < 0) {
+        return -1;
+    }
+    PyObject *r = PyObject_CallMethodOneArg(ids, str_extend, extra);
+    if (r == NULL) {
+        /* A list extends item by item: take back any that went in. */
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        Py_ssize_t after = PyObject_Size(ids);
+        if (after > before && PySequence_DelSlice(ids, before, after) < 0) {
+            PyErr_Clear();
+        }
+        PyErr_Restore(type, value, tb);
+        return -1;
+    }
+    Py_DECREF(r);
+    *extended = PyObject_Size(ids) - before;
+    return 0;
+}
+
 /* 1: row i applied; 0: left alone (the Python loop's); -1: an error, the row unchanged. */
 static int
 decode_row(DecodeStep *d, PyObject *req, PyObject *token, Py_ssize_t i)
 {
     int result = 0, listed = 0;
     PyObject *rid = NULL, *computed_o = NULL, *ids = NULL, *hashes = NULL, *end_o = NULL;
-    PyObject *held_o = NULL, *row_o = NULL;
+    PyObject *held_o = NULL, *row_o = NULL, *start_o = NULL;
+    PyObject *extra = NULL; /* borrowed: the row's held-back tokens, appended before its own */
+    Py_ssize_t num_extra = 0, extended = 0;
     rid = PyObject_GetAttr(req, str_request_id);
     computed_o = rid ? PyObject_GetAttr(req, str_num_computed_tokens) : NULL;
     ids = computed_o ? PyObject_GetAttr(req, str_token_ids) : NULL;
@@ -1367,6 +1398,24 @@ decode_row(DecodeStep *d, PyObject *req, PyObject *token, Py_ssize_t i)
     if (computed < 0 || held < 0 || PyErr_Occurred()) {
         goto leave;
     }
+    if (d->extras != NULL && (extra = PyDict_GetItemWithError(d->extras, rid)) != NULL) {
+        /* Counted as computed before the row's own token (the manager checked them). */
+        if (!PyList_CheckExact(extra)) {
+            goto leave;
+        }
+        num_extra = PyList_GET_SIZE(extra);
+        if (num_extra > PY_SSIZE_T_MAX / 4 - computed) {
+            goto leave;
+        }
+        computed += num_extra;
+        if ((start_o = PyLong_FromSsize_t(computed)) == NULL) {
+            result = -1;
+            goto done;
+        }
+    }
+    if (PyErr_Occurred()) {
+        goto leave;
+    }
     Py_ssize_t end = computed + 1;
     Py_ssize_t num_slots = end + d->lookahead > d->max_len ? d->max_len : end + d->lookahead;
     Py_ssize_t num_new = (num_slots + d->ps - 1) / d->ps - held;
@@ -1377,7 +1426,7 @@ decode_row(DecodeStep *d, PyObject *req, PyObject *token, Py_ssize_t i)
     if (num_tokens < 0) {
         goto leave;
     }
-    num_tokens += 1;
+    num_tokens += num_extra + 1;
     int fills = 0;
     if (d->caching) {
         hashes = PyObject_GetAttr(req, str_hashes);
@@ -1402,7 +1451,7 @@ decode_row(DecodeStep *d, PyObject *req, PyObject *token, Py_ssize_t i)
             }
             fills = 1;
             end_o = PyLong_FromSsize_t(end);
-            if (end_o == NULL) {
+            if (end_o == NULL || (num_extra && extend_ids(ids, extra, &extended) < 0)) {
                 result = -1;
                 goto done;
             }
@@ -1443,6 +1492,10 @@ decode_row(DecodeStep *d, PyObject *req, PyObject *token, Py_ssize_t i)
         }
         listed = 3;
     }
+    if (num_extra && !fills && extend_ids(ids, extra, &extended) < 0) {
+        result = -1;
+        goto done;
+    }
     if (!fills) {  /* fill_page appended it */
         PyObject *appended = PyObject_CallMethodOneArg(ids, str_append, token);
         if (appended == NULL) {
@@ -1452,9 +1505,10 @@ decode_row(DecodeStep *d, PyObject *req, PyObject *token, Py_ssize_t i)
         Py_DECREF(appended);
     }
     listed = 0; /* the row is applied: its entries stay */
+    extended = 0;
     /* Slot writes of ints: they cannot fail once the token is in. */
     if (PyObject_SetAttr(req, str_num_computed_tokens, end_o) < 0
-        || PyObject_SetAttr(req, str_scheduled_start, computed_o) < 0
+        || PyObject_SetAttr(req, str_scheduled_start, start_o ? start_o : computed_o) < 0
         || PyObject_SetAttr(req, str_num_scheduled, int_one) < 0) {
         result = -1;
         goto done;
@@ -1469,12 +1523,21 @@ leave:
         PyErr_Clear();
     }
 done:
-    if (result < 0 && listed) {
+    if (result <= 0 && (listed || extended)) {
         PyObject *type, *value, *tb;
         PyErr_Fetch(&type, &value, &tb);
-        unlist_crossing(d, listed);
+        if (listed) {
+            unlist_crossing(d, listed);
+        }
+        if (extended) { /* the held tokens come off again: the row is left unchanged */
+            Py_ssize_t n = PyObject_Size(ids);
+            if (n < extended || PySequence_DelSlice(ids, n - extended, n) < 0) {
+                PyErr_Clear();
+            }
+        }
         PyErr_Restore(type, value, tb);
     }
+    Py_XDECREF(start_o);
     Py_XDECREF(rid);
     Py_XDECREF(computed_o);
     Py_XDECREF(ids);
@@ -1535,11 +1598,11 @@ static PyObject *
 pool_decode_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (nargs != 14 && nargs != 15) {
+    if (nargs < 14 || nargs > 16) {
         PyErr_SetString(PyExc_TypeError,
                         "decode_rows(reqs, tokens, start, num_free, page_counts, "
                         "num_cached_pages, page_size, hash_page_size, max_len, lookahead, "
-                        "caching, crossing, crossing_held, crossing_rows[, fill])");
+                        "caching, crossing, crossing_held, crossing_rows[, fill[, extras]])");
         return NULL;
     }
     PyObject *reqs = args[0], *tokens = args[1];
@@ -1578,7 +1641,14 @@ pool_decode_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                         "bad start, num_free, page sizes, max_len or lookahead");
         return NULL;
     }
-    PyObject *fill = nargs == 15 ? args[14] : Py_None;
+    PyObject *fill = nargs >= 15 ? args[14] : Py_None;
+    if (nargs == 16 && args[15] != Py_None) {
+        if (!PyDict_CheckExact(args[15])) {
+            PyErr_SetString(PyExc_TypeError, "extras must be a dict or None");
+            return NULL;
+        }
+        d.extras = args[15];
+    }
     if (fill != Py_None && set_fill(&d, fill) < 0) {
         return NULL;
     }
@@ -1758,7 +1828,8 @@ static PyMethodDef poolops_methods[] = {
     {"decode_rows", (PyCFunction)(void (*)(void))pool_decode_rows, METH_FASTCALL,
      "decode_rows(reqs, tokens, start, num_free, page_counts, num_cached_pages, page_size, "
      "hash_page_size, max_len, lookahead, caching, crossing, crossing_held, crossing_rows"
-     "[, fill]) -> (stop, num_free): the manager's plain decode rows, in order from start."},
+     "[, fill[, extras]]) -> (stop, num_free): the manager's plain decode rows, in order "
+     "from start."},
     {"gather_rows", (PyCFunction)(void (*)(void))pool_gather_rows, METH_FASTCALL,
      "gather_rows(requests, request_ids, owner, lengths, computed) -> (reqs, max_tokens, "
      "max_computed, max_ahead) | None: each id's request (None: an id unknown, not a str, "
@@ -1798,6 +1869,7 @@ PyInit__poolops(void)
         {&str_owner, "owner"},
         {&str_head, "_head"},
         {&str_buf, "_buf"},
+        {&str_extend, "extend"},
     };
     if (int_one == NULL && (int_one = PyLong_FromLong(1)) == NULL) {
         return NULL;

@@ -686,9 +686,10 @@ class PageManager:
             crossing_held.clear()
             crossing_rows.clear()
 
-        ops = pool._ops if not extras else None
+        ops = pool._ops
         # With the C loops, a row whose token fills its page (and takes none) is theirs
-        # too: hashed, indexed and announced as cache_next would.
+        # too: hashed, indexed and announced as cache_next would; so are rows carrying
+        # held-back tokens (``extras``, appended before the row's own).
         fill = self._fill_context(group) if caching and ops is not None else None
         n = len(reqs)
         i = 0
@@ -713,6 +714,7 @@ class PageManager:
                     crossing_held,
                     crossing_rows,
                     fill,
+                    extras or None,
                 )
                 if i == n:
                     break
