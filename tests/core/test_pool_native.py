@@ -837,3 +837,25 @@ def test_running_rows_refuses_bad_buffers() -> None:
         manager.running_rows(5, None)  # type: ignore[arg-type]
     rows = manager.running_rows(("a",))
     assert rows is not None and rows.max_tokens == 9 and rows.max_computed == 9
+
+
+@needs_native
+def test_running_rows_survives_ids_changed_under_it() -> None:
+    """An owner whose ``__eq__`` (a str subclass) empties the list of ids being gathered:
+    the C pass notices and refuses the batch (the caller goes row by row), no crash."""
+    from pagekeeper.core.config import GroupConfig, PoolConfig
+    from pagekeeper.core.manager import PageManager
+
+    ids = ["a", "b", "c"]
+
+    class Meddling(str):
+        __hash__ = str.__hash__
+
+        def __eq__(self, other: object) -> bool:
+            ids.clear()
+            return True
+
+    manager = PageManager(PoolConfig(num_pages=40, groups=(GroupConfig(page_size=4),)))
+    for rid in list(ids):
+        manager.admit(rid, np.arange(5, dtype=np.int32), owner=Meddling("o"))
+    assert manager.running_rows(ids, "o") is None

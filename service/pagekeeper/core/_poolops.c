@@ -1737,6 +1737,10 @@ pool_gather_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t max_tokens = 0, max_computed = 0, max_ahead = 0;
     int is_dict = PyDict_CheckExact(requests);
     for (Py_ssize_t i = 0; i < n; i++) {
+        /* An owner's __eq__ (a str subclass) could change a list of ids under us. */
+        if (i >= PySequence_Fast_GET_SIZE(ids)) {
+            goto refuse;
+        }
         PyObject *rid = PySequence_Fast_GET_ITEM(ids, i);
         PyObject *req;
         if (!PyUnicode_CheckExact(rid)) {
@@ -1793,6 +1797,9 @@ pool_gather_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         if (i == 0 || count - length > max_ahead) {
             max_ahead = count - length;
         }
+    }
+    if (PySequence_Fast_GET_SIZE(ids) != n) {
+        goto refuse;
     }
     result = Py_BuildValue("(Onnn)", reqs, max_tokens, max_computed, max_ahead);
     goto done;
