@@ -106,7 +106,8 @@ class GroupManager:
         self.request_rows[request_id] = row
         table = [NULL_PAGE] * min(num_skipped_pages, self.max_pages_per_request) + kept
         if table:
-            self.rows.append(row, table)
+            # A fresh row, and ids the pool's index handed out: only the room is checked.
+            self.rows.append_run(row, 0, table)
         self.page_counts[request_id] = len(table)
         self.num_cached_pages[request_id] = len(table)
 
