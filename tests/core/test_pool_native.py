@@ -366,6 +366,24 @@ def _decode_twins(
     return managers
 
 
+def _spy_decode_rows(manager) -> list[int]:
+    """Wrap the manager's C loops so each ``decode_rows`` call records the row it starts
+    at; returns that (live) list."""
+    calls: list[int] = []
+    real = manager.pool._ops
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def decode_rows(self, *args):
+            calls.append(args[2])
+            return real.decode_rows(*args)
+
+    manager.pool._ops = Spy()
+    return calls
+
+
 def _decode_both(
     native, python, ids: list[str], tokens: list[int], lookahead: int = 0, held=None
 ) -> dict:
@@ -569,18 +587,7 @@ def test_a_fill_after_crossings_into_clean_pages_stays_in_c(num_pages, old_pages
     assert native.take_events() == python.take_events()
     assert native.pool.num_free_pages == 2
     cached_free = 0 if old_pages == 0 else native.pool.num_free_cached_pages
-    calls = []
-    real = native.pool._ops
-
-    class Spy:
-        def __getattr__(self, name):
-            return getattr(real, name)
-
-        def decode_rows(self, *args):
-            calls.append(args[2])
-            return real.decode_rows(*args)
-
-    native.pool._ops = Spy()
+    calls = _spy_decode_rows(native)
     events_before = len(python.pool._events)
     ids = ["r0", "r1", "r2", "r3"]
     want = python.allocate_decodes(ids, [10, 11, 12, 13])
@@ -607,18 +614,7 @@ def test_rows_carrying_held_tokens_stay_in_c() -> None:
     prompts = [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16], [16, 17, 18, 19]]
     native, python = _decode_twins(True, 64, 40, prompts)
     ids = ["r0", "r1", "r2", "r3"]
-    calls = []
-    real = native.pool._ops
-
-    class Spy:
-        def __getattr__(self, name):
-            return getattr(real, name)
-
-        def decode_rows(self, *args):
-            calls.append(args[2])
-            return real.decode_rows(*args)
-
-    native.pool._ops = Spy()
+    calls = _spy_decode_rows(native)
     # r0: 1 held + its token fit in page 1; r1: 2 held + its token fill page 1 (8 tokens);
     # r2: 1 held + its token fill page 1 (6 + 2 tokens); r3: plain, crosses into page 1.
     held = {"r0": [21], "r1": [22, 23], "r2": [24]}
@@ -639,18 +635,7 @@ def test_filled_pages_cached_in_c_announce_what_the_python_loop_does() -> None:
     prompts = [[10 * k + j for j in range(3)] for k in range(4)]  # 3 of 4 tokens each
     native, python = _decode_twins(True, 64, 40, prompts)
     ids = [f"r{k}" for k in range(4)]
-    calls = []
-    real = native.pool._ops
-
-    class Spy:
-        def __getattr__(self, name):
-            return getattr(real, name)
-
-        def decode_rows(self, *args):
-            calls.append(args[2])
-            return real.decode_rows(*args)
-
-    native.pool._ops = Spy()
+    calls = _spy_decode_rows(native)
     for step in range(12):
         calls.clear()
         want = python.allocate_decodes(ids, [100 + 4 * step + k for k in range(4)])
