@@ -1075,6 +1075,19 @@ small_count(PyObject *obj)
     return v < 0 || v > PY_SSIZE_T_MAX / 4 ? -1 : v;
 }
 
+/* Whether a buffer holds native-order signed integers of `size` bytes: format i, l or q
+ * (the item size tells which width), after at most a native byte-order prefix. */
+static int
+is_native_int(const Py_buffer *view, Py_ssize_t size)
+{
+    const char *fmt = view->format ? view->format : "B";
+    if (*fmt == '@' || *fmt == '=' || (PY_LITTLE_ENDIAN && *fmt == '<')) {
+        fmt++;
+    }
+    return view->itemsize == size && fmt[0] != '\0' && fmt[1] == '\0'
+           && strchr("ilq", fmt[0]) != NULL;
+}
+
 /* What a filled page's caching reads and writes (decode_rows' `fill` tuple, in this
  * order; built by PageManager._fill_context):
  *   pool, index, hash_of, state, cached, events   the pool and its group's index
@@ -1318,8 +1331,7 @@ crossings_take_clean_pages(DecodeStep *d)
         return 0;
     }
     int clean = 0;
-    const char *fmt = view.format ? view.format : "B";
-    if (view.itemsize == 4 && (strcmp(fmt, "i") == 0 || strcmp(fmt, "=i") == 0)) {
+    if (is_native_int(&view, 4)) {
         const int32_t *queue = (const int32_t *)view.buf;
         Py_ssize_t len = view.len / 4, seen = 0;
         clean = 1;
@@ -1577,12 +1589,7 @@ set_fill(DecodeStep *d, PyObject *fill)
     if (PyObject_GetBuffer(f[F_TABLE], &d->table, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
         return -1;
     }
-    const char *fmt = d->table.format ? d->table.format : "B";
-    if (*fmt == '@' || *fmt == '=' || (PY_LITTLE_ENDIAN && *fmt == '<')) {
-        fmt++;
-    }
-    if (d->table.ndim != 2 || d->table.itemsize != 4 || (*fmt != 'i' && *fmt != 'l')
-        || fmt[1] != '\0') {
+    if (d->table.ndim != 2 || !is_native_int(&d->table, 4)) {
         PyBuffer_Release(&d->table);
         PyErr_SetString(PyExc_TypeError, "fill's table must be a 2-D C-contiguous int32 array");
         return -1;
@@ -1692,12 +1699,7 @@ out_column(PyObject *obj, Py_buffer *view, Py_ssize_t n, const char *name)
     if (PyObject_GetBuffer(obj, view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
         return -1;
     }
-    const char *fmt = view->format ? view->format : "B";
-    if (*fmt == '<' || *fmt == '=' || *fmt == '@') {
-        fmt++;
-    }
-    if (view->itemsize != 8 || (strcmp(fmt, "q") != 0 && strcmp(fmt, "l") != 0)
-        || view->len < n * 8) {
+    if (!is_native_int(view, 8) || view->len < n * 8) {
         PyBuffer_Release(view);
         PyErr_Format(PyExc_ValueError, "%s must be a writable int64 buffer of >= %zd items",
                      name, n);
