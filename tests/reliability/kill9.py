@@ -9,8 +9,9 @@ be), then recover the data dir here and check
   ``acked`` line read, before or after the kill);
 * the recovered state is, digest for digest, a twin that never crashed fed the same
   commands up to that record; invariants hold (recovery checks them);
-* optionally (``tear``), the WAL file is first cut at a random byte, as a power loss would
-  leave it without fsync: the state is then the twin at whatever prefix survived.
+* optionally (``tear``), the newest journal segment and the WAL are first cut at a random
+  byte, as a power loss would leave them without fsync: the state is then the twin at
+  whatever prefix survived.
 
 The last round also feeds the recovered state and the twin the same next commands: every
 answer (the next allocations) must match.
@@ -33,11 +34,12 @@ from pathlib import Path
 import numpy as np
 
 from pagekeeper.durability import state_digest
-from pagekeeper.durability.log import DB_NAME
+from pagekeeper.durability.log import _SEGMENT_HEADER, DB_NAME, JOURNAL_DIR
 from tests.reliability.twins import assert_same_future, recover, twin_at
 from tests.reliability.workload import FULL_POOL, HYBRID_POOL
 
 ROOT = Path(__file__).resolve().parents[2]
+SEGMENT_HEADER_BYTES = _SEGMENT_HEADER.size
 POOLS = {"full": FULL_POOL, "hybrid": HYBRID_POOL}
 
 
@@ -92,6 +94,21 @@ def tear_wal(data_dir: Path, rng: np.random.Generator, attempts: int = 8) -> boo
         low = wal.stat().st_size + 1
         wal.write_bytes(original)
     return False
+
+
+def tear_journal(data_dir: Path, rng: np.random.Generator) -> bool:
+    """Cut the newest journal segment at a random byte after its header, as a power loss
+    leaves a file written without fsync (the records of level ``process``). Returns
+    whether there was a record to cut."""
+    segments = sorted((data_dir / JOURNAL_DIR).glob("segment-*.pkj"))
+    if not segments:
+        return False
+    newest = segments[-1]
+    size = newest.stat().st_size
+    if size <= SEGMENT_HEADER_BYTES:
+        return False
+    os.truncate(newest, int(rng.integers(SEGMENT_HEADER_BYTES, size)))
+    return True
 
 
 def _read_line(proc: subprocess.Popen[bytes], timeout: float) -> str:
@@ -162,8 +179,12 @@ def run_campaign(
                 acked = max(acked, int(extra))
         torn = bool(tear_every) and round_number % tear_every == tear_every - 1
         wal = data_dir / f"{DB_NAME}-wal"
-        if torn and wal.exists() and wal.stat().st_size > 32 and tear_wal(data_dir, rng):
-            result.torn += 1
+        if torn:
+            # A power loss may take the unsynced tail of both files.
+            cut = tear_journal(data_dir, rng)
+            if wal.exists() and wal.stat().st_size > 32 and tear_wal(data_dir, rng):
+                cut = True
+            result.torn += cut
         recovered, durability = recover(data_dir, POOLS[pool])
         report = durability.report
         assert report is not None

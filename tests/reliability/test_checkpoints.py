@@ -18,8 +18,9 @@ import time
 
 from pagekeeper.durability import Durability
 from pagekeeper.durability.log import (
-    BACKSTOP_AUTOCHECKPOINT_PAGES,
+    CUT_SHORT,
     DB_NAME,
+    JOURNAL_DIR,
     CommandLog,
     DurabilityLevel,
     record_crc,
@@ -51,77 +52,122 @@ def _wal_bytes(directory) -> int:
     return path.stat().st_size if path.exists() else 0
 
 
-def test_the_thread_checkpoints_and_the_wal_starts_over(tmp_path):
+def _register(log: CommandLog, seq: int, body: bytes = b"state") -> None:
+    log.commit_snapshot_file(log.store_snapshot_file(seq, body))
+
+
+def test_appends_go_to_segments_and_never_touch_the_database(tmp_path):
+    """Records go to the journal's segment files, a new one past ``segment_bytes``; the
+    database's WAL does not grow with them; every record reads back in order, after a
+    reopen too."""
     log = CommandLog(tmp_path, DurabilityLevel.PROCESS)
-    log.start_background_checkpoints(every_bytes=64 * 1024, interval_s=60.0)
-    stats = log.checkpoint_stats
-    assert stats is not None
-    assert log._db.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == (
-        BACKSTOP_AUTOCHECKPOINT_PAGES
-    )
-    largest = 0
+    log.start_background_checkpoints(interval_s=60.0)
+    log.segment_bytes = 256 * 1024
+    wal_before = _wal_bytes(tmp_path)
     for seq in range(1, 1201):
         log.append(seq, _body(seq))
-        if seq % 4 == 0:
-            # A pause as between steps: the thread's checkpoint finishes in it, so the
-            # next commit finds the WAL copied and starts it over.
-            time.sleep(0.002)
-        largest = max(largest, _wal_bytes(tmp_path))
-    _wait_for(lambda: stats.num_checkpoints >= 3)
-    # 1,200 records of 8 KB (~3 WAL pages each): ~14 MB written. Without the restarts
-    # the WAL would hold all of it (the backstop is at ~64 MB); with them it stays near
-    # the 64 KB trigger plus what a checkpoint's own duration lets in (0.2-2.7 MB seen).
-    assert largest < 7 * 1024 * 1024, largest
-    assert stats.num_failures == 0 and stats.last_error == ""
+    # 1,200 records of 8 KB: ~9.6 MB in segments of ~256 KB (one record past the mark).
+    segments = sorted((tmp_path / JOURNAL_DIR).iterdir())
+    per_segment = -(-(256 * 1024 - 16) // (BODY + 16))  # after the header; 16 B a record
+    assert len(segments) == -(-1200 // per_segment)
+    assert all(p.stat().st_size <= 256 * 1024 + BODY + 64 for p in segments)
+    # The first segment's first commit set the format: one small write, nothing per record.
+    assert _wal_bytes(tmp_path) - wal_before < 64 * 1024
     _assert_records(log, 1200)
+    assert log.last_seq() == 1200 and log.num_records() == 1200
     log.close()
     assert not any(t.name == "pagekeeper-checkpoint" for t in threading.enumerate())
     reopened = CommandLog(tmp_path, DurabilityLevel.PROCESS)
     _assert_records(reopened, 1200)
+    # A reopened log starts its appends in a segment of its own.
+    reopened.append(1201, _body(1201))
+    assert (tmp_path / JOURNAL_DIR / f"segment-{1201:020d}.pkj").exists()
+    _assert_records(reopened, 1201)
     reopened.close()
 
 
-def test_records_that_arrive_slowly_are_checkpointed_on_the_interval(tmp_path):
+def test_a_covered_segment_goes_once_a_checkpoint_syncs_the_snapshot(tmp_path):
+    """A snapshot registration retires the segments it covers whole (never the one being
+    appended to); they are unlinked after the thread's next complete checkpoint, and the
+    records after the snapshot all stay readable."""
     log = CommandLog(tmp_path, DurabilityLevel.PROCESS)
-    log.start_background_checkpoints(every_bytes=1 << 40, interval_s=0.05)
+    log.start_background_checkpoints(interval_s=0.05)
+    log.segment_bytes = 64 * 1024
+    for seq in range(1, 101):
+        log.append(seq, _body(seq))
+    segments = sorted(p.name for p in (tmp_path / JOURNAL_DIR).iterdir())
+    first_seqs = [int(name[8:28]) for name in segments]
+    assert len(first_seqs) > 3
+    snapshot_seq = first_seqs[2] + 1  # covers the first two segments whole, not the third
+    reader = sqlite3.connect(tmp_path / DB_NAME, isolation_level=None)
+    reader.execute("BEGIN")
+    reader.execute("SELECT COUNT(*) FROM meta").fetchone()
+    _register(log, snapshot_seq)
+    assert log.retired_segments == tuple(segments[:2])
+    time.sleep(0.3)  # held back by the reader: still there
+    assert all((tmp_path / JOURNAL_DIR / name).exists() for name in segments[:2])
+    reader.execute("COMMIT")
+    reader.close()
+    _wait_for(lambda: not (tmp_path / JOURNAL_DIR / segments[0]).exists())
+    _wait_for(lambda: log.retired_segments == ())
+    assert sorted(p.name for p in (tmp_path / JOURNAL_DIR).iterdir()) == segments[2:]
+    after = [seq for seq, _, _ in log.read_after(snapshot_seq)]
+    assert after == list(range(snapshot_seq + 1, 101))
+    # A snapshot of everything keeps the segment being appended to.
+    _register(log, 100)
+    _wait_for(lambda: log.retired_segments == ())
+    assert sorted(p.name for p in (tmp_path / JOURNAL_DIR).iterdir()) == segments[-1:]
+    log.append(101, _body(101))
+    assert [seq for seq, _, _ in log.read_after(100)] == [101]
+    log.close()
+
+
+def test_a_registration_is_checkpointed_on_the_interval(tmp_path):
+    log = CommandLog(tmp_path, DurabilityLevel.PROCESS)
+    log.start_background_checkpoints(interval_s=0.05)
     stats = log.checkpoint_stats
     assert stats is not None
     log.append(1, _body(1))
+    _register(log, 1)
     _wait_for(lambda: stats.num_checkpoints >= 1)
+    time.sleep(0.2)  # (the first segment's format commit may have had its own)
     checkpoints = stats.num_checkpoints
     time.sleep(0.3)  # nothing new: no more checkpoints
     assert stats.num_checkpoints == checkpoints
-    # The database file alone (the WAL set aside) holds the record.
+    # The database file alone (the WAL set aside) holds the registration.
     copy = tmp_path / "copy.db"
     copy.write_bytes((tmp_path / DB_NAME).read_bytes())
     db = sqlite3.connect(copy)
-    assert db.execute("SELECT seq FROM log").fetchall() == [(1,)]
+    assert db.execute("SELECT seq FROM snapshot_files").fetchall() == [(1,)]
     db.close()
     log.close()
 
 
 def test_a_reader_holds_checkpoints_back_but_never_an_append(tmp_path):
+    """A reader keeps the thread's checkpoints incomplete (retried on the interval) and
+    never makes an append or a registration wait; once it leaves, the next try copies
+    everything."""
     log = CommandLog(tmp_path, DurabilityLevel.PROCESS)
     log.append(1, _body(1))
     reader = sqlite3.connect(tmp_path / DB_NAME, isolation_level=None)
     reader.execute("BEGIN")
-    assert reader.execute("SELECT COUNT(*) FROM log").fetchone() == (1,)
-    log.start_background_checkpoints(every_bytes=16 * 1024, interval_s=60.0)
+    assert reader.execute("SELECT COUNT(*) FROM meta").fetchone() == (1,)
+    log.start_background_checkpoints(interval_s=0.05)
     stats = log.checkpoint_stats
     assert stats is not None
     started = time.monotonic()
     for seq in range(2, 41):
         log.append(seq, _body(seq))
-    assert time.monotonic() - started < 2.5  # no append waited on the reader
+        if seq % 10 == 0:
+            _register(log, seq)
+    assert time.monotonic() - started < 2.5  # nothing waited on the reader
     _wait_for(lambda: stats.num_incomplete >= 1)
+    before = stats.num_checkpoints
     reader.execute("COMMIT")
     reader.close()
-    before = stats.num_checkpoints
-    log.append(41, _body(41))
-    for seq in range(42, 45):  # wake it: crosses the 16 KB mark
-        log.append(seq, _body(seq))
-    _wait_for(lambda: stats.num_checkpoints > before)
-    _assert_records(log, 44)
+    _wait_for(lambda: stats.num_checkpoints > before)  # the retry, with nothing new
+    assert _wal_bytes(tmp_path) == 0 or log.set_meta("x", "y") is None
+    _assert_records(log, 40)
     log.close()
 
 
@@ -168,7 +214,7 @@ def test_replaced_snapshot_files_go_once_the_thread_syncs_their_replacement(tmp_
     log.append(2, _body(2))
     reader = sqlite3.connect(tmp_path / DB_NAME, isolation_level=None)
     reader.execute("BEGIN")
-    reader.execute("SELECT COUNT(*) FROM log").fetchone()
+    reader.execute("SELECT COUNT(*) FROM meta").fetchone()
     incomplete = stats.num_incomplete
     second = log.store_snapshot_file(2, b"second")
     assert log.commit_snapshot_file(second) == (first.name,)
@@ -177,11 +223,11 @@ def test_replaced_snapshot_files_go_once_the_thread_syncs_their_replacement(tmp_
     assert log.retired_snapshot_files == (first.name,)
     reader.execute("COMMIT")
     reader.close()
-    log.append(3, _body(3))  # records came in: the next interval checkpoints
+    log.append(3, _body(3))  # the incomplete checkpoint is retried on the next interval
     _wait_for(lambda: not (log.snapshot_dir / first.name).exists())
     assert log.retired_snapshot_files == ()
     assert (log.snapshot_dir / second.name).exists()
-    assert [seq for seq, _, _ in log.read_after(0)] == [3]  # the snapshot covers 1-2
+    assert [seq for seq, _, _ in log.read_after(log.latest_snapshot_seq())] == [3]
     log.close()
 
 
@@ -193,7 +239,7 @@ def test_files_the_stopped_thread_left_go_with_the_next_checkpoint(tmp_path):
     first = log.store_snapshot_file(1, b"first")
     log.commit_snapshot_file(first)
     reader.execute("BEGIN")
-    reader.execute("SELECT COUNT(*) FROM log").fetchone()
+    reader.execute("SELECT COUNT(*) FROM meta").fetchone()
     second = log.store_snapshot_file(1, b"second")
     log.commit_snapshot_file(second)
     log.stop_background_checkpoints()
@@ -208,22 +254,29 @@ def test_files_the_stopped_thread_left_go_with_the_next_checkpoint(tmp_path):
     log.close()
 
 
-def test_the_thread_deletes_the_covered_records_in_batches(tmp_path, monkeypatch):
-    """Registering a snapshot deletes nothing itself (freeing 10,000 records of 40 KB took
-    1.4 s in that transaction, on the event loop); the thread deletes the covered records
-    a few at a time while appends go on, and keeps every record after the snapshot."""
+def _insert_rows(log: CommandLog, seqs) -> None:
+    """Records as format 2 kept them: rows of table ``log``."""
+    log._db.executemany(
+        "INSERT INTO log (seq, crc, body) VALUES (?, ?, ?)",
+        [(seq, record_crc(seq, _body(seq)), _body(seq)) for seq in seqs],
+    )
+
+
+def test_the_thread_deletes_the_covered_rows_in_batches(tmp_path, monkeypatch):
+    """A format-2 data dir's records are rows; registering a snapshot deletes none itself
+    (freeing 10,000 rows of 40 KB took 1.4 s in that transaction, on the event loop): the
+    thread deletes the covered ones a few at a time while appends (to segments) go on,
+    and every record after the snapshot stays, rows first, then segments."""
     from pagekeeper.durability import log as log_module
 
     monkeypatch.setattr(log_module, "_PRUNE_MAX_BATCH", 4)  # many batches
     monkeypatch.setattr(log_module, "_PRUNE_PAUSE_S", 0.0005)
     log = CommandLog(tmp_path, DurabilityLevel.PROCESS)
+    _insert_rows(log, range(1, 301))
     log.start_background_checkpoints(interval_s=60.0)
     stats = log.checkpoint_stats
     assert stats is not None
-    for seq in range(1, 301):
-        log.append(seq, _body(seq))
-    snapshot = log.store_snapshot_file(250, b"state after 250")
-    log.commit_snapshot_file(snapshot)
+    _register(log, 250)
     for seq in range(301, 401):  # while the thread deletes
         log.append(seq, _body(seq))
     _wait_for(lambda: stats.num_pruned == 250)
@@ -237,21 +290,53 @@ def test_the_thread_deletes_the_covered_records_in_batches(tmp_path, monkeypatch
     log.close()
 
 
-def test_records_a_stop_left_behind_go_at_the_next_start(tmp_path):
+def test_rows_a_stop_left_behind_go_at_the_next_start(tmp_path):
     log = CommandLog(tmp_path, DurabilityLevel.PROCESS)
-    for seq in range(1, 21):
-        log.append(seq, _body(seq))
-    log.commit_snapshot_file(log.store_snapshot_file(20, b"state"))  # no thread: inline
+    _insert_rows(log, range(1, 21))
+    _register(log, 20)  # no thread: deleted inline
     assert list(log.read_after(0)) == []
-    # A stop while the thread was deleting leaves covered records; recovery reads past
+    # A stop while the thread was deleting leaves covered rows; recovery reads past
     # them, and the next start's thread deletes them.
-    for seq in range(5, 11):
-        log._db.execute(
-            "INSERT INTO log (seq, crc, body) VALUES (?, ?, ?)",
-            (seq, record_crc(seq, _body(seq)), _body(seq)),
-        )
+    _insert_rows(log, range(5, 11))
     log.append(21, _body(21))
     assert [seq for seq, _, _ in log.read_after(log.latest_snapshot_seq())] == [21]
     log.start_background_checkpoints(interval_s=60.0)
     _wait_for(lambda: [seq for seq, _, _ in log.read_after(0)] == [21])
+    log.close()
+
+
+def test_a_segment_that_is_not_whole_ends_the_records_and_is_cut_away(tmp_path):
+    """A segment whose header is not its own (damage, another file under its name), or a
+    record cut short, reads as ``CUT_SHORT`` at the seq expected there and ends the
+    records; ``delete_from`` that seq cuts it and everything after it away, and appends
+    go on after what is kept."""
+    log = CommandLog(tmp_path, DurabilityLevel.PROCESS)
+    log.segment_bytes = 32 * 1024
+    for seq in range(1, 31):
+        log.append(seq, _body(seq))
+    log.close()
+    segments = sorted((tmp_path / JOURNAL_DIR).iterdir())
+    assert len(segments) >= 4
+    second_first = int(segments[1].name[8:28])
+    data = bytearray(segments[1].read_bytes())
+    data[0] ^= 0xFF  # its magic
+    segments[1].write_bytes(bytes(data))
+    log = CommandLog(tmp_path, DurabilityLevel.PROCESS)
+    rows = list(log.read_after(0))
+    assert [seq for seq, _, _ in rows] == list(range(1, second_first + 1))
+    assert rows[-1][1] == CUT_SHORT and rows[-1][2] == b""
+    assert log.last_seq() == second_first - 1
+    dropped = log.delete_from(second_first)
+    third_first = int(segments[2].name[8:28])
+    assert dropped == 1 + (30 - third_first + 1)  # the unreadable segment counts as one
+    assert [p.name for p in sorted((tmp_path / JOURNAL_DIR).iterdir())] == [segments[0].name]
+    log.append(second_first, _body(second_first))
+    _assert_records(log, second_first)
+    # A record cut short in the middle of its body.
+    path = tmp_path / JOURNAL_DIR / f"segment-{second_first:020d}.pkj"
+    os.truncate(path, path.stat().st_size - 100)
+    rows = list(log.read_after(second_first - 1))
+    assert [(seq, crc) for seq, crc, _ in rows] == [(second_first, CUT_SHORT)]
+    assert log.delete_from(second_first) == 1
+    assert not path.exists()
     log.close()

@@ -41,6 +41,7 @@ from pagekeeper.state import (
     ServiceState,
     StepCommand,
 )
+from tests.reliability import journal_files
 from tests.reliability.twins import (
     CountingJournal,
     assert_same_future,
@@ -206,36 +207,34 @@ def _write_log(tmp_path, seed, n, snapshot_every=10_000):
     return last
 
 
-@pytest.mark.parametrize("damage", ["body", "crc", "gap", "undecodable"])
+@pytest.mark.parametrize("damage", ["body", "crc", "gap", "undecodable", "torn"])
 def test_damaged_record_ends_the_valid_prefix(tmp_path, damage, caplog):
     """A damaged record (flipped bytes, bad CRC, a missing record, an unknown kind) is
     detected, reported (log line + metric), dropped with everything after it, and the state
     is the twin's just before it; the log then continues from there."""
     last = _write_log(tmp_path, 31, 300)
     bad = last - 25
-    db = sqlite3.connect(tmp_path / DB_NAME)
+    ((_, crc, body),) = [r for r in journal_files.records(tmp_path) if r[0] == bad]
     if damage == "body":
-        body = bytearray(db.execute("SELECT body FROM log WHERE seq = ?", (bad,)).fetchone()[0])
-        body[len(body) // 2] ^= 0x5A
-        db.execute("UPDATE log SET body = ? WHERE seq = ?", (bytes(body), bad))
+        flipped = bytearray(body)
+        flipped[len(body) // 2] ^= 0x5A
+        journal_files.edit_record(tmp_path, bad, body=bytes(flipped))
     elif damage == "crc":
-        db.execute("UPDATE log SET crc = crc + 1 WHERE seq = ?", (bad,))
+        journal_files.edit_record(tmp_path, bad, crc=(crc + 1) & 0xFFFFFFFF)
     elif damage == "gap":
-        db.execute("DELETE FROM log WHERE seq = ?", (bad,))
+        journal_files.edit_record(tmp_path, bad, drop=True)
+    elif damage == "torn":
+        journal_files.cut_inside(tmp_path, bad)  # the rest of its segment goes with it
     else:
-        from pagekeeper.durability.log import record_crc
-
-        body = b"\xee\x01garbage"
-        db.execute(
-            "UPDATE log SET body = ?, crc = ? WHERE seq = ?", (body, record_crc(bad, body), bad)
-        )
-    db.commit()
-    db.close()
+        garbage = b"\xee\x01garbage"
+        journal_files.edit_record(tmp_path, bad, body=garbage, crc=record_crc(bad, garbage))
     with caplog.at_level("ERROR", logger="pagekeeper.durability"):
         recovered, durability = recover(tmp_path)
     report = durability.report
     assert report.last_seq == bad - 1 and report.damage
-    assert report.num_dropped == (25 if damage == "gap" else 26)
+    assert report.num_dropped == {"gap": 25, "torn": 1}.get(damage, 26)
+    if damage == "torn":
+        assert "cut short" in report.damage
     assert any("damaged" in r.message for r in caplog.records)
     twin, workload = twin_at(31, bad - 1)
     assert state_digest(recovered) == state_digest(twin)
@@ -249,8 +248,9 @@ def test_damaged_record_ends_the_valid_prefix(tmp_path, damage, caplog):
 
 
 def _to_format_1(data_dir) -> None:
-    """Rewrite a data dir as format 1 kept it: the snapshot's body inline in the
-    ``snapshots`` table, no snapshot files."""
+    """Rewrite a data dir as format 1 kept it: the records in table ``log``, the
+    snapshot's body inline in the ``snapshots`` table, no snapshot files."""
+    journal_files.to_format_2(data_dir)
     db = sqlite3.connect(data_dir / DB_NAME)
     seq, crc, name = db.execute("SELECT seq, crc, name FROM snapshot_files").fetchone()
     path = data_dir / SNAPSHOT_DIR / name
@@ -323,10 +323,45 @@ def test_a_format_1_data_dir_recovers_and_moves_on_to_snapshot_files(tmp_path):
     db = sqlite3.connect(tmp_path / DB_NAME)
     assert db.execute("SELECT COUNT(*) FROM snapshots").fetchone() == (0,)
     assert db.execute("SELECT seq FROM snapshot_files").fetchall() == [(last,)]
-    assert db.execute("SELECT value FROM meta WHERE key = 'format_version'").fetchone() == ("2",)
+    assert db.execute("SELECT value FROM meta WHERE key = 'format_version'").fetchone() == ("3",)
     db.close()
     again, durability = recover(tmp_path)
     assert state_digest(again) == digest and durability.report.num_replayed == 0
+    durability.close()
+
+
+def test_a_format_2_data_dir_recovers_and_moves_on_to_journal_segments(tmp_path):
+    """A data dir written before journal segments (its records in table ``log``)
+    recovers the same state; later records go to a segment, the format becomes 3, and a
+    restart reads both: the old rows, then the segment; a snapshot covers the rows."""
+    last = _write_log(tmp_path, 45, 160, snapshot_every=50)
+    state, durability = recover(tmp_path)
+    digest, replayed = state_digest(state), durability.report.num_replayed
+    durability.close()
+    journal_files.to_format_2(tmp_path)
+    assert journal_files.segment_paths(tmp_path) == []
+    state, durability = recover(tmp_path)
+    assert state_digest(state) == digest and durability.last_seq == last
+    assert durability.report.num_replayed == replayed > 0
+    _, workload = twin_at(45, last)
+    durability.attach(state)
+    _drive(state, workload, 20, durability)
+    added = durability.last_seq
+    assert added > last
+    assert state_digest(state) == state_digest(twin_at(45, added)[0])
+    assert [r[0] for r in journal_files.records(tmp_path)] == list(range(last + 1, added + 1))
+    db = sqlite3.connect(tmp_path / DB_NAME)
+    assert db.execute("SELECT value FROM meta WHERE key = 'format_version'").fetchone() == ("3",)
+    assert db.execute("SELECT MAX(seq) FROM log").fetchone() == (last,)
+    db.close()
+    live = state_digest(state)
+    state.journal = None
+    crash(durability)
+    again, durability = recover(tmp_path)
+    assert state_digest(again) == live and durability.last_seq == added
+    durability.close(again)  # snapshots; the thread deletes the covered rows meanwhile
+    third, durability = recover(tmp_path)
+    assert state_digest(third) == live and durability.report.num_replayed == 0
     durability.close()
 
 
@@ -482,12 +517,12 @@ def test_a_checkpoint_behind_a_reader_reports_busy_without_waiting(tmp_path):
     """A reader in the way makes the checkpoint report busy at once (the busy timeout
     would hold the event loop for seconds) and leaves that timeout as it was."""
     log = CommandLog(tmp_path, DurabilityLevel.PROCESS)
-    log.append(1, b"one")
+    log.set_meta("touched", "1")
     assert log.checkpoint()
     reader = sqlite3.connect(tmp_path / DB_NAME, isolation_level=None)
     reader.execute("BEGIN")
-    reader.execute("SELECT COUNT(*) FROM log").fetchone()
-    log.append(2, b"two")
+    reader.execute("SELECT COUNT(*) FROM meta").fetchone()
+    log.set_meta("touched", "2")  # a commit the reader holds in the WAL
     started = time.monotonic()
     assert not log.checkpoint()
     # Well under the 5 s busy timeout: it did not wait for the reader.
@@ -598,7 +633,7 @@ def test_a_failed_write_fences_the_state(tmp_path):
     durability.recover(state)
     durability.attach(state)
     sched = state.register(RegisterCommand(now=1.0, role=ClientRole.SCHEDULER))
-    durability._log._db.close()  # the disk goes away
+    journal_files.lose_the_disk(durability._log)
     with pytest.raises(PagekeeperError, match="could not be made durable"):
         state.step(
             StepCommand(2.0, sched.client_id, 1, 1, admissions=(Admission("x", tokens(0, 20)),))

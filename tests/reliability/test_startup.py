@@ -27,6 +27,7 @@ from pagekeeper_client._proto.pagekeeper.v1 import pagekeeper_pb2 as pb
 from pagekeeper_client._proto.pagekeeper.v1 import pagekeeper_pb2_grpc as pb_grpc
 from tests.helpers.grpc_util import Scheduler, i32
 from tests.helpers.server import ROOT, ServerStartError, clean_env, launch
+from tests.reliability import journal_files
 
 
 def _serve(data_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -86,11 +87,8 @@ def test_unreadable_snapshot_fails_start_up_with_one_line(tmp_path):
 
 def test_damaged_log_tail_is_reported_in_the_log_and_the_metrics(tmp_path):
     workdir, last_step = _fill(tmp_path)
-    db = sqlite3.connect(workdir / "data" / DB_NAME)
-    (last_seq,) = db.execute("SELECT MAX(seq) FROM log").fetchone()
-    db.execute("UPDATE log SET crc = crc + 1 WHERE seq = ?", (last_seq - 2,))
-    db.commit()
-    db.close()
+    last_seq, crc, _ = journal_files.records(workdir / "data")[-3]
+    journal_files.edit_record(workdir / "data", last_seq, crc=(crc + 1) & 0xFFFFFFFF)
     server = launch(workdir)
     try:
         assert re.search(r"damaged: record \d+ fails its CRC", server.logs())
@@ -201,7 +199,7 @@ def test_a_failed_log_write_stops_the_service(tmp_path):
             reply = await stub.RegisterClient(
                 pb.RegisterClientRequest(role=pb.CLIENT_ROLE_SCHEDULER)
             )
-            durability._log._db.close()  # the disk goes away under the service
+            journal_files.lose_the_disk(durability._log)  # under the service
             for step_id in (1, 2):
                 request = pb.StepRequest(
                     client_id=reply.client_id,

@@ -1,13 +1,20 @@
-"""The durable command log and its snapshots: one SQLite database in WAL mode, and the
-snapshot bodies in files beside it.
+"""The durable command log and its snapshots: records appended to segment files, and one
+SQLite database in WAL mode that registers the snapshots (their bodies in files beside it).
 
-Why SQLite (standard library, no server): its write-ahead log gives atomic, ordered commits
-that survive a killed process by construction, its own frame checksums drop a torn tail
-after a power loss, and one transaction can register a snapshot *and* drop the log records
-it covers, so there is no window where both or neither exist. Four tables::
+Records (one applied command each) go to the journal, ``journal/segment-<first seq>.pkj``:
+a header (magic, the seq of its first record), then each record as its length, CRC and seq
+followed by its body, written with one ``writev``. A segment takes records until it holds
+``SEGMENT_BYTES``; a reopened log starts a segment of its own at its first append. An
+append is one system call where a SQLite commit was a B-tree insert, a 4 KiB WAL frame and
+the wal-index (12-14 µs warm, 35-60 µs between steps; ~3-10 µs now).
+
+Why SQLite for the rest (standard library, no server): one transaction registers a
+snapshot and drops what it covers, its WAL survives a killed process by construction, and
+its own frame checksums drop a torn tail after a power loss. Four tables::
 
     meta            key TEXT PRIMARY KEY, value TEXT      format version, pool configuration
     log             seq INTEGER PRIMARY KEY, crc INTEGER, body BLOB     one applied command
+                    (format 2; read before the segments, no longer written)
     snapshot_files  seq INTEGER PRIMARY KEY, crc INTEGER, name TEXT, size INTEGER
                     the state after record seq, in ``snapshots/<name>``
                     (``snapshot-<seq>-<8 random hex digits>.pks``)
@@ -16,44 +23,40 @@ it covers, so there is no window where both or neither exist. Four tables::
 
 A snapshot's body (tens of MB for a large pool) is written to its file, fsync'ed and
 renamed into place by :meth:`CommandLog.store_snapshot_file` -- from a worker thread, while
-the event loop goes on appending records -- and only then registered (a small row, and the
-deletion of the records it covers) by :meth:`CommandLog.commit_snapshot_file`. The file is
-fsync'ed at every level: once registered, the records it replaces are gone. A file no row
-names (a crash between the two steps) is removed at the next start.
+the event loop goes on appending records -- and only then registered (a small row) by
+:meth:`CommandLog.commit_snapshot_file`. The file is fsync'ed at every level: once
+registered, the records it replaces may go. A file no row names (a crash between the two
+steps) is removed at the next start.
 
 Each record and snapshot carries its own CRC-32 over ``seq`` (8 bytes, little-endian)
-followed by the body, so a row or file that was damaged, or moved to another sequence
-number, is caught even where SQLite's checks would not see it (bit rot inside a page, a
-tool editing the file). Sequence numbers start at 1 and have no gaps;
-:meth:`CommandLog.read_after` hands out the rows, :mod:`pagekeeper.durability.recovery`
-checks them.
+followed by the body, so a record or file that was damaged, or moved to another sequence
+number, is caught. Sequence numbers start at 1 and have no gaps;
+:meth:`CommandLog.read_after` hands the records out (a record it cannot read whole, a torn
+tail, with the CRC ``CUT_SHORT``), :mod:`pagekeeper.durability.recovery` checks them and
+cuts a damaged tail away with :meth:`CommandLog.delete_from`.
 
-Durability levels map to SQLite's ``synchronous`` setting (the database is always in WAL
-mode):
-
-=========  ============  ==============================================================
-level      synchronous   what an acknowledged command survives
-=========  ============  ==============================================================
-process    NORMAL        the service killed at any instant (``kill -9``, OOM, a crash):
-                         a commit is a ``write()`` into the WAL, in the OS page cache
-                         before the call returns. Power loss may drop the last commits
-                         (never corrupt the database: checkpoints still fsync). ``OFF``
-                         would be no faster per commit and could corrupt on power loss.
-fsync      FULL          also power loss and kernel crashes: the WAL is fsync'ed at every
-                         commit before the answer goes out.
-=========  ============  ==============================================================
+=========  ==================================================================================
+level      what an acknowledged command survives
+=========  ==================================================================================
+process    the service killed at any instant (``kill -9``, OOM, a crash): an append is a
+           ``write()`` into the segment, in the OS page cache before the call returns.
+           Power loss may drop the last records (the valid prefix is recovered); SQLite
+           runs at ``synchronous=NORMAL`` (its checkpoints fsync).
+fsync      also power loss and kernel crashes: each record is ``fdatasync``'ed before the
+           answer goes out (a new segment, its header and its directory entry, first);
+           SQLite at ``synchronous=FULL``.
+=========  ==================================================================================
 
 Checkpoints (copying the WAL's frames into the database file, then fsync'ing it) run in a
 thread of their own once :meth:`CommandLog.start_background_checkpoints` is called (the
-service does): a ``PASSIVE`` checkpoint on its own connection after every
-``CHECKPOINT_BYTES`` of records, and every ``CHECKPOINT_INTERVAL_S`` while records came in.
-Left to SQLite, the appending connection checkpoints itself every ~4 MB of WAL, inside the
-commit that crosses the mark: with the fsync, a 6-14 ms stall of the event loop every ~60
-admission steps. ``PASSIVE`` never takes the write lock, so appends go on meanwhile (the
-sqlite3 module lets go of the GIL around each SQLite call); the next commit after a
-checkpoint that copied every frame starts the WAL over. SQLite's own automatic checkpoint
-stays on the appending connection as a backstop, at ``BACKSTOP_AUTOCHECKPOINT_PAGES``
-(~64 MB of WAL), for a thread that falls behind or cannot run.
+service does): a ``PASSIVE`` checkpoint on its own connection when a registration wakes it,
+and every ``CHECKPOINT_INTERVAL_S`` while commits came in (one held back by a reader is
+retried on the next interval). Records no longer pass through the WAL, so it only ever
+holds registrations, the format's meta row and the deletions of old rows. ``PASSIVE``
+never takes the write lock, so the loop's commits go on meanwhile (the sqlite3 module lets
+go of the GIL around each SQLite call). SQLite's own automatic checkpoint stays on the
+appending connection as a backstop, at ``BACKSTOP_AUTOCHECKPOINT_PAGES`` (~64 MB of WAL),
+for a thread that cannot run.
 
 A registered snapshot makes the older snapshot files redundant, but they may go only once a
 checkpoint has synced the registration (before that, a power loss may undo it, and the
@@ -63,16 +66,22 @@ the thread, the next :meth:`CommandLog.checkpoint` on the appending connection. 
 thread, the loop never checkpoints after a snapshot (that checkpoint, with its fsync, held
 the loop 6-12 ms at every snapshot of a soak run).
 
-The records a registered snapshot covers are deleted by the same thread too, a batch of
-~1 ms at a time (``PRUNE_BATCH_SECONDS``), rather than inside the registration: deleting a
-record frees its chain of overflow pages, which SQLite reads one by one, so 10,000 records
-of 40 KB (admission steps) took 1.4 s, and that transaction held the event loop. The thread
-and the appender share a lock around their writes, so an append waits at most for one
-batch, never in SQLite's busy handler (whose sleeps are 1 ms and up). Until they are gone,
-covered records are simply not read (:meth:`CommandLog.read_after` starts after the
-snapshot), and a later commit cannot persist without an earlier one, so a power loss never
-keeps a deletion without its registration. A stop before the thread is done leaves the rest
-to the next start's thread.
+A registration also retires the segments every record of which it covers (never the one
+being appended to), under the same rule: they are unlinked after the next complete
+checkpoint, so a power loss that undoes the registration finds them still there. Records
+it covers inside a kept segment are skipped by :meth:`CommandLog.read_after`'s callers
+(recovery reads after the snapshot).
+
+The rows of table ``log`` (format 2) a registered snapshot covers are deleted by the thread,
+a batch of ~1 ms at a time (``PRUNE_BATCH_SECONDS``), rather than inside the registration:
+deleting a record frees its chain of overflow pages, which SQLite reads one by one, so
+10,000 records of 40 KB (admission steps) took 1.4 s, and that transaction held the event
+loop. The thread and the loop share a lock around their writes, so a commit waits at most
+for one batch, never in SQLite's busy handler (whose sleeps are 1 ms and up). Until they
+are gone, covered rows are simply not read (recovery reads after the snapshot), and a later
+commit cannot persist without an earlier one, so a power loss never keeps a deletion
+without its registration. A stop before the thread is done leaves the rest to the next
+start's thread.
 """
 
 from __future__ import annotations
@@ -93,10 +102,25 @@ from typing import NamedTuple
 
 DB_NAME = "pagekeeper.db"
 SNAPSHOT_DIR = "snapshots"
-FORMAT_VERSION = "2"
-READABLE_FORMATS = ("1", "2")
-"""Format 1 kept snapshot bodies inline (table ``snapshots``); 2 keeps them in files."""
+JOURNAL_DIR = "journal"
+FORMAT_VERSION = "3"
+READABLE_FORMATS = ("1", "2", "3")
+"""Format 1 kept snapshot bodies inline (table ``snapshots``); 2 keeps them in files; 3
+appends records to segment files (older records stay in table ``log`` and are read first)."""
 _SEQ = struct.Struct("<q")
+
+SEGMENT_BYTES = 64 << 20
+"""A segment file takes records until it holds this many bytes; the next record starts a
+new one."""
+# A segment file: magic, the seq of its first record; then records, each its header
+# (body length, CRC as a row's, seq) and body.
+_SEGMENT_HEADER = struct.Struct("<8sq")
+_SEGMENT_MAGIC = b"PKJRNL01"
+_RECORD_HEADER = struct.Struct("<IIq")
+_SEGMENT_FILE = re.compile(r"segment-(\d{20})\.pkj")
+CUT_SHORT = -1
+"""The CRC :meth:`CommandLog.read_after` gives a record it could not read whole (a torn
+tail, a damaged segment header): never a real CRC-32."""
 # A snapshot file: magic, seq, CRC (of seq + body, as a record's), body length, body.
 _FILE_HEADER = struct.Struct("<8sqIq")
 _FILE_MAGIC = b"PKSNAPF1"
@@ -116,8 +140,6 @@ class DurabilityLevel(StrEnum):
 _BUSY_TIMEOUT_MS = 5000
 _SYNCHRONOUS = {DurabilityLevel.PROCESS: "NORMAL", DurabilityLevel.FSYNC: "FULL"}
 
-CHECKPOINT_BYTES = 4 << 20
-"""Record bytes between two background checkpoints (SQLite's own default is 1,000 pages)."""
 CHECKPOINT_INTERVAL_S = 5.0
 """A background checkpoint at least this often while records come in (keeps the WAL, and
 so a restart after a crash, short on a quiet service)."""
@@ -133,7 +155,6 @@ PRUNE_BATCH_SECONDS = 0.001
 """Aim of one batch of the thread's deletion of covered records (it holds the write lock)."""
 _PRUNE_PAUSE_S = 0.002  # between two batches: appends waiting for the lock go first
 _PRUNE_MAX_BATCH = 4096
-_PAGE_BYTES = 4096  # SQLite's default page: a commit writes at least one
 
 logger = logging.getLogger(__name__)
 
@@ -163,7 +184,8 @@ def snapshot_file_name(seq: int) -> str:
     return f"snapshot-{seq:020d}-{os.urandom(4).hex()}.pks"
 
 
-def _fsync_dir(path: Path) -> None:
+def _fsync_path(path: Path) -> None:
+    """fsync a file, or a directory (its entries: a created, renamed or removed name)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -197,31 +219,32 @@ class CheckpointStats:
 
 
 class _RetiredFiles:
-    """Snapshot files unregistered by committed transactions that no checkpoint has synced
-    yet, each batch under a ticket (1, 2, ...) taken after its transaction committed: a
-    checkpoint that began after ticket ``t`` was taken and then copied every frame covers
-    every batch up to ``t``. Used from the loop and the checkpointer's thread."""
+    """Files (older snapshot files, covered journal segments) made redundant by committed
+    transactions that no checkpoint has synced yet, each batch under a ticket (1, 2, ...)
+    taken after its transaction committed: a checkpoint that began after ticket ``t`` was
+    taken and then copied every frame covers every batch up to ``t``. Used from the loop
+    and the checkpointer's thread."""
 
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
+    def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._pending: list[tuple[int, tuple[str, ...]]] = []
+        self._pending: list[tuple[int, tuple[Path, ...]]] = []
         self.ticket = 0
         """The latest batch's ticket (read before a checkpoint pass begins)."""
 
-    def add(self, names: tuple[str, ...]) -> None:
+    def add(self, paths: tuple[Path, ...]) -> None:
         with self._lock:
             self.ticket += 1
-            self._pending.append((self.ticket, names))
+            self._pending.append((self.ticket, paths))
 
     @property
-    def names(self) -> tuple[str, ...]:
+    def paths(self) -> tuple[Path, ...]:
         with self._lock:
-            return tuple(name for _, batch in self._pending for name in batch)
+            return tuple(path for _, batch in self._pending for path in batch)
 
     def remove(self, upto: int | None = None) -> None:
         """Unlink the batches up to ticket ``upto`` (all of them when None): best effort,
-        a file left behind is an orphan the next start-up removes."""
+        a file left behind is removed at a later start (an orphan snapshot file) or by a
+        later snapshot (a covered segment)."""
         with self._lock:
             if upto is None:
                 taken, self._pending = self._pending, []
@@ -229,15 +252,15 @@ class _RetiredFiles:
                 taken = [item for item in self._pending if item[0] <= upto]
                 self._pending = [item for item in self._pending if item[0] > upto]
         for _, batch in taken:
-            for name in batch:
+            for path in batch:
                 with contextlib.suppress(OSError):
-                    (self.directory / name).unlink()
+                    path.unlink()
 
 
 class _Checkpointer(threading.Thread):
-    """Runs ``PRAGMA wal_checkpoint(PASSIVE)`` on its own connection when woken (the
-    appender crossed ``CHECKPOINT_BYTES``) or every ``interval_s`` while records came in;
-    first deletes, in batches, the records up to ``prune_upto`` (a registered snapshot's)."""
+    """Runs ``PRAGMA wal_checkpoint(PASSIVE)`` on its own connection when woken (a
+    registration) or every ``interval_s`` while commits came in; first deletes, in batches,
+    the rows up to ``prune_upto`` (a registered snapshot's)."""
 
     def __init__(
         self,
@@ -257,7 +280,8 @@ class _Checkpointer(threading.Thread):
         self.interval_s = interval_s
         self.stats = CheckpointStats()
         self.dirty = False
-        """Set by the appender on every record, cleared here before each checkpoint."""
+        """Set on every commit of the loop's connection (and by an incomplete checkpoint),
+        cleared here before each checkpoint."""
         self._wake = threading.Event()
         self._stopping = False
 
@@ -314,7 +338,10 @@ class _Checkpointer(threading.Thread):
                 self._failed(exc)
                 return
             if busy or frames != copied:
-                break  # a reader (or another checkpoint) holds frames back
+                # A reader (or another checkpoint) holds frames back: try again on the
+                # next interval (nothing else may come to dirty it).
+                self.dirty = True
+                break
             if frames == previous or frames == 0:
                 stats.num_checkpoints += 1
                 stats.last_seconds = time.perf_counter() - started
@@ -350,7 +377,7 @@ class _Checkpointer(threading.Thread):
             self.stats.num_pruned += max(0, deleted)
             self.dirty = True  # the freed pages are in the WAL: checkpoint them
             if self._wake.is_set():
-                # The appender crossed its mark meanwhile: keep the WAL short as usual.
+                # A registration woke it meanwhile: sync it now (its retired files wait).
                 self._wake.clear()
                 self.dirty = False
                 self._checkpoint(db)
@@ -413,10 +440,15 @@ class CommandLog:
             raise LogError(f"{self.path} is not a readable pagekeeper database: {exc}") from None
         self._append_sql = "INSERT INTO log (seq, crc, body) VALUES (?, ?, ?)"
         self.snapshot_dir = Path(directory) / SNAPSHOT_DIR
-        self._retired = _RetiredFiles(self.snapshot_dir)
+        self.journal_dir = Path(directory) / JOURNAL_DIR
+        self._retired = _RetiredFiles()
         self._checkpointer: _Checkpointer | None = None
-        self._checkpoint_bytes = CHECKPOINT_BYTES
-        self._bytes_since_wake = 0
+        # The segment files (first seq, path), oldest first; the last one may be open for
+        # appends (``_segment_fd``, its size so far in ``_segment_size``).
+        self._segments: list[tuple[int, Path]] = self._scan_segments()
+        self._segment_fd: int | None = None
+        self._segment_size = 0
+        self.segment_bytes = SEGMENT_BYTES
         # Held around each write of the appending connection and each batch of the
         # checkpointer's deletions (see the module docstring).
         self._write_lock = threading.Lock()
@@ -424,7 +456,6 @@ class CommandLog:
     # -- background checkpoints ------------------------------------------------------------
     def start_background_checkpoints(
         self,
-        every_bytes: int = CHECKPOINT_BYTES,
         interval_s: float = CHECKPOINT_INTERVAL_S,
         backstop_pages: int = BACKSTOP_AUTOCHECKPOINT_PAGES,
     ) -> None:
@@ -432,14 +463,13 @@ class CommandLog:
         connection's own automatic checkpoint moves back to ``backstop_pages``."""
         if self._checkpointer is not None:
             return
-        if every_bytes < 1 or interval_s <= 0 or backstop_pages < 1:
+        if interval_s <= 0 or backstop_pages < 1:
             raise ValueError("checkpoint thresholds must be positive")
         try:
             self._db.execute(f"PRAGMA wal_autocheckpoint={int(backstop_pages)}")
             self._db.execute(f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT_BYTES}")
         except sqlite3.Error as exc:
             raise LogError(f"cannot configure checkpoints of {self.path}: {exc}") from None
-        self._checkpoint_bytes = every_bytes
         self._checkpointer = _Checkpointer(
             self.path,
             interval_s,
@@ -483,40 +513,190 @@ class CommandLog:
 
     # -- records ---------------------------------------------------------------------------
     def append(self, seq: int, body: bytes) -> None:
-        """Commit one record; durable at this level once it returns."""
+        """Write one record (after the last one) to the journal; durable at this level once
+        it returns: in the OS page cache (``process``) or on the disk (``fsync``)."""
         try:
-            with self._write_lock:
-                self._db.execute(self._append_sql, (seq, record_crc(seq, body), body))
-        except sqlite3.Error as exc:
-            raise LogError(f"cannot append record {seq} to {self.path}: {exc}") from None
-        checkpointer = self._checkpointer
-        if checkpointer is not None:
-            checkpointer.dirty = True
-            self._bytes_since_wake += len(body) + _PAGE_BYTES  # ~ its WAL frames
-            if self._bytes_since_wake >= self._checkpoint_bytes:
-                self._bytes_since_wake = 0
-                checkpointer.wake()
+            if self._segment_fd is None or self._segment_size >= self.segment_bytes:
+                self._start_segment(seq)
+            fd = self._segment_fd
+            assert fd is not None
+            header = _RECORD_HEADER.pack(len(body), record_crc(seq, body), seq)
+            written = os.writev(fd, (header, body))
+            if written != len(header) + len(body):
+                # A short write (a full disk, a signal): finish it, or fail with the reason.
+                rest = memoryview(header + body)[written:]
+                while rest:
+                    n = os.write(fd, rest)
+                    rest, written = rest[n:], written + n
+            if self.level is DurabilityLevel.FSYNC:
+                os.fdatasync(fd)
+        except OSError as exc:
+            raise LogError(
+                f"cannot append record {seq} to {self.journal_dir}: {exc.strerror or exc}"
+            ) from None
+        self._segment_size += written
+
+    def _start_segment(self, seq: int) -> None:
+        """Close the segment being appended to and create the one that starts at ``seq``
+        (its header synced, and its name in the directory, before any record goes in)."""
+        self._close_segment()
+        if not self._segments and self.get_meta("format_version") != FORMAT_VERSION:
+            # An older pagekeeper would not see records in segment files: make it refuse
+            # the directory (a small commit, once, before the first segment).
+            try:
+                with self._write_lock:
+                    self.set_meta("format_version", FORMAT_VERSION)
+            except sqlite3.Error as exc:
+                raise LogError(f"cannot update {self.path}: {exc}") from None
+            if self._checkpointer is not None:
+                self._checkpointer.dirty = True
+        created = not self.journal_dir.exists()
+        self.journal_dir.mkdir(exist_ok=True)
+        if created:
+            _fsync_path(self.journal_dir.parent)
+        path = self.journal_dir / f"segment-{seq:020d}.pkj"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC)
+        try:
+            os.write(fd, _SEGMENT_HEADER.pack(_SEGMENT_MAGIC, seq))
+            os.fsync(fd)
+            _fsync_path(self.journal_dir)
+        except OSError:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                path.unlink()
+            raise
+        self._segments.append((seq, path))
+        self._segment_fd = fd
+        self._segment_size = _SEGMENT_HEADER.size
+
+    def _close_segment(self) -> None:
+        fd, self._segment_fd = self._segment_fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def _scan_segments(self) -> list[tuple[int, Path]]:
+        try:
+            names = os.listdir(self.journal_dir)
+        except FileNotFoundError:
+            return []
+        found = []
+        for name in names:
+            match = _SEGMENT_FILE.fullmatch(name)
+            if match is not None:
+                found.append((int(match.group(1)), self.journal_dir / name))
+        return sorted(found)
+
+    @staticmethod
+    def _segment_records(first: int, path: Path) -> Iterator[tuple[int, int, int, memoryview]]:
+        """``(offset, seq, crc, body)`` of each record of one segment, in file order; a
+        record that is not whole (a torn tail), or a header that is not this segment's,
+        comes out as ``CUT_SHORT`` (its seq: the one expected there) and ends it."""
+        try:
+            data = memoryview(path.read_bytes())
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise LogError(f"cannot read journal segment {path}: {exc.strerror or exc}") from None
+        size = len(data)
+        if size < _SEGMENT_HEADER.size or _SEGMENT_HEADER.unpack_from(data) != (
+            _SEGMENT_MAGIC,
+            first,
+        ):
+            yield 0, first, CUT_SHORT, data[:0]
+            return
+        offset, expected = _SEGMENT_HEADER.size, first
+        while offset < size:
+            if size - offset < _RECORD_HEADER.size:
+                yield offset, expected, CUT_SHORT, data[:0]
+                return
+            length, crc, seq = _RECORD_HEADER.unpack_from(data, offset)
+            start = offset + _RECORD_HEADER.size
+            if size - start < length:
+                yield offset, seq, CUT_SHORT, data[start:]
+                return
+            yield offset, seq, crc, data[start : start + length]
+            offset, expected = start + length, seq + 1
 
     def read_after(self, seq: int) -> Iterator[tuple[int, int, bytes]]:
-        """``(seq, crc, body)`` of every record after ``seq``, in order."""
+        """``(seq, crc, body)`` of every record after ``seq``, in order: the rows of table
+        ``log`` (format 2), then the segment files'. A record that could not be read whole
+        has the crc ``CUT_SHORT`` and is the last one."""
         cursor = self._db.execute(
             "SELECT seq, crc, body FROM log WHERE seq > ? ORDER BY seq", (seq,)
         )
         for row_seq, crc, body in cursor:
             yield int(row_seq), int(crc), body if isinstance(body, bytes) else bytes(body)
+        segments = list(self._segments)
+        for i, (first, path) in enumerate(segments):
+            if i + 1 < len(segments) and segments[i + 1][0] <= seq + 1:
+                continue  # every record of it is at or before ``seq``
+            for _, record_seq, crc, body in self._segment_records(first, path):
+                if crc == CUT_SHORT:
+                    if record_seq > seq:
+                        yield record_seq, crc, bytes(body)
+                        return
+                    break  # damage among covered records: the next segment goes on
+                if record_seq > seq:
+                    yield record_seq, crc, bytes(body)
 
     def last_seq(self) -> int:
-        row = self._db.execute("SELECT MAX(seq) FROM log").fetchone()
-        return int(row[0]) if row and row[0] is not None else 0
+        """The seq of the last record :meth:`read_after` gives whole (0: none)."""
+        last = 0
+        for seq, crc, _ in self.read_after(0):
+            if crc == CUT_SHORT:
+                break
+            last = seq
+        return last
 
     def num_records(self) -> int:
-        return int(self._db.execute("SELECT COUNT(*) FROM log").fetchone()[0])
+        """Records stored (covered ones not yet removed included; a torn one excluded)."""
+        count = int(self._db.execute("SELECT COUNT(*) FROM log").fetchone()[0])
+        for first, path in self._segments:
+            count += sum(crc != CUT_SHORT for _, _, crc, _ in self._segment_records(first, path))
+        return count
 
     def delete_from(self, seq: int) -> int:
-        """Drop records ``>= seq`` (a damaged tail); returns how many."""
+        """Drop records ``>= seq`` (a damaged tail) and whatever follows them in their
+        segment; returns how many records went (a torn one counted)."""
         with self._write_lock:
             cursor = self._db.execute("DELETE FROM log WHERE seq >= ?", (seq,))
-        return int(cursor.rowcount)
+        dropped = int(cursor.rowcount)
+        self._close_segment()  # the next append starts a segment after what is kept
+        try:
+            for first, path in list(self._segments):
+                if first >= seq:
+                    dropped += sum(1 for _ in self._segment_records(first, path))
+                    path.unlink(missing_ok=True)
+                    continue
+                cut = None
+                for offset, record_seq, crc, _ in self._segment_records(first, path):
+                    if cut is None and (crc == CUT_SHORT or record_seq >= seq):
+                        cut = offset
+                    if cut is not None:
+                        dropped += 1
+                if cut is not None:
+                    os.truncate(path, max(cut, _SEGMENT_HEADER.size))
+                    if self.level is DurabilityLevel.FSYNC:
+                        _fsync_path(path)
+            if self.level is DurabilityLevel.FSYNC:
+                _fsync_path(self.journal_dir)
+        except OSError as exc:
+            raise LogError(
+                f"cannot drop records from {seq} in {self.journal_dir}: {exc.strerror or exc}"
+            ) from None
+        finally:
+            self._segments = self._scan_segments()
+        return dropped
+
+    def _covered_segments(self, seq: int) -> tuple[Path, ...]:
+        """Take the segments every record of which is at or before ``seq`` (the next one
+        starts at or before ``seq + 1``) out of the list; the one appended to stays."""
+        segments = self._segments
+        covered = []
+        while len(segments) > 1 and segments[1][0] <= seq + 1:
+            covered.append(segments.pop(0)[1])
+        return tuple(covered)
 
     # -- snapshots -------------------------------------------------------------------------
     def store_snapshot_file(self, seq: int, body: bytes) -> SnapshotFile:
@@ -535,7 +715,7 @@ class CommandLog:
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(partial, path)
-            _fsync_dir(self.snapshot_dir)
+            _fsync_path(self.snapshot_dir)
         except OSError as exc:
             with contextlib.suppress(OSError):
                 partial.unlink()
@@ -590,8 +770,9 @@ class CommandLog:
             raise LogError(
                 f"cannot register the snapshot at {snapshot.seq} in {self.path}: {exc}"
             ) from None
-        if older:
-            self._retired.add(tuple(older))
+        covered = self._covered_segments(snapshot.seq)
+        if older or covered:
+            self._retired.add(tuple(self.snapshot_dir / name for name in older) + covered)
         if checkpointer is not None:
             # The thread deletes the records it covers now, then checkpoints (which also
             # lets it remove the files this registration replaced).
@@ -602,8 +783,14 @@ class CommandLog:
 
     @property
     def retired_snapshot_files(self) -> tuple[str, ...]:
-        """Files waiting for a checkpoint to be removed."""
-        return self._retired.names
+        """Snapshot files waiting for a checkpoint to be removed."""
+        return tuple(p.name for p in self._retired.paths if p.parent == self.snapshot_dir)
+
+    @property
+    def retired_segments(self) -> tuple[str, ...]:
+        """Journal segments (covered by a registered snapshot) waiting for a checkpoint to
+        be removed."""
+        return tuple(p.name for p in self._retired.paths if p.parent == self.journal_dir)
 
     def discard_snapshot_file(self, snapshot: SnapshotFile) -> None:
         """Remove a stored file that will not be registered."""
@@ -681,15 +868,18 @@ class CommandLog:
 
     def close(self) -> None:
         self.stop_background_checkpoints()
+        self._close_segment()
         with contextlib.suppress(sqlite3.Error):
             self._db.close()
 
 
 __all__ = [
     "BACKSTOP_AUTOCHECKPOINT_PAGES",
-    "CHECKPOINT_BYTES",
     "CHECKPOINT_INTERVAL_S",
+    "CUT_SHORT",
     "DB_NAME",
+    "JOURNAL_DIR",
+    "SEGMENT_BYTES",
     "SNAPSHOT_DIR",
     "CheckpointStats",
     "CommandLog",

@@ -46,6 +46,7 @@ import numpy as np
 from pagekeeper.core.errors import PagekeeperError
 from pagekeeper.durability.commands import RecordDecodeError, decode_command, encode_command
 from pagekeeper.durability.log import (
+    CUT_SHORT,
     FORMAT_VERSION,
     READABLE_FORMATS,
     CheckpointStats,
@@ -334,6 +335,9 @@ class Durability:
         for seq, crc, body in commands_log.read_after(snapshot_seq):
             if seq != expected:
                 damage = f"record {expected} is missing (next is {seq})"
+                break
+            if crc == CUT_SHORT:
+                damage = f"record {seq} is cut short (a torn write)"
                 break
             if crc != record_crc(seq, body):
                 damage = f"record {seq} fails its CRC"
