@@ -8,8 +8,10 @@ was published (``is_published``, ``published_slot``, ``publish_error``): a repla
 republish, yet a retry after a restart must get the answer the first call got.
 
 A step that arrived over gRPC is stored as the request's own protobuf bytes (kind
-``step_wire``: ``[now, publication, bytes]``), one serialization instead of a tree encode;
-replay parses it back through the same conversion the servicer used.
+``step_wire``), one serialization instead of a tree encode; replay parses it back through
+the same conversion the servicer used. Version 1 was the tree ``[now, publication,
+bytes]``; version 2 (written since 2026-12-06) a fixed header, the publish error, then the
+bytes.
 
 Record kinds are stable numbers; a new command gets a new number, a changed layout a new
 version of its kind, and old versions keep decoding.
@@ -17,6 +19,7 @@ version of its kind, and old versions keep decoding.
 
 from __future__ import annotations
 
+import struct
 from typing import Any
 
 import numpy as np
@@ -83,15 +86,41 @@ class RecordDecodeError(ValueError):
     """A record body that is not a command this version can read."""
 
 
+# Version 2 of ``step_wire``: a fixed header (now, publication flags, published slot,
+# publish_error's length), publish_error (UTF-8), then the request's bytes to the end.
+_WIRE_HEADER = struct.Struct("<dBqI")
+_WIRE_HAS_PUBLICATION, _WIRE_PUBLISHED = 1, 2
+STEP_WIRE_VERSION = 2
+READABLE_VERSIONS = {KIND_STEP_WIRE: (1, STEP_WIRE_VERSION)}
+"""Versions a kind reads besides ``VERSION``."""
+
+
+def _encode_step_wire(command: StepCommand, result: StepResult | None) -> bytes:
+    # Every step that came over gRPC or the socket: a struct header instead of a value
+    # tree (~6 µs less a step).
+    wire = command.wire
+    assert wire is not None
+    if result is None:
+        flags, slot, error = 0, 0, b""
+    else:
+        flags = _WIRE_HAS_PUBLICATION | (_WIRE_PUBLISHED if result.is_published else 0)
+        slot, error = result.published_slot, result.publish_error.encode()
+    return b"".join(
+        (
+            bytes((KIND_STEP_WIRE, STEP_WIRE_VERSION)),
+            _WIRE_HEADER.pack(command.now, flags, slot, len(error)),
+            error,
+            wire.SerializeToString(),
+        )
+    )
+
+
 def encode_command(command: Command, result: Any = None) -> bytes:
     """The log record body of an applied command (``result``: the step's answer)."""
     kind: int
     tree: Any
     if isinstance(command, StepCommand) and command.wire is not None:
-        kind, tree = (
-            KIND_STEP_WIRE,
-            [command.now, _publication(result), command.wire.SerializeToString()],
-        )
+        return _encode_step_wire(command, result)
     elif isinstance(command, StepCommand):
         kind, tree = KIND_STEP, _step_to_tree(command, result)
     elif isinstance(command, HeartbeatCommand):
@@ -131,8 +160,13 @@ def decode_command(body: bytes | memoryview) -> tuple[Command, Publication | Non
     kind, version = body[0], body[1]
     if kind not in KIND_NAMES:
         raise RecordDecodeError(f"unknown record kind {kind}")
-    if version != VERSION:
-        raise RecordDecodeError(f"{KIND_NAMES[kind]} record version {version} is not {VERSION}")
+    readable = READABLE_VERSIONS.get(kind, (VERSION,))
+    if version not in readable:
+        raise RecordDecodeError(
+            f"{KIND_NAMES[kind]} record version {version} is not {' or '.join(map(str, readable))}"
+        )
+    if kind == KIND_STEP_WIRE and version == STEP_WIRE_VERSION:
+        return _step_wire_from_body(memoryview(body)[2:])
     try:
         tree = decode(memoryview(body)[2:])
         return _from_tree(kind, tree)
@@ -337,6 +371,24 @@ def _step_from_wire(tree: list[Any]) -> tuple[StepCommand, Publication | None]:
         raise ValueError(f"its StepRequest does not read back: {exc}") from None
     publication = None if pub is None else (bool(pub[0]), int(pub[1]), str(pub[2]))
     return command, publication
+
+
+def _step_wire_from_body(rest: memoryview) -> tuple[StepCommand, Publication | None]:
+    if len(rest) < _WIRE_HEADER.size:
+        raise RecordDecodeError("step_wire record shorter than its header")
+    now, flags, slot, error_len = _WIRE_HEADER.unpack_from(rest)
+    start = _WIRE_HEADER.size
+    if flags & ~(_WIRE_HAS_PUBLICATION | _WIRE_PUBLISHED) or error_len > len(rest) - start:
+        raise RecordDecodeError("step_wire record has the wrong shape: bad header")
+    try:
+        error = bytes(rest[start : start + error_len]).decode()
+    except UnicodeDecodeError:
+        raise RecordDecodeError("step_wire record has the wrong shape: publish_error") from None
+    pub = [bool(flags & _WIRE_PUBLISHED), slot, error] if flags & _WIRE_HAS_PUBLICATION else None
+    try:
+        return _step_from_wire([now, pub, rest[start + error_len :]])
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise RecordDecodeError(f"step_wire record has the wrong shape: {exc}") from None
 
 
 def _step_from_tree(tree: list[Any]) -> tuple[StepCommand, Publication | None]:
