@@ -2,10 +2,10 @@
 """What each durability level costs per step.
 
 In-process rows: three identical :class:`ServiceState` (131,072 pages of 16 tokens) receive
-the same commands, one with no journal (``none``: the baseline), one journaling into SQLite
-with ``synchronous=NORMAL`` (``process``), one with ``synchronous=FULL`` (``fsync``); samples
-are interleaved (none, process, fsync, fsync, process, none, ...) so machine drift hits all
-alike. A row's time is the whole ``state.step`` (validation, allocation, encoding, commit);
+the same commands, one with no journal (``none``: the baseline), one appending to journal
+segments (``process``: one ``write()`` a record), one also ``fdatasync``-ing each
+(``fsync``); samples are interleaved (none, process, fsync, fsync, process, none, ...) so
+machine drift hits all alike. A row's time is the whole ``state.step`` (validation, allocation, encoding, commit);
 ``+process`` / ``+fsync`` are the medians' differences from ``none``; ``record`` is the
 encoded size of the step's log record.
 
@@ -327,8 +327,9 @@ def render(rows: list[dict], rpc: dict[str, float] | None, samples: int) -> str:
         f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, Python "
         f"{platform.python_version()}, {time.strftime('%Y-%m-%d')}; {samples} interleaved "
         "samples per level (fewer for the admission rows). In-process: the whole "
-        "`ServiceState.step` with no journal (`none`), journaled into SQLite WAL with "
-        "`synchronous=NORMAL` (`process`) and `FULL` (`fsync`). p99 in brackets.",
+        "`ServiceState.step` with no journal (`none`), journaled into segment files with "
+        "one `write()` a record (`process`) and an `fdatasync` after it (`fsync`). "
+        "p99 in brackets.",
         "",
         "| step | none | process | fsync | +process | +fsync | record |",
         "|---|---:|---:|---:|---:|---:|---:|",

@@ -78,8 +78,9 @@ class Settings:
     debug_invariants: bool = False
     """Run the core's ``check_invariants()`` after every mutation (slow; for debugging)."""
     data_dir: str = "data"
-    """Where the durable state lives (the command log in one SQLite file, the latest
-    snapshot in ``snapshots/``; see docs/reliability.md). Relative paths are relative to
+    """Where the durable state lives (the command log's segments in ``journal/``, the
+    latest snapshot in ``snapshots/``, registered in one SQLite file; see
+    docs/reliability.md). Relative paths are relative to
     the working directory: ``make serve`` keeps it in the repository's git-ignored
     ``data/``."""
     durability: str = "process"

@@ -4,7 +4,8 @@ restart (latest snapshot + replay of the log) gives back the same state, page fo
 =================  ======================================================================
 ``values``         the safe binary encoding of value trees (records, snapshots)
 ``commands``       commands <-> log record bodies
-``log``            the SQLite (WAL) store: records with CRCs, snapshot files, durability levels
+``log``            journal segments (records with CRCs), snapshot files and their SQLite
+                   registrations, durability levels
 ``snapshot``       snapshot bytes, the state digest
 ``recovery``       :class:`Durability`: open/lock a data dir, recover, journal, snapshot
 =================  ======================================================================

@@ -3,7 +3,7 @@
 :class:`Durability` is the service's :class:`pagekeeper.state.Journal`. Its life::
 
     open(data_dir)   lock the directory (one service per data dir), remove ring files a
-                     crashed predecessor left in /dev/shm, open the SQLite log
+                     crashed predecessor left in /dev/shm, open the log
     recover(state)   latest snapshot (unreadable: start-up fails) + replay of every later
                      record whose sequence number, CRC and decoding check out; the first
                      that does not ends the valid prefix: reported (log line + metric),
@@ -19,7 +19,9 @@
 Layout of a data directory::
 
     LOCK            flock'ed by the running service; holds its pid
-    pagekeeper.db   (+ -wal, -shm) the command log, the latest snapshot's registration
+    journal/        the command log's records (segment-<first seq>.pkj)
+    pagekeeper.db   (+ -wal, -shm) the format, the pool configuration, the latest
+                    snapshot's registration (format 2: the records too, table ``log``)
     snapshots/      the latest snapshot's body (snapshot-<seq>-<nonce>.pks)
     rings.txt       shared-memory files of the rings this data dir's service created
 """
