@@ -5,9 +5,9 @@ In-process rows: three identical :class:`ServiceState` (131,072 pages of 16 toke
 the same commands, one with no journal (``none``: the baseline), one appending to journal
 segments (``process``: one ``write()`` a record), one also ``fdatasync``-ing each
 (``fsync``); samples are interleaved (none, process, fsync, fsync, process, none, ...) so
-machine drift hits all alike. A row's time is the whole ``state.step`` (validation, allocation, encoding, commit);
-``+process`` / ``+fsync`` are the medians' differences from ``none``; ``record`` is the
-encoded size of the step's log record.
+machine drift hits all alike. A row's time is the whole ``state.step`` (validation,
+allocation, encoding, commit); ``+process`` / ``+fsync`` are the medians' differences from
+``none``; ``record`` is the encoded size of the step's log record.
 
 RPC rows (``--rpc``, on by default): the same decode step through the real service started
 once per level (``--durability none|process|fsync``), Step round trip p50 from one client,
