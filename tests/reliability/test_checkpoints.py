@@ -21,6 +21,7 @@ from pagekeeper.durability.log import (
     CUT_SHORT,
     DB_NAME,
     JOURNAL_DIR,
+    ROLL_AFTER_SNAPSHOT_BYTES,
     CommandLog,
     DurabilityLevel,
     record_crc,
@@ -339,4 +340,31 @@ def test_a_segment_that_is_not_whole_ends_the_records_and_is_cut_away(tmp_path):
     assert [(seq, crc) for seq, crc, _ in rows] == [(second_first, CUT_SHORT)]
     assert log.delete_from(second_first) == 1
     assert not path.exists()
+    log.close()
+
+
+def test_a_registration_ends_a_large_segment_so_the_next_one_covers_it(tmp_path):
+    """Past ``ROLL_AFTER_SNAPSHOT_BYTES`` a registration closes the segment being appended
+    to: the next record starts a new one, and the next registration covers the old one
+    whole, so covered records do not pile up to ``SEGMENT_BYTES``. A small one stays."""
+    log = CommandLog(tmp_path, DurabilityLevel.PROCESS)
+    log.start_background_checkpoints(interval_s=0.05)
+    per_mb = -(-ROLL_AFTER_SNAPSHOT_BYTES // (BODY + 16))
+    for seq in range(1, 4):
+        log.append(seq, _body(seq))
+    _register(log, 3)  # small: appends go on in the same segment
+    log.append(4, _body(4))
+    assert len(list((tmp_path / JOURNAL_DIR).iterdir())) == 1
+    last = 4
+    for seq in range(5, per_mb + 5):
+        log.append(seq, _body(seq))
+        last = seq
+    _register(log, last - 2)  # records after it stay, in the same segment
+    log.append(last + 1, _body(last + 1))
+    names = sorted(p.name for p in (tmp_path / JOURNAL_DIR).iterdir())
+    assert names[-1] == f"segment-{last + 1:020d}.pkj" and len(names) == 2
+    assert [s for s, _, _ in log.read_after(last - 2)] == [last - 1, last, last + 1]
+    _register(log, last + 1)
+    _wait_for(lambda: len(list((tmp_path / JOURNAL_DIR).iterdir())) == 1)
+    assert sorted(p.name for p in (tmp_path / JOURNAL_DIR).iterdir()) == names[-1:]
     log.close()

@@ -112,6 +112,9 @@ _SEQ = struct.Struct("<q")
 SEGMENT_BYTES = 64 << 20
 """A segment file takes records until it holds this many bytes; the next record starts a
 new one."""
+ROLL_AFTER_SNAPSHOT_BYTES = 1 << 20
+"""A snapshot's registration ends the segment being appended to once it holds this many
+bytes (the next record starts a new one)."""
 # A segment file: magic, the seq of its first record; then records, each its header
 # (body length, CRC as a row's, seq) and body.
 _SEGMENT_HEADER = struct.Struct("<8sq")
@@ -538,7 +541,8 @@ class CommandLog:
 
     def _start_segment(self, seq: int) -> None:
         """Close the segment being appended to and create the one that starts at ``seq``
-        (its header synced, and its name in the directory, before any record goes in)."""
+        (at level ``fsync``, its header and its name in the directory synced before any
+        record goes in)."""
         self._close_segment()
         if not self._segments and self.get_meta("format_version") != FORMAT_VERSION:
             # An older pagekeeper would not see records in segment files: make it refuse
@@ -550,16 +554,18 @@ class CommandLog:
                 raise LogError(f"cannot update {self.path}: {exc}") from None
             if self._checkpointer is not None:
                 self._checkpointer.dirty = True
+        synced = self.level is DurabilityLevel.FSYNC  # a killed process loses no write()
         created = not self.journal_dir.exists()
         self.journal_dir.mkdir(exist_ok=True)
-        if created:
+        if created and synced:
             _fsync_path(self.journal_dir.parent)
         path = self.journal_dir / f"segment-{seq:020d}.pkj"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC)
         try:
             os.write(fd, _SEGMENT_HEADER.pack(_SEGMENT_MAGIC, seq))
-            os.fsync(fd)
-            _fsync_path(self.journal_dir)
+            if synced:
+                os.fsync(fd)
+                _fsync_path(self.journal_dir)
         except OSError:
             os.close(fd)
             with contextlib.suppress(OSError):
@@ -771,6 +777,10 @@ class CommandLog:
                 f"cannot register the snapshot at {snapshot.seq} in {self.path}: {exc}"
             ) from None
         covered = self._covered_segments(snapshot.seq)
+        if self._segment_fd is not None and self._segment_size >= ROLL_AFTER_SNAPSHOT_BYTES:
+            # The next record starts a segment, so the next registration covers this one
+            # whole: the journal holds about two snapshot intervals, not up to 64 MB more.
+            self._close_segment()
         if older or covered:
             self._retired.add(tuple(self.snapshot_dir / name for name in older) + covered)
         if checkpointer is not None:
@@ -879,6 +889,7 @@ __all__ = [
     "CUT_SHORT",
     "DB_NAME",
     "JOURNAL_DIR",
+    "ROLL_AFTER_SNAPSHOT_BYTES",
     "SEGMENT_BYTES",
     "SNAPSHOT_DIR",
     "CheckpointStats",
