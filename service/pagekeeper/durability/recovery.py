@@ -357,7 +357,7 @@ class Durability:
                 break
             except Exception as exc:
                 raise DurabilityError(
-                    f"replaying record {seq} of {commands_log.path} failed: "
+                    f"replaying record {seq} of {commands_log.journal_dir} failed: "
                     f"{type(exc).__name__}: {exc}"
                 ) from exc
             num_replayed += 1
@@ -369,7 +369,7 @@ class Durability:
             log.error(
                 "command log %s damaged: %s; recovered the valid prefix up to record %d "
                 "and dropped %d record(s) after it",
-                commands_log.path,
+                commands_log.journal_dir,
                 damage,
                 last_seq,
                 num_dropped,
@@ -378,7 +378,7 @@ class Durability:
             state.check_invariants()
         except PagekeeperError as exc:
             raise DurabilityError(
-                f"the state recovered from {commands_log.path} breaks its invariants: {exc.message}"
+                f"the state recovered from {self.data_dir} breaks its invariants: {exc.message}"
             ) from None
         self._seq = last_seq
         self._since_snapshot = num_replayed
