@@ -187,6 +187,10 @@ def snapshot_file_name(seq: int) -> str:
     return f"snapshot-{seq:020d}-{os.urandom(4).hex()}.pks"
 
 
+# The data alone (and the size), not the inode's times; macOS has only fsync.
+_fdatasync = getattr(os, "fdatasync", os.fsync)
+
+
 def _fsync_path(path: Path) -> None:
     """fsync a file, or a directory (its entries: a created, renamed or removed name)."""
     fd = os.open(path, os.O_RDONLY)
@@ -532,7 +536,7 @@ class CommandLog:
                     n = os.write(fd, rest)
                     rest, written = rest[n:], written + n
             if self.level is DurabilityLevel.FSYNC:
-                os.fdatasync(fd)
+                _fdatasync(fd)
         except OSError as exc:
             raise LogError(
                 f"cannot append record {seq} to {self.journal_dir}: {exc.strerror or exc}"
