@@ -742,13 +742,13 @@ class CommandLog:
 
     def commit_snapshot_file(self, snapshot: SnapshotFile) -> tuple[str, ...]:
         """Register a stored snapshot file and drop what it makes redundant (older
-        snapshots, and the records up to its seq: here without the background thread, by
+        snapshots, and format-2 rows up to its seq: here without the background thread, by
         the thread in batches with it) in one small transaction; returns the names of the
-        older files it unregistered. They stay on disk until a checkpoint has synced this
-        transaction (before that, a power loss may undo it, and the database would name
-        them again): the background checkpointer's next complete one (it is woken now), or
-        without it the next :meth:`checkpoint`, which the caller makes. Never waits for
-        one."""
+        older files it unregistered. Those files and the journal segments it covers whole
+        stay on disk until a checkpoint has synced this transaction (before that, a power
+        loss may undo it, and the database would name them again): the background
+        checkpointer's next complete one (it is woken now), or without it the next
+        :meth:`checkpoint`, which the caller makes. Never waits for one."""
         db = self._db
         checkpointer = self._checkpointer
         try:
