@@ -368,3 +368,19 @@ def test_a_registration_ends_a_large_segment_so_the_next_one_covers_it(tmp_path)
     _wait_for(lambda: len(list((tmp_path / JOURNAL_DIR).iterdir())) == 1)
     assert sorted(p.name for p in (tmp_path / JOURNAL_DIR).iterdir()) == names[-1:]
     log.close()
+
+
+def test_journal_usage_counts_the_segments_in_use_and_those_waiting_to_go(tmp_path):
+    log = CommandLog(tmp_path, DurabilityLevel.PROCESS)
+    assert log.journal_usage() == (0, 0)
+    log.segment_bytes = 32 * 1024
+    for seq in range(1, 21):
+        log.append(seq, _body(seq))
+    on_disk = sorted((tmp_path / JOURNAL_DIR).iterdir())
+    assert log.journal_usage() == (len(on_disk), sum(p.stat().st_size for p in on_disk))
+    _register(log, 20)  # no thread: the covered ones wait for the next checkpoint
+    assert log.retired_segments and log.journal_usage()[0] == len(on_disk)
+    assert log.checkpoint()
+    left = sorted((tmp_path / JOURNAL_DIR).iterdir())
+    assert len(left) == 1 and log.journal_usage() == (1, left[0].stat().st_size)
+    log.close()

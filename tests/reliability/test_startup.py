@@ -98,6 +98,10 @@ def test_damaged_log_tail_is_reported_in_the_log_and_the_metrics(tmp_path):
         assert "pagekeeper_durability_checkpoints_total " in metrics
         assert "pagekeeper_durability_records_pruned_total " in metrics
         assert "pagekeeper_durability_last_checkpoint_seconds " in metrics
+        segments = re.search(r"^pagekeeper_durability_journal_segments (\S+)$", metrics, re.M)
+        size = re.search(r"^pagekeeper_durability_journal_bytes (\S+)$", metrics, re.M)
+        assert segments and float(segments.group(1)) >= 1
+        assert size and float(size.group(1)) > 0
         dropped = re.search(
             r"^pagekeeper_durability_recovery_dropped_records (\S+)$", metrics, re.M
         )

@@ -699,6 +699,18 @@ class CommandLog:
             self._segments = self._scan_segments()
         return dropped
 
+    def journal_usage(self) -> tuple[int, int]:
+        """``(segment files, bytes)`` on disk: the segments in use and those retired but not
+        yet removed (for the metrics; one ``stat`` each)."""
+        paths = {path for _, path in self._segments}
+        paths.update(p for p in self._retired.paths if p.parent == self.journal_dir)
+        count = size = 0
+        for path in paths:
+            with contextlib.suppress(OSError):
+                size += path.stat().st_size
+                count += 1
+        return count, size
+
     def _covered_segments(self, seq: int) -> tuple[Path, ...]:
         """Take the segments every record of which is at or before ``seq`` (the next one
         starts at or before ``seq + 1``) out of the list; the one appended to stays."""

@@ -52,6 +52,15 @@ class DurabilityCollector(Collector):
             "a worker thread).",
             stats.last_snapshot_loop_seconds,
         )
+        usage = d.journal_usage
+        if usage is not None:
+            yield gauge(
+                "journal_segments",
+                "Journal segment files on disk (the one appended to, those a snapshot does "
+                "not cover whole yet, and covered ones waiting for a checkpoint).",
+                usage[0],
+            )
+            yield gauge("journal_bytes", "Bytes of the journal's segment files.", usage[1])
         checkpoints = d.checkpoint_stats
         if checkpoints is not None:
             yield counter(
@@ -72,8 +81,8 @@ class DurabilityCollector(Collector):
             )
             yield counter(
                 "records_pruned",
-                "Records a registered snapshot covered, deleted in batches by the checkpoint "
-                "thread (off the event loop).",
+                "Rows of a format-2 data dir a registered snapshot covered, deleted in "
+                "batches by the checkpoint thread (off the event loop).",
                 checkpoints.num_pruned,
             )
             yield gauge(

@@ -415,6 +415,11 @@ class Durability:
         return self._seq
 
     @property
+    def journal_usage(self) -> tuple[int, int] | None:
+        """``(segment files, bytes)`` of the journal on disk (None while the log is closed)."""
+        return None if self._log is None else self._log.journal_usage()
+
+    @property
     def checkpoint_stats(self) -> CheckpointStats | None:
         """The background checkpointer's counters (None while the log is closed)."""
         return None if self._log is None else self._log.checkpoint_stats
