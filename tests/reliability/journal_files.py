@@ -49,9 +49,11 @@ def edit_record(
     *,
     body: bytes | None = None,
     crc: int | None = None,
+    new_seq: int | None = None,
     drop: bool = False,
 ) -> None:
-    """Replace record ``seq``'s body and/or CRC as stored (no CRC recomputed), or drop it."""
+    """Replace record ``seq``'s body, CRC and/or seq field as stored (no CRC recomputed),
+    or drop it."""
     for path in segment_paths(data_dir):
         found = _read(path)
         if any(s == seq for s, _, _ in found):
@@ -60,7 +62,8 @@ def edit_record(
                 if s == seq:
                     if drop:
                         continue
-                    s, c, b = s, c if crc is None else crc, b if body is None else body
+                    s = s if new_seq is None else new_seq
+                    c, b = c if crc is None else crc, b if body is None else body
                 edited.append((s, c, b))
             _write(path, int(path.stem.split("-")[1]), edited)
             return

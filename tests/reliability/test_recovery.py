@@ -207,7 +207,7 @@ def _write_log(tmp_path, seed, n, snapshot_every=10_000):
     return last
 
 
-@pytest.mark.parametrize("damage", ["body", "crc", "gap", "undecodable", "torn"])
+@pytest.mark.parametrize("damage", ["body", "crc", "gap", "undecodable", "torn", "seq"])
 def test_damaged_record_ends_the_valid_prefix(tmp_path, damage, caplog):
     """A damaged record (flipped bytes, bad CRC, a missing record, an unknown kind) is
     detected, reported (log line + metric), dropped with everything after it, and the state
@@ -223,6 +223,11 @@ def test_damaged_record_ends_the_valid_prefix(tmp_path, damage, caplog):
         journal_files.edit_record(tmp_path, bad, crc=(crc + 1) & 0xFFFFFFFF)
     elif damage == "gap":
         journal_files.edit_record(tmp_path, bad, drop=True)
+    elif damage == "seq":
+        # Its seq field reads as an earlier record's: a gap at ``bad``, and the record
+        # itself must go with the tail (left in place, the next start would find the same
+        # gap and drop the records appended after this recovery).
+        journal_files.edit_record(tmp_path, bad, new_seq=bad - 10)
     elif damage == "torn":
         journal_files.cut_inside(tmp_path, bad)  # the rest of its segment goes with it
     else:

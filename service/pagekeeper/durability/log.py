@@ -679,12 +679,18 @@ class CommandLog:
                     dropped += sum(1 for _ in self._segment_records(first, path))
                     path.unlink(missing_ok=True)
                     continue
-                cut = None
+                # Cut at the first record at or past ``seq``, or the first that is not the
+                # next of the segment's run (a damaged seq field: it must go too, or the
+                # next start would find the same gap and drop what was appended since).
+                cut, expected = None, first
                 for offset, record_seq, crc, _ in self._segment_records(first, path):
-                    if cut is None and (crc == CUT_SHORT or record_seq >= seq):
+                    if cut is None and (
+                        crc == CUT_SHORT or record_seq >= seq or record_seq != expected
+                    ):
                         cut = offset
                     if cut is not None:
                         dropped += 1
+                    expected += 1
                 if cut is not None:
                     os.truncate(path, max(cut, _SEGMENT_HEADER.size))
                     if self.level is DurabilityLevel.FSYNC:
