@@ -38,6 +38,12 @@ def _write(path: Path, first: int, records: list[Record]) -> None:
     path.write_bytes(b"".join(out))
 
 
+def record_offsets(path: Path) -> list[int]:
+    """Where each record of one segment starts (its header)."""
+    first = int(path.stem.split("-")[1])
+    return [offset for offset, _, _, _ in CommandLog._segment_records(first, path)]
+
+
 def records(data_dir: Path) -> list[Record]:
     """Every record of every segment, in order."""
     return [r for path in segment_paths(data_dir) for r in _read(path)]
@@ -114,6 +120,7 @@ __all__ = [
     "cut_inside",
     "edit_record",
     "lose_the_disk",
+    "record_offsets",
     "record_crc",
     "records",
     "segment_paths",

@@ -83,6 +83,7 @@ def crash(durability: Durability) -> None:
         # checkpoint cut short is a case the kill -9 campaigns cover).
         log.stop_background_checkpoints()
         log._db.close()
+        log._close_segment()
     if durability._lock_fd is not None:
         os.close(durability._lock_fd)
         durability._lock_fd = None
