@@ -7,11 +7,11 @@ tests' scenarios, run longer. Each prints its figures as JSON and keeps them in
     python -m tests.reliability.campaign fuzz  [--inputs 2000] [--seed 1]
 
 ``crash``: CRASHES ``kill -9`` of a process writing the durable log (each followed by a
-recovery compared, digest for digest, with a never-crashed twin; every fifth with the WAL
-torn as a power loss leaves it), then CRASHES ``kill -9`` of the real service under load
-(acknowledged steps present, tables equal to the schedulers' models, no page held twice,
-the workers' reference attention matching through the recovered tables). ``soak``: the load
-test for DURATION seconds. ``fuzz``: INPUTS random and mutated protobuf messages spread over
+recovery compared, digest for digest, with a never-crashed twin; every fifth with the
+newest journal segment and the WAL torn as a power loss leaves them), then CRASHES
+``kill -9`` of the real service under load (acknowledged steps present, tables equal to the
+schedulers' models, no page held twice, the workers' reference attention matching through
+the recovered tables). ``soak``: the load test for DURATION seconds. ``fuzz``: INPUTS random and mutated protobuf messages spread over
 every RPC (over gRPC, then again in frames on the same-node socket), INPUTS/10 x 4 Steps
 with odd field values per pool kind (full, hybrid; ``field_fuzz.py``), plus INPUTS damaged
 log records and snapshots fed to recovery's decoders.
@@ -53,7 +53,7 @@ def _crash(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     return {
         "log_writer_kills": driver.crashes,
         "log_writer_records": driver.records,
-        "log_writer_torn_wal": driver.torn,
+        "log_writer_torn": driver.torn,
         "acknowledged_records_lost": driver.lost_acked,
         "service_kills": service.crashes,
         "service_acked_steps": service.acked_steps,

@@ -18,8 +18,8 @@ def test_kill9_loses_no_acknowledged_record(tmp_path, pool, level, seed):
     assert result.records > 0
 
 
-def test_torn_wal_recovers_a_consistent_prefix(tmp_path):
-    """Power loss without fsync may cut the WAL anywhere: what survives is a prefix, and
-    the state is exactly the twin's at that prefix."""
+def test_a_torn_journal_and_wal_recover_a_consistent_prefix(tmp_path):
+    """Power loss without fsync may cut the newest journal segment and the WAL anywhere:
+    what survives is a prefix, and the state is exactly the twin's at that prefix."""
     result = run_campaign(tmp_path, seed=3, crashes=3, tear_every=1, max_acks=120)
     assert result.torn >= 1 and result.crashes == 3
