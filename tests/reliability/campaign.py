@@ -11,10 +11,11 @@ recovery compared, digest for digest, with a never-crashed twin; every fifth wit
 newest journal segment and the WAL torn as a power loss leaves them), then CRASHES
 ``kill -9`` of the real service under load (acknowledged steps present, tables equal to the
 schedulers' models, no page held twice, the workers' reference attention matching through
-the recovered tables). ``soak``: the load test for DURATION seconds. ``fuzz``: INPUTS random and mutated protobuf messages spread over
-every RPC (over gRPC, then again in frames on the same-node socket), INPUTS/10 x 4 Steps
-with odd field values per pool kind (full, hybrid; ``field_fuzz.py``), plus INPUTS damaged
-log records and snapshots fed to recovery's decoders.
+the recovered tables). ``soak``: the load test for DURATION seconds. ``fuzz``: INPUTS
+random and mutated protobuf messages spread over every RPC (over gRPC, then again in frames
+on the same-node socket), INPUTS/10 x 4 Steps with odd field values per pool kind (full,
+hybrid; ``field_fuzz.py``), plus INPUTS damaged log records and snapshots fed to
+recovery's decoders.
 """
 
 from __future__ import annotations
