@@ -92,7 +92,7 @@ _WIRE_HEADER = struct.Struct("<dBqI")
 _WIRE_HAS_PUBLICATION, _WIRE_PUBLISHED = 1, 2
 STEP_WIRE_VERSION = 2
 READABLE_VERSIONS = {KIND_STEP_WIRE: (1, STEP_WIRE_VERSION)}
-"""Versions a kind reads besides ``VERSION``."""
+"""The record versions a kind reads (any other kind: ``VERSION`` only)."""
 
 
 def _encode_step_wire(command: StepCommand, result: StepResult | None) -> bytes:
