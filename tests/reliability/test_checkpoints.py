@@ -72,6 +72,8 @@ def test_appends_go_to_segments_and_never_touch_the_database(tmp_path):
     per_segment = -(-(256 * 1024 - 16) // (BODY + 16))  # after the header; 16 B a record
     assert len(segments) == -(-1200 // per_segment)
     assert all(p.stat().st_size <= 256 * 1024 + BODY + 64 for p in segments)
+    # Plain data files (0o666 less the umask, as the database and snapshot files are).
+    assert all(p.stat().st_mode & 0o111 == 0 for p in segments)
     # The first segment's first commit set the format: one small write, nothing per record.
     assert _wal_bytes(tmp_path) - wal_before < 64 * 1024
     _assert_records(log, 1200)

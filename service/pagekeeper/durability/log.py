@@ -564,7 +564,9 @@ class CommandLog:
         if created and synced:
             _fsync_path(self.journal_dir.parent)
         path = self.journal_dir / f"segment-{seq:020d}.pkj"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC)
+        # Mode 0o666 less the umask, as open() makes the snapshot files and SQLite its own.
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC
+        fd = os.open(path, flags, 0o666)
         try:
             os.write(fd, _SEGMENT_HEADER.pack(_SEGMENT_MAGIC, seq))
             if synced:
