@@ -116,12 +116,17 @@ def test_a_covered_segment_goes_once_a_checkpoint_syncs_the_snapshot(tmp_path):
     assert sorted(p.name for p in (tmp_path / JOURNAL_DIR).iterdir()) == segments[2:]
     after = [seq for seq, _, _ in log.read_after(snapshot_seq)]
     assert after == list(range(snapshot_seq + 1, 101))
-    # A snapshot of everything keeps the segment being appended to.
-    _register(log, 100)
+    # A snapshot of everything but the last record keeps the segment being appended to;
+    # one of everything (an idle service's, a graceful stop's) ends it, and it goes too.
+    _register(log, 99)
     _wait_for(lambda: log.retired_segments == ())
     assert sorted(p.name for p in (tmp_path / JOURNAL_DIR).iterdir()) == segments[-1:]
+    _register(log, 100)
+    _wait_for(lambda: not any((tmp_path / JOURNAL_DIR).iterdir()))
+    assert log.retired_segments == () and log.journal_usage() == (0, 0)
     log.append(101, _body(101))
     assert [seq for seq, _, _ in log.read_after(100)] == [101]
+    assert [p.name for p in (tmp_path / JOURNAL_DIR).iterdir()] == [f"segment-{101:020d}.pkj"]
     log.close()
 
 
@@ -162,7 +167,7 @@ def test_a_reader_holds_checkpoints_back_but_never_an_append(tmp_path):
     for seq in range(2, 41):
         log.append(seq, _body(seq))
         if seq % 10 == 0:
-            _register(log, seq)
+            _register(log, seq - 1)  # the last record stays uncovered: its segment too
     assert time.monotonic() - started < 2.5  # nothing waited on the reader
     _wait_for(lambda: stats.num_incomplete >= 1)
     before = stats.num_checkpoints
@@ -354,7 +359,7 @@ def test_a_registration_ends_a_large_segment_so_the_next_one_covers_it(tmp_path)
     per_mb = -(-ROLL_AFTER_SNAPSHOT_BYTES // (BODY + 16))
     for seq in range(1, 4):
         log.append(seq, _body(seq))
-    _register(log, 3)  # small: appends go on in the same segment
+    _register(log, 2)  # small, and not the last record: appends go on in the same segment
     log.append(4, _body(4))
     assert len(list((tmp_path / JOURNAL_DIR).iterdir())) == 1
     last = 4
@@ -366,7 +371,7 @@ def test_a_registration_ends_a_large_segment_so_the_next_one_covers_it(tmp_path)
     names = sorted(p.name for p in (tmp_path / JOURNAL_DIR).iterdir())
     assert names[-1] == f"segment-{last + 1:020d}.pkj" and len(names) == 2
     assert [s for s, _, _ in log.read_after(last - 2)] == [last - 1, last, last + 1]
-    _register(log, last + 1)
+    _register(log, last)
     _wait_for(lambda: len(list((tmp_path / JOURNAL_DIR).iterdir())) == 1)
     assert sorted(p.name for p in (tmp_path / JOURNAL_DIR).iterdir()) == names[-1:]
     log.close()
@@ -380,9 +385,12 @@ def test_journal_usage_counts_the_segments_in_use_and_those_waiting_to_go(tmp_pa
         log.append(seq, _body(seq))
     on_disk = sorted((tmp_path / JOURNAL_DIR).iterdir())
     assert log.journal_usage() == (len(on_disk), sum(p.stat().st_size for p in on_disk))
-    _register(log, 20)  # no thread: the covered ones wait for the next checkpoint
+    _register(log, 19)  # no thread: the covered ones wait for the next checkpoint
     assert log.retired_segments and log.journal_usage()[0] == len(on_disk)
     assert log.checkpoint()
     left = sorted((tmp_path / JOURNAL_DIR).iterdir())
     assert len(left) == 1 and log.journal_usage() == (1, left[0].stat().st_size)
+    _register(log, 20)  # everything: the last segment goes as well
+    assert log.checkpoint()
+    assert log.journal_usage() == (0, 0) and not any((tmp_path / JOURNAL_DIR).iterdir())
     log.close()

@@ -843,3 +843,22 @@ def test_random_damage_to_a_journal_segment_recovers_a_valid_prefix(tmp_path):
         assert durability.report.damage == "", f"trial {trial}: {durability.report.damage}"
         assert durability.last_seq == added and state_digest(again) == live
         durability.close()
+
+
+def test_a_graceful_stop_leaves_no_journal_behind(tmp_path):
+    """The snapshot a graceful stop takes covers every record: its registration ends the
+    segment being appended to and retires it with the rest, and the final checkpoint
+    removes them. The next start reads the snapshot alone."""
+    state, workload = new_state(), Workload(57)
+    durability = Durability.open(tmp_path, "process")
+    durability.recover(state)
+    durability.attach(state)
+    _drive(state, workload, 40, durability)
+    assert journal_files.segment_paths(tmp_path)
+    digest, last = state_digest(state), durability.last_seq
+    durability.close(state)
+    assert journal_files.segment_paths(tmp_path) == []
+    again, durability = recover(tmp_path)
+    assert durability.report.num_replayed == 0 and durability.last_seq == last
+    assert state_digest(again) == digest
+    durability.close()

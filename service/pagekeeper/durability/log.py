@@ -66,11 +66,14 @@ the thread, the next :meth:`CommandLog.checkpoint` on the appending connection. 
 thread, the loop never checkpoints after a snapshot (that checkpoint, with its fsync, held
 the loop 6-12 ms at every snapshot of a soak run).
 
-A registration also retires the segments every record of which it covers (never the one
-being appended to), under the same rule: they are unlinked after the next complete
-checkpoint, so a power loss that undoes the registration finds them still there. Records
-it covers inside a kept segment are skipped by :meth:`CommandLog.read_after`'s callers
-(recovery reads after the snapshot).
+A registration also retires the segments every record of which it covers, under the same
+rule: they are unlinked after the next complete checkpoint, so a power loss that undoes the
+registration finds them still there. The segment being appended to goes only when the
+snapshot covers this log's last append (an idle service's, a graceful stop's): it is ended
+first, and the next record starts a new one; past ``ROLL_AFTER_SNAPSHOT_BYTES`` it is ended
+anyway, for the next registration to cover. Records a registration covers inside a kept
+segment are skipped by :meth:`CommandLog.read_after`'s callers (recovery reads after the
+snapshot).
 
 The rows of table ``log`` (format 2) a registered snapshot covers are deleted by the thread,
 a batch of ~1 ms at a time (``PRUNE_BATCH_SECONDS``), rather than inside the registration:
@@ -455,6 +458,7 @@ class CommandLog:
         self._segments: list[tuple[int, Path]] = self._scan_segments()
         self._segment_fd: int | None = None
         self._segment_size = 0
+        self._last_appended = 0  # the seq of this log's last append (0: none yet)
         self.segment_bytes = SEGMENT_BYTES
         # Held around each write of the appending connection and each batch of the
         # checkpointer's deletions (see the module docstring).
@@ -542,6 +546,7 @@ class CommandLog:
                 f"cannot append record {seq} to {self.journal_dir}: {exc.strerror or exc}"
             ) from None
         self._segment_size += written
+        self._last_appended = seq
 
     def _start_segment(self, seq: int) -> None:
         """Close the segment being appended to and create the one that starts at ``seq``
@@ -721,11 +726,16 @@ class CommandLog:
 
     def _covered_segments(self, seq: int) -> tuple[Path, ...]:
         """Take the segments every record of which is at or before ``seq`` (the next one
-        starts at or before ``seq + 1``) out of the list; the one appended to stays."""
+        starts at or before ``seq + 1``) out of the list. The one appended to stays, unless
+        ``seq`` is this log's last append (an idle service's snapshot, the one a graceful
+        stop takes): then it is ended and goes too, and the next record starts a segment."""
         segments = self._segments
         covered = []
         while len(segments) > 1 and segments[1][0] <= seq + 1:
             covered.append(segments.pop(0)[1])
+        if self._segment_fd is not None and seq >= self._last_appended and segments:
+            self._close_segment()
+            covered.append(segments.pop()[1])
         return tuple(covered)
 
     # -- snapshots -------------------------------------------------------------------------
