@@ -133,6 +133,9 @@ def test_durability_none_writes_nothing_and_bad_levels_are_config_errors(tmp_pat
     server = launch(tmp_path, "--durability", "none")
     try:
         Scheduler(server).admit("n", list(range(10)))
+        durability = server.http().get("/v1/pool").json()["durability"]
+        assert durability["level"] == "none" and durability["data_dir"] is None
+        assert durability["last_seq"] == 0 and durability["journal_segments"] == 0
     finally:
         server.stop()
     assert not (tmp_path / "data").exists()

@@ -53,6 +53,12 @@ def test_pool(pagekeeper_server, running):
     assert 0 < pool["prefix_cache"]["hit_rate"] <= 1
     assert pool["steps"]["num_steps"] >= 2
     assert pool["num_requests"] >= 2 and pool["num_clients"] >= 1
+    # The default durability: every step so far is a record in the journal.
+    durability = pool["durability"]
+    assert durability["level"] == "process" and durability["failure"] == ""
+    assert durability["last_seq"] >= pool["steps"]["num_steps"]
+    assert durability["records_since_snapshot"] <= durability["last_seq"]
+    assert durability["journal_segments"] >= 1 and durability["journal_bytes"] > 0
 
 
 def test_pages(pagekeeper_server, running):

@@ -415,6 +415,11 @@ class Durability:
         return self._seq
 
     @property
+    def latest_snapshot_seq(self) -> int:
+        """The record the newest registered snapshot is after (0: none, or log closed)."""
+        return 0 if self._log is None else self._log.latest_snapshot_seq()
+
+    @property
     def journal_usage(self) -> tuple[int, int] | None:
         """``(segment files, bytes)`` of the journal on disk (None while the log is closed)."""
         return None if self._log is None else self._log.journal_usage()

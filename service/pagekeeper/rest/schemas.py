@@ -97,6 +97,20 @@ class StepsModel(Model):
     apply_p99_ms: float = Field(description="99th percentile of the same, ms.")
 
 
+class DurabilityModel(Model):
+    level: str = Field(description="none, process or fsync (see docs/reliability.md).")
+    data_dir: str | None = Field(description="Where the durable state lives; null: none.")
+    last_seq: int = Field(description="Sequence number of the last committed record.")
+    records_since_snapshot: int = Field(description="Records a restart would replay.")
+    latest_snapshot_seq: int = Field(description="The record the newest snapshot is after.")
+    num_snapshots: int = Field(description="Snapshots taken since start-up.")
+    journal_segments: int = Field(
+        description="Journal segment files on disk (in use, or retired and not yet removed)."
+    )
+    journal_bytes: int = Field(description="Bytes of those files.")
+    failure: str = Field(description="Why the log stopped taking writes; empty: it did not.")
+
+
 class PoolView(Model):
     """The pool at a glance."""
 
@@ -112,6 +126,7 @@ class PoolView(Model):
     padding_tokens_per_group: list[int] = Field(
         description="Allocated but unused token slots (last-page tails), per group."
     )
+    durability: DurabilityModel = Field(description="The durable command log and snapshots.")
 
 
 # -- pages --------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from pagekeeper.core.hashing import native_hashing
 from pagekeeper.core.pool import native_pool
 from pagekeeper.rest.deps import RuntimeDep
 from pagekeeper.rest.schemas import (
+    DurabilityModel,
     GroupModel,
     LimitsModel,
     PagesModel,
@@ -17,6 +18,7 @@ from pagekeeper.rest.schemas import (
     PrefixCacheModel,
     StepsModel,
 )
+from pagekeeper.runtime import Runtime
 
 router = APIRouter(tags=["pool"])
 
@@ -92,4 +94,33 @@ async def get_pool(runtime: RuntimeDep) -> PoolView:
         num_clients=len(state.clients()),
         last_event_seq=state.last_event_seq,
         padding_tokens_per_group=list(stats.padding_tokens_per_group),
+        durability=_durability(runtime),
+    )
+
+
+def _durability(runtime: Runtime) -> DurabilityModel:
+    d = runtime.durability
+    if d is None:
+        return DurabilityModel(
+            level="none",
+            data_dir=None,
+            last_seq=0,
+            records_since_snapshot=0,
+            latest_snapshot_seq=0,
+            num_snapshots=0,
+            journal_segments=0,
+            journal_bytes=0,
+            failure="",
+        )
+    segments, size = d.journal_usage or (0, 0)
+    return DurabilityModel(
+        level=d.level.value,
+        data_dir=str(d.data_dir),
+        last_seq=d.last_seq,
+        records_since_snapshot=d.num_records_since_snapshot,
+        latest_snapshot_seq=d.latest_snapshot_seq,
+        num_snapshots=d.stats.num_snapshots,
+        journal_segments=segments,
+        journal_bytes=size,
+        failure=d.failure,
     )
