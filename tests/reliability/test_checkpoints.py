@@ -26,6 +26,7 @@ from pagekeeper.durability.log import (
     DurabilityLevel,
     record_crc,
 )
+from tests.reliability import journal_files
 
 BODY = 8_000
 
@@ -99,7 +100,7 @@ def test_a_covered_segment_goes_once_a_checkpoint_syncs_the_snapshot(tmp_path):
     for seq in range(1, 101):
         log.append(seq, _body(seq))
     segments = sorted(p.name for p in (tmp_path / JOURNAL_DIR).iterdir())
-    first_seqs = [int(name[8:28]) for name in segments]
+    first_seqs = [journal_files.first_seq(tmp_path / JOURNAL_DIR / name) for name in segments]
     assert len(first_seqs) > 3
     snapshot_seq = first_seqs[2] + 1  # covers the first two segments whole, not the third
     reader = sqlite3.connect(tmp_path / DB_NAME, isolation_level=None)
@@ -263,10 +264,8 @@ def test_files_the_stopped_thread_left_go_with_the_next_checkpoint(tmp_path):
 
 
 def _insert_rows(log: CommandLog, seqs) -> None:
-    """Records as format 2 kept them: rows of table ``log``."""
-    log._db.executemany(
-        "INSERT INTO log (seq, crc, body) VALUES (?, ?, ?)",
-        [(seq, record_crc(seq, _body(seq)), _body(seq)) for seq in seqs],
+    journal_files.insert_rows(
+        log._db, ((seq, record_crc(seq, _body(seq)), _body(seq)) for seq in seqs)
     )
 
 
@@ -325,7 +324,7 @@ def test_a_segment_that_is_not_whole_ends_the_records_and_is_cut_away(tmp_path):
     log.close()
     segments = sorted((tmp_path / JOURNAL_DIR).iterdir())
     assert len(segments) >= 4
-    second_first = int(segments[1].name[8:28])
+    second_first = journal_files.first_seq(segments[1])
     data = bytearray(segments[1].read_bytes())
     data[0] ^= 0xFF  # its magic
     segments[1].write_bytes(bytes(data))
@@ -335,7 +334,7 @@ def test_a_segment_that_is_not_whole_ends_the_records_and_is_cut_away(tmp_path):
     assert rows[-1][1] == CUT_SHORT and rows[-1][2] == b""
     assert log.last_seq() == second_first - 1
     dropped = log.delete_from(second_first)
-    third_first = int(segments[2].name[8:28])
+    third_first = journal_files.first_seq(segments[2])
     assert dropped == 1 + (30 - third_first + 1)  # the unreadable segment counts as one
     assert [p.name for p in sorted((tmp_path / JOURNAL_DIR).iterdir())] == [segments[0].name]
     log.append(second_first, _body(second_first))
