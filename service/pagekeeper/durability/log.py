@@ -147,8 +147,8 @@ _BUSY_TIMEOUT_MS = 5000
 _SYNCHRONOUS = {DurabilityLevel.PROCESS: "NORMAL", DurabilityLevel.FSYNC: "FULL"}
 
 CHECKPOINT_INTERVAL_S = 5.0
-"""A background checkpoint at least this often while records come in (keeps the WAL, and
-so a restart after a crash, short on a quiet service)."""
+"""A background checkpoint at least this often while commits come in (registrations, the
+format row, deleted rows: keeps the WAL, and so a restart after a crash, short)."""
 BACKSTOP_AUTOCHECKPOINT_PAGES = 16_384
 """SQLite's automatic checkpoint on the appending connection while the background one runs
 (4 KiB pages: ~64 MB of WAL)."""
@@ -398,7 +398,7 @@ class _Checkpointer(threading.Thread):
             time.sleep(_PRUNE_PAUSE_S)
 
     def _failed(self, exc: sqlite3.Error) -> None:
-        # Nothing is lost: the records are in the WAL, and the appending connection's own
+        # Nothing is lost: the commits are in the WAL, and the appending connection's own
         # (backstop) checkpoint folds them in if this thread cannot.
         self.stats.num_failures += 1
         self.stats.last_error = str(exc)
