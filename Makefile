@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: all venv serve test lint typecheck stubs check-stubs bench soak fuzz crash memcheck clean test-vllm vllm-diff
+.PHONY: all venv serve test lint typecheck stubs check-stubs bench soak fuzz crash props memcheck clean test-vllm vllm-diff
 
 all: test
 
@@ -50,6 +50,7 @@ bench: $(STAMP)
 CRASHES ?= 50
 DURATION ?= 300
 INPUTS ?= 2000
+SCALE ?= 10
 
 crash: $(STAMP)
 	$(PY) -m tests.reliability.campaign crash --crashes $(CRASHES)
@@ -59,6 +60,13 @@ fuzz: $(STAMP)
 
 soak: $(STAMP)
 	$(PY) -m tests.reliability.campaign soak --duration $(DURATION)
+
+# The property tests and state machines (the core against its model, the pool's C loops
+# against its Python ones, hashing, tables, the journal codec) with SCALE times the
+# examples `make test` draws; a failure prints the example that falsified it.
+props: $(STAMP)
+	PAGEKEEPER_PROPERTY_SCALE=$(SCALE) $(PY) -m pytest -q -p no:cacheprovider \
+		tests/core tests/reliability/test_codec.py -k 'not memcheck' $(PYTEST_ARGS)
 
 # The C loops (hashing, the page pool) under valgrind memcheck: fails on any error report
 # with a frame in pagekeeper.core._native or _poolops (CPython's own reports, which its

@@ -13,8 +13,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import settings
 
+from tests.helpers.props import SCALE, examples
 from tests.helpers.server import RunningServer, launch
+
+if SCALE != 1:
+    # Property tests that name no example count draw Hypothesis's 100, scaled like the rest.
+    settings.register_profile("scaled", max_examples=examples(100))
+    settings.load_profile("scaled")
 
 SHARED_TOKEN = "test-token"
 SHARED_ADMIN_TOKEN = "test-admin-token"

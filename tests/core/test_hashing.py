@@ -40,6 +40,7 @@ from pagekeeper.core.hashing import (
     page_extra_keys,
 )
 from pagekeeper.core.types import ExtraKeys, MultiModalKey
+from tests.helpers.props import examples
 
 try:
     import xxhash
@@ -64,7 +65,9 @@ VECTORS_PATH = next(
 )
 VECTORS = json.loads(VECTORS_PATH.read_text())
 
-SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(
+    max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 
 
 @contextmanager
@@ -920,7 +923,7 @@ def test_native_memcheck_short_run(tmp_path: Path, capsys: pytest.CaptureFixture
     parent=st.binary(min_size=1, max_size=40),
     lora=st.sampled_from([None, "adapter-a"]),
 )
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 def test_hash_next_of_stored_ids_matches_the_general_path(
     page_size: int, tokens: list[int], parent: bytes, lora: str | None
 ) -> None:

@@ -20,6 +20,7 @@ from pagekeeper.core.config import GroupConfig, GroupKind, PoolConfig
 from pagekeeper.core.events import PageRemoved, PageStored
 from pagekeeper.core.manager import PageManager
 from tests.core.refmodel import RefModel
+from tests.helpers.props import examples
 
 PREFIXES = [[7] * 40, list(range(100, 150)), [3, 1, 4, 1, 5, 9, 2, 6] * 5]
 
@@ -168,7 +169,7 @@ class ManagerVsModel(RuleBasedStateMachine):
 
 
 ManagerVsModel = settings(
-    max_examples=80,
+    max_examples=examples(80),
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
@@ -263,7 +264,7 @@ class HybridInvariants(RuleBasedStateMachine):
 
 
 HybridInvariants = settings(
-    max_examples=60,
+    max_examples=examples(60),
     stateful_step_count=30,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],

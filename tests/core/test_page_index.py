@@ -27,6 +27,7 @@ from pagekeeper.core.manager import PageManager
 from pagekeeper.core.pool import PagePool
 from pagekeeper.core.snapshot import capture_manager, snapshot_manager
 from pagekeeper.durability.snapshot import digest_tree
+from tests.helpers.props import examples
 
 pytestmark = pytest.mark.skipif(
     not pool_module.native_pool(), reason="pagekeeper.core._poolops is not built here"
@@ -100,7 +101,7 @@ class IndexVsDict(RuleBasedStateMachine):
         assert self.index.slots >= 2 * len(self.model)  # at most half full
 
 
-TestIndexVsDict = settings(max_examples=150, stateful_step_count=60, deadline=None)(
+TestIndexVsDict = settings(max_examples=examples(150), stateful_step_count=60, deadline=None)(
     IndexVsDict
 ).TestCase
 

@@ -29,6 +29,7 @@ from pagekeeper.core import pool as pool_module
 from pagekeeper.core.errors import PagekeeperError
 from pagekeeper.core.pool import PagePool
 from tests.core.native_memcheck import call_both
+from tests.helpers.props import examples
 
 needs_native = pytest.mark.skipif(
     not pool_module.native_pool(), reason="pagekeeper.core._poolops is not built here"
@@ -114,7 +115,7 @@ class NativeVsPython(RuleBasedStateMachine):
 
 
 NativeVsPython = settings(
-    max_examples=120,
+    max_examples=examples(120),
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
@@ -519,7 +520,7 @@ def decode_workload(native, python, steps: list[tuple[str, int]], max_len: int) 
 
 
 @needs_native
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     steps=st.lists(
         st.tuples(
@@ -748,7 +749,7 @@ def test_decode_rows_applies_rows_in_order_up_to_the_first_it_cannot() -> None:
 
 
 @needs_native
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     specs=st.lists(
         st.tuples(st.integers(1, 40), st.integers(0, 40), st.sampled_from(["s1", "s2"])),

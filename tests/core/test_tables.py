@@ -31,6 +31,7 @@ from pagekeeper.core.tables import (
     slot_mapping,
 )
 from pagekeeper.core.types import BatchTables
+from tests.helpers.props import examples
 
 # -- naive references ----------------------------------------------------------------------
 
@@ -137,7 +138,7 @@ backend_strategy = st.lists(
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(
     page_size=st.integers(1, 1100),
     backends=st.lists(backend_strategy, min_size=1, max_size=3),
@@ -169,7 +170,7 @@ def test_choose_kernel_block_size_matches_brute_force(page_size: int, backends: 
 # -- expand_to_kernel_blocks ---------------------------------------------------------------
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     pages=st.lists(st.integers(0, 2**20), max_size=40),
     ratio=st.integers(1, 66),
@@ -181,7 +182,7 @@ def test_expand_1d_matches_naive_loop(pages: list[int], ratio: int) -> None:
     assert got.tolist() == naive_expand(pages, ratio)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     num_rows=st.integers(0, 6),
     num_cols=st.integers(0, 9),
@@ -261,7 +262,7 @@ def batches(draw: st.DrawFn, page_sizes: st.SearchStrategy[int]) -> tuple:
     return page_size, table, num_pages, starts, counts
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(batch=batches(st.integers(1, 80)))
 def test_slot_mapping_matches_naive(batch: tuple) -> None:
     page_size, table, num_pages, starts, counts = batch
@@ -280,7 +281,7 @@ def test_slot_mapping_matches_naive(batch: tuple) -> None:
 page_sizes_16 = st.integers(1, 66).map(lambda k: 16 * k)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(batch=batches(page_sizes_16), pad_id=st.sampled_from([0, -1]))
 def test_slots_do_not_depend_on_kernel_block_size(batch: tuple, pad_id: int) -> None:
     page_size, table, num_pages, starts, counts = batch
@@ -310,7 +311,7 @@ def test_slots_do_not_depend_on_kernel_block_size(batch: tuple, pad_id: int) -> 
         assert by_kernel_blocks == by_pages
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(
     page_size=st.sampled_from([16, 48, 64, 1056]),
     num_rows=st.integers(1, 20),
@@ -720,7 +721,9 @@ class PageRowsMachine(RuleBasedStateMachine):
 
 
 TestPageRowsMachine = PageRowsMachine.TestCase
-TestPageRowsMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+TestPageRowsMachine.settings = settings(
+    max_examples=examples(60), stateful_step_count=30, deadline=None
+)
 
 
 # -- purity --------------------------------------------------------------------------------

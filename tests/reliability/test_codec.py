@@ -50,6 +50,7 @@ from pagekeeper.state import (
     limits_from_tree,
     limits_to_tree,
 )
+from tests.helpers.props import examples
 from tests.reliability.workload import HYBRID_POOL, Workload, new_state, tokens
 
 leaves = (
@@ -80,13 +81,13 @@ def _equal(a, b) -> bool:
     return type(a) is type(b) and a == b
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=examples(80), deadline=None)
 @given(trees)
 def test_values_round_trip(tree):
     assert _equal(tree, decode(encode(tree)))
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(trees, st.data())
 def test_damaged_values_never_crash(tree, data):
     """Truncated or flipped encodings raise ValueDecodeError or decode to *some* value;
