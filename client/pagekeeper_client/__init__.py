@@ -25,6 +25,7 @@ _EXPORTS = {
     "PagekeeperClient": "pagekeeper_client.client",
     "AsyncPagekeeperClient": "pagekeeper_client.aio",
     "RequestView": "pagekeeper_client.client",
+    "ClientTLS": "pagekeeper_client.client",
     # workers
     "register_worker": "pagekeeper_client.worker",
     "WorkerHandle": "pagekeeper_client.worker",
@@ -82,6 +83,7 @@ __all__ = [
     "BlockTable",
     "ClientRole",
     "ClientStats",
+    "ClientTLS",
     "DeadlineExceededError",
     "EventBatch",
     "ExtraKeys",
@@ -135,7 +137,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # pragma: no cover - static names for type checkers and IDEs
     from pagekeeper_client.aio import AsyncPagekeeperClient
-    from pagekeeper_client.client import PagekeeperClient, RequestView
+    from pagekeeper_client.client import ClientTLS, PagekeeperClient, RequestView
     from pagekeeper_client.errors import (
         AlreadyExistsError,
         DeadlineExceededError,

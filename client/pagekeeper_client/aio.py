@@ -39,13 +39,14 @@ from pagekeeper_client.client import (
     DEFAULT_RETRY_S,
     DEFAULT_TIMEOUT_S,
     TOKEN_ENV,
+    ClientTLS,
     RequestView,
     SchedulerState,
     _check_int32,
     _role,
     auth_metadata,
     block_table_from_pb,
-    channel_options,
+    channel_setup,
     counters_from_pb,
     default_client_name,
     encode_i32,
@@ -147,6 +148,7 @@ class AsyncPagekeeperClient:
         defer_page_ids: bool = False,
         hold_decodes: bool = True,
         local_socket: str | None = "auto",
+        tls: ClientTLS | bool | None = None,
     ) -> None:
         self.address = resolve_address(address)
         self._token = token if token is not None else os.environ.get(TOKEN_ENV) or None
@@ -155,13 +157,20 @@ class AsyncPagekeeperClient:
         self.retry_s = retry_s
         self.defer_page_ids = defer_page_ids
         self.hold_decodes = hold_decodes
-        self._channel = grpc.aio.insecure_channel(
-            self.address,
-            options=channel_options(
-                max_message_bytes=max_message_bytes, keepalive_s=keepalive_s, extra=options
-            ),
-            interceptors=list(interceptors) or None,
+        self.tls, opts = channel_setup(
+            tls, max_message_bytes=max_message_bytes, keepalive_s=keepalive_s, options=options
         )
+        if self.tls is None:
+            self._channel = grpc.aio.insecure_channel(
+                self.address, options=opts, interceptors=list(interceptors) or None
+            )
+        else:
+            self._channel = grpc.aio.secure_channel(
+                self.address,
+                self.tls.credentials(),
+                options=opts,
+                interceptors=list(interceptors) or None,
+            )
         self._stub = pb_grpc.PagekeeperServiceStub(self._channel)  # type: ignore[no-untyped-call]
         self.stats = ClientStats()
         self._registration: Registration | None = None

@@ -175,6 +175,95 @@ def local_socket_choice(
 # ---------------------------------------------------------------------------------------------
 
 
+TLS_CA_FILE_ENV = "PAGEKEEPER_TLS_CA_FILE"
+TLS_CLIENT_CERT_FILE_ENV = "PAGEKEEPER_TLS_CLIENT_CERT_FILE"
+TLS_CLIENT_KEY_FILE_ENV = "PAGEKEEPER_TLS_CLIENT_KEY_FILE"
+
+
+@dataclass(frozen=True, slots=True)
+class ClientTLS:
+    """How a client reaches a service that serves TLS (``server.tls_cert_file``).
+
+    ``ca_file``: PEM CA certificates the service's certificate must be signed by (None: the
+    system's roots). ``cert_file`` + ``key_file``: this client's certificate, for a service
+    that asks for one (``server.tls_client_ca_file``). ``server_name``: the name to check
+    the service's certificate against when it is not the address's host."""
+
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+    server_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("a client certificate needs both cert_file and key_file")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> ClientTLS | None:
+        """TLS as ``$PAGEKEEPER_TLS_CA_FILE`` (and ``$PAGEKEEPER_TLS_CLIENT_CERT_FILE`` +
+        ``$PAGEKEEPER_TLS_CLIENT_KEY_FILE``) describe it; None when the CA file is unset."""
+        environ = os.environ if environ is None else environ
+        ca_file = environ.get(TLS_CA_FILE_ENV) or None
+        if ca_file is None:
+            return None
+        return cls(
+            ca_file=ca_file,
+            cert_file=environ.get(TLS_CLIENT_CERT_FILE_ENV) or None,
+            key_file=environ.get(TLS_CLIENT_KEY_FILE_ENV) or None,
+        )
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        """The channel credentials (the files read now: a missing one raises OSError)."""
+
+        def read(path: str | None) -> bytes | None:
+            if path is None:
+                return None
+            with open(path, "rb") as f:
+                return f.read()
+
+        return grpc.ssl_channel_credentials(
+            root_certificates=read(self.ca_file),
+            private_key=read(self.key_file),
+            certificate_chain=read(self.cert_file),
+        )
+
+    def channel_options(self) -> list[tuple[str, Any]]:
+        if self.server_name is None:
+            return []
+        return [("grpc.ssl_target_name_override", self.server_name)]
+
+
+def resolve_tls(tls: ClientTLS | bool | None) -> ClientTLS | None:
+    """A client's ``tls`` argument: a :class:`ClientTLS`, True (TLS with the system's
+    roots), False (plaintext), or None (``ClientTLS.from_env()``: plaintext unless
+    ``$PAGEKEEPER_TLS_CA_FILE`` is set)."""
+    if tls is None:
+        return ClientTLS.from_env()
+    if tls is True:
+        return ClientTLS()
+    if tls is False:
+        return None
+    if not isinstance(tls, ClientTLS):
+        raise TypeError("tls must be a ClientTLS, True, False or None")
+    return tls
+
+
+def channel_setup(
+    tls: ClientTLS | bool | None,
+    *,
+    max_message_bytes: int,
+    keepalive_s: float,
+    options: Sequence[tuple[str, Any]],
+) -> tuple[ClientTLS | None, list[tuple[str, Any]]]:
+    """A client's resolved TLS (:func:`resolve_tls`) and its channel arguments."""
+    resolved = resolve_tls(tls)
+    extra = [*options, *(resolved.channel_options() if resolved is not None else ())]
+    opts = channel_options(
+        max_message_bytes=max_message_bytes, keepalive_s=keepalive_s, extra=extra
+    )
+    return resolved, opts
+
+
 def resolve_address(address: str | None) -> str:
     """``address``, else ``$PAGEKEEPER_GRPC_ADDRESS``, else ``127.0.0.1:50051``."""
     return address or os.environ.get(ADDRESS_ENV) or DEFAULT_ADDRESS
@@ -1595,6 +1684,7 @@ class PagekeeperClient:
         defer_page_ids: bool = False,
         hold_decodes: bool = True,
         local_socket: str | None = "auto",
+        tls: ClientTLS | bool | None = None,
     ) -> None:
         self.address = resolve_address(address)
         self._token = token if token is not None else os.environ.get(TOKEN_ENV) or None
@@ -1603,12 +1693,13 @@ class PagekeeperClient:
         self.retry_s = retry_s
         self.defer_page_ids = defer_page_ids
         self.hold_decodes = hold_decodes
-        channel = grpc.insecure_channel(
-            self.address,
-            options=channel_options(
-                max_message_bytes=max_message_bytes, keepalive_s=keepalive_s, extra=options
-            ),
+        self.tls, opts = channel_setup(
+            tls, max_message_bytes=max_message_bytes, keepalive_s=keepalive_s, options=options
         )
+        if self.tls is None:
+            channel = grpc.insecure_channel(self.address, options=opts)
+        else:
+            channel = grpc.secure_channel(self.address, self.tls.credentials(), options=opts)
         self._raw_channel = channel
         if interceptors:
             channel = grpc.intercept_channel(channel, *interceptors)

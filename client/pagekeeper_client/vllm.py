@@ -4,7 +4,8 @@
 
     from vllm import LLM
     llm = LLM(model=..., scheduler_cls="pagekeeper_client.vllm.PagekeeperScheduler")
-    # the service: $PAGEKEEPER_GRPC_ADDRESS (default 127.0.0.1:50051), token $PAGEKEEPER_TOKEN
+    # the service: $PAGEKEEPER_GRPC_ADDRESS (default 127.0.0.1:50051), token $PAGEKEEPER_TOKEN,
+    # TLS $PAGEKEEPER_TLS_CA_FILE (+ _CLIENT_CERT_FILE, _CLIENT_KEY_FILE)
 
 :class:`PagekeeperScheduler` is vLLM's own ``Scheduler`` whose ``kv_cache_manager`` is replaced
 by :class:`PagekeeperKVCacheManager` once ``Scheduler.__init__`` has run: every page the

@@ -88,9 +88,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from pagekeeper.durability import Durability, DurabilityError
     from pagekeeper.runtime import build_runtime
     from pagekeeper.server import serve
+    from pagekeeper.tls import load_server_tls
 
     durability = None
     try:
+        tls = load_server_tls(settings)  # before the data directory is touched
         if settings.durability != "none":
             durability = Durability.open(
                 settings.data_dir, settings.durability, snapshot_every=settings.snapshot_every
@@ -107,7 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"pagekeeper: cannot recover the durable state: {exc}", file=sys.stderr)
         return EXIT_DATA
     try:
-        asyncio.run(serve(settings, ready_file=ns.ready_file, runtime=runtime))
+        asyncio.run(serve(settings, ready_file=ns.ready_file, runtime=runtime, tls=tls))
     except OSError as exc:
         runtime.close()
         print(f"pagekeeper: cannot start: {exc}", file=sys.stderr)

@@ -18,6 +18,13 @@ serve`` reads it (``--config`` / ``$PAGEKEEPER_CONFIG`` < ``PAGEKEEPER_*`` env <
 wildcard listen hosts turned into loopback (``0.0.0.0:50051`` is probed at
 ``127.0.0.1:50051``), so inside the service's container the probe needs no argument.
 
+Over TLS (the service's ``server.tls_cert_file``) the probe speaks TLS too, trusting
+``--tls-ca-file`` (default ``$PAGEKEEPER_TLS_CA_FILE``, else the service's own certificate
+file: enough for a self-signed certificate or a chain file that holds its CA). A service
+that asks for client certificates needs ``--tls-cert-file`` and ``--tls-key-file`` (default
+``$PAGEKEEPER_TLS_CLIENT_CERT_FILE`` / ``_KEY_FILE``). ``--tls-server-name`` names the
+certificate's host when it is not the probed address's.
+
 Exit status: 0 healthy, 1 unhealthy or unusable (bad flags or configuration). Never 2:
 Docker reserves it. One line per check goes to stdout (Docker keeps it in the container's
 health log); ``--quiet`` prints failures only.
@@ -30,11 +37,15 @@ import http.client
 import json
 import os
 import socket
+import ssl
 import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
+
+if TYPE_CHECKING:
+    from pagekeeper_client.client import ClientTLS
 
 EXIT_HEALTHY = 0
 EXIT_UNHEALTHY = 1
@@ -74,6 +85,8 @@ class ProbeTargets:
     expect_clients: tuple[str, ...] = ()
     expect_roles: tuple[str, ...] = ()
     timeout_s: float = DEFAULT_TIMEOUT_S
+    tls: ClientTLS | None = None
+    """TLS for the gRPC and HTTP checks (None: plaintext)."""
 
 
 def connect_address(address: str) -> str:
@@ -96,14 +109,27 @@ def connect_address(address: str) -> str:
 # -- gRPC ---------------------------------------------------------------------------------
 
 
-def check_grpc(address: str, timeout_s: float, service: str = GRPC_SERVICE) -> CheckResult:
+def check_grpc(
+    address: str,
+    timeout_s: float,
+    service: str = GRPC_SERVICE,
+    tls: ClientTLS | None = None,
+) -> CheckResult:
     """``Health/Check(service)`` must answer SERVING within ``timeout_s``."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    name = f"grpc {address} health({service or '<server>'})"
+    name = f"grpc{'s' if tls else ''} {address} health({service or '<server>'})"
     started = time.monotonic()
-    channel = grpc.insecure_channel(address)
+    try:
+        channel = (
+            grpc.insecure_channel(address)
+            if tls is None
+            else grpc.secure_channel(address, tls.credentials(), options=tls.channel_options())
+        )
+    except OSError as exc:
+        detail = f"cannot read the TLS files: {exc}"
+        return CheckResult(name, False, detail, time.monotonic() - started)
     try:
         stub = health_pb2_grpc.HealthStub(channel)
         response = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
@@ -139,15 +165,48 @@ class _UnixHTTPConnection(http.client.HTTPConnection):
         self.sock = sock
 
 
+class _HTTPSConnection(http.client.HTTPSConnection):
+    """HTTPS that checks the certificate against ``server_name`` (default: the host)."""
+
+    def __init__(
+        self, host: str, port: int, timeout: float, context: ssl.SSLContext, server_name: str
+    ) -> None:
+        super().__init__(host, port, timeout=timeout, context=context)
+        self._tls_context = context
+        self._server_name = server_name
+
+    def connect(self) -> None:
+        http.client.HTTPConnection.connect(self)
+        self.sock = self._tls_context.wrap_socket(self.sock, server_hostname=self._server_name)
+
+
+def _ssl_context(tls: ClientTLS) -> ssl.SSLContext:
+    context = ssl.create_default_context(cafile=tls.ca_file)
+    if tls.cert_file is not None and tls.key_file is not None:
+        context.load_cert_chain(tls.cert_file, tls.key_file)
+    return context
+
+
 def http_get(
-    address: str, path: str, timeout_s: float, headers: Mapping[str, str] | None = None
+    address: str,
+    path: str,
+    timeout_s: float,
+    headers: Mapping[str, str] | None = None,
+    tls: ClientTLS | None = None,
 ) -> tuple[int, bytes]:
-    """``GET path`` on ``address``; returns (status, body). Raises OSError on no answer."""
+    """``GET path`` on ``address`` (HTTPS with ``tls``); returns (status, body). Raises
+    OSError on no answer (ssl.SSLError included)."""
     if address.startswith("unix:"):
         conn: http.client.HTTPConnection = _UnixHTTPConnection(address[len("unix:") :], timeout_s)
     else:
         host, _, port = address.rpartition(":")
-        conn = http.client.HTTPConnection(host.strip("[]"), int(port), timeout=timeout_s)
+        host = host.strip("[]")
+        if tls is None:
+            conn = http.client.HTTPConnection(host, int(port), timeout=timeout_s)
+        else:
+            conn = _HTTPSConnection(
+                host, int(port), timeout_s, _ssl_context(tls), tls.server_name or host
+            )
     try:
         conn.request("GET", path, headers=dict(headers or {}))
         response = conn.getresponse()
@@ -178,12 +237,12 @@ def check_local(path: str, timeout_s: float, token: str | None) -> CheckResult:
     return CheckResult(name, True, detail, time.perf_counter() - started)
 
 
-def check_ready(address: str, timeout_s: float) -> CheckResult:
+def check_ready(address: str, timeout_s: float, tls: ClientTLS | None = None) -> CheckResult:
     """``GET /readyz`` must answer 200."""
-    name = f"http {address} /readyz"
+    name = f"http{'s' if tls else ''} {address} /readyz"
     started = time.monotonic()
     try:
-        status, body = http_get(address, "/readyz", timeout_s)
+        status, body = http_get(address, "/readyz", timeout_s, tls=tls)
     except (OSError, http.client.HTTPException) as exc:
         return CheckResult(name, False, f"no answer: {exc}", time.monotonic() - started)
     detail = f"{status}" if status == 200 else f"{status}: {body[:200].decode(errors='replace')}"
@@ -197,14 +256,15 @@ def check_clients(
     names: Sequence[str],
     roles: Sequence[str],
     token: str | None = None,
+    tls: ClientTLS | None = None,
 ) -> CheckResult:
     """``GET /v1/clients`` must list a live client (lease not run out) for every name in
     ``names`` and at least one live client of every role in ``roles``."""
-    name = f"http {address} /v1/clients"
+    name = f"http{'s' if tls else ''} {address} /v1/clients"
     started = time.monotonic()
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
-        status, body = http_get(address, "/v1/clients", timeout_s, headers)
+        status, body = http_get(address, "/v1/clients", timeout_s, headers, tls)
         if status != 200:
             detail = f"{status}: {body[:200].decode(errors='replace')}"
             return CheckResult(name, False, detail, time.monotonic() - started)
@@ -231,7 +291,9 @@ def run_checks(targets: ProbeTargets) -> list[CheckResult]:
     gRPC server makes the HTTP answers moot, and each check costs up to the timeout)."""
     results: list[CheckResult] = []
     if targets.grpc_address is not None:
-        results.append(check_grpc(connect_address(targets.grpc_address), targets.timeout_s))
+        results.append(
+            check_grpc(connect_address(targets.grpc_address), targets.timeout_s, tls=targets.tls)
+        )
         if not results[-1].is_ok:
             return results
     if targets.local_socket is not None:
@@ -240,7 +302,7 @@ def run_checks(targets: ProbeTargets) -> list[CheckResult]:
             return results
     if targets.http_address is not None:
         http_address = connect_address(targets.http_address)
-        results.append(check_ready(http_address, targets.timeout_s))
+        results.append(check_ready(http_address, targets.timeout_s, targets.tls))
         if not results[-1].is_ok:
             return results
         if targets.expect_clients or targets.expect_roles:
@@ -251,6 +313,7 @@ def run_checks(targets: ProbeTargets) -> list[CheckResult]:
                     names=targets.expect_clients,
                     roles=targets.expect_roles,
                     token=targets.token,
+                    tls=targets.tls,
                 )
             )
     return results
@@ -328,6 +391,28 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="retry until healthy or S seconds have passed (default: one try)",
     )
+    parser.add_argument(
+        "--tls-ca-file",
+        metavar="FILE",
+        help="PEM CAs to trust over TLS (default $PAGEKEEPER_TLS_CA_FILE, else the "
+        "service's certificate file)",
+    )
+    parser.add_argument(
+        "--tls-cert-file",
+        metavar="FILE",
+        help="client certificate, for a service that asks for one "
+        "(default $PAGEKEEPER_TLS_CLIENT_CERT_FILE)",
+    )
+    parser.add_argument(
+        "--tls-key-file",
+        metavar="FILE",
+        help="its private key (default $PAGEKEEPER_TLS_CLIENT_KEY_FILE)",
+    )
+    parser.add_argument(
+        "--tls-server-name",
+        metavar="NAME",
+        help="the name the service's certificate is for, when not the probed host",
+    )
     parser.add_argument("-q", "--quiet", action="store_true", help="print failures only")
     return parser
 
@@ -347,6 +432,7 @@ def targets_from_args(
     if ns.no_http and (ns.expect_client or ns.expect_role):
         raise ValueError("--expect-client/--expect-role need the HTTP checks (drop --no-http)")
     return ProbeTargets(
+        tls=_probe_tls(ns, settings.tls_cert_file, os.environ if environ is None else environ),
         grpc_address=None if ns.no_grpc else settings.grpc_address,
         http_address=None if ns.no_http else settings.http_address,
         token=settings.token,
@@ -354,6 +440,29 @@ def targets_from_args(
         expect_clients=tuple(ns.expect_client),
         expect_roles=tuple(ns.expect_role),
         timeout_s=ns.timeout,
+    )
+
+
+def _probe_tls(
+    ns: argparse.Namespace, service_cert_file: str | None, environ: Mapping[str, str]
+) -> ClientTLS | None:
+    """TLS when the service serves it or a CA file is named; flags over env over the
+    service's own certificate file."""
+    from pagekeeper_client.client import (
+        TLS_CA_FILE_ENV,
+        TLS_CLIENT_CERT_FILE_ENV,
+        TLS_CLIENT_KEY_FILE_ENV,
+        ClientTLS,
+    )
+
+    ca_file = ns.tls_ca_file or environ.get(TLS_CA_FILE_ENV) or service_cert_file
+    if ca_file is None:
+        return None
+    return ClientTLS(
+        ca_file=ca_file,
+        cert_file=ns.tls_cert_file or environ.get(TLS_CLIENT_CERT_FILE_ENV) or None,
+        key_file=ns.tls_key_file or environ.get(TLS_CLIENT_KEY_FILE_ENV) or None,
+        server_name=ns.tls_server_name,
     )
 
 

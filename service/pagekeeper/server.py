@@ -25,6 +25,7 @@ import signal
 import socket
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Literal
 
 import uvicorn
 
@@ -37,6 +38,7 @@ from pagekeeper.rpc.server import GrpcServer
 from pagekeeper.runtime import Runtime, build_runtime
 from pagekeeper.settings import Settings, split_address
 from pagekeeper.state import ExpireLeasesCommand
+from pagekeeper.tls import ServerTLS, load_server_tls
 
 log = logging.getLogger("pagekeeper")
 
@@ -129,8 +131,12 @@ async def serve(
     ready_file: str | None = None,
     stop: asyncio.Event | None = None,
     runtime: Runtime | None = None,
+    tls: ServerTLS | Literal["settings"] | None = "settings",
 ) -> None:
-    """Run until SIGTERM/SIGINT (or ``stop`` is set), then drain and return."""
+    """Run until SIGTERM/SIGINT (or ``stop`` is set), then drain and return. ``tls``: the
+    checked TLS material (default: loaded from ``settings``; raises ConfigError)."""
+    if tls == "settings":
+        tls = load_server_tls(settings)
     runtime = runtime or build_runtime(settings)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -140,7 +146,9 @@ async def serve(
     runtime.on_fatal.append(lambda reason: loop.call_soon_threadsafe(stop.set))
 
     grpc_server = GrpcServer(runtime)
-    grpc_address = await grpc_server.start(settings.grpc_address)
+    grpc_address = await grpc_server.start(
+        settings.grpc_address, None if tls is None else tls.grpc_credentials()
+    )
     local_server: LocalServer | None = None
     try:
         http_socket = bind_http_socket(settings.http_address)
@@ -156,6 +164,7 @@ async def serve(
         access_log=settings.log_level == "debug",
         lifespan="off",
         timeout_graceful_shutdown=max(1, round(settings.shutdown_grace_s)),
+        **({} if tls is None else tls.uvicorn_options()),
     )
     http_server = _Uvicorn(config)
     http_task = asyncio.create_task(http_server.serve(sockets=[http_socket]), name="uvicorn")
@@ -199,11 +208,16 @@ async def serve(
             "grpc_port": _port(grpc_address),
             "http_port": _port(http_address),
             "local_socket": local_server.path if local_server is not None else None,
+            "tls": tls is not None,
         }
         log.info(
-            "gRPC on %s, HTTP on %s%s; page hashing in %s, pool loops in %s",
+            "gRPC on %s, HTTP on %s%s%s; page hashing in %s, pool loops in %s",
             grpc_address,
             http_address,
+            ""
+            if tls is None
+            else " over TLS"
+            + (" (gRPC clients need a certificate)" if tls.requires_client_certificates else ""),
             f", local socket {local_server.path}" if local_server is not None else "",
             "C (pagekeeper.core._native)" if native_hashing() else "pure Python",
             "C (pagekeeper.core._poolops)" if native_pool() else "pure Python",

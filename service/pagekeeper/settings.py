@@ -60,6 +60,14 @@ class Settings:
     admin_token: str | None = None
     """Bearer token of the HTTP admin endpoints; defaults to ``token``. With neither set the
     admin endpoints are refused (403): force-freeing pages needs a deliberate credential."""
+    tls_cert_file: str | None = None
+    """PEM certificate chain: gRPC and HTTP are served over TLS with it (None: plaintext,
+    for loopback and trusted networks). Needs ``tls_key_file``."""
+    tls_key_file: str | None = None
+    """PEM private key of ``tls_cert_file``."""
+    tls_client_ca_file: str | None = None
+    """PEM CA certificates: gRPC clients must present a certificate signed by one (mutual
+    TLS). HTTP asks for none (probes, Prometheus); its mutations keep their tokens."""
     max_message_bytes: int = 64 * 1024 * 1024
     max_clients: int = 64
     max_requests_per_step: int = 1024
@@ -119,10 +127,18 @@ class Settings:
                     f"the absolute path must be at most {_MAX_UNIX_PATH} bytes (a unix socket "
                     f"address), got {size}",
                 )
-        for name in ("token", "admin_token"):
+        for name in ("token", "admin_token", "tls_cert_file", "tls_key_file", "tls_client_ca_file"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value.strip()):
                 raise ConfigError(f"server.{name}", "must be a non-empty string when set")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            missing = "tls_key_file" if self.tls_key_file is None else "tls_cert_file"
+            raise ConfigError(f"server.{missing}", "TLS needs both a certificate and its key")
+        if self.tls_client_ca_file is not None and self.tls_cert_file is None:
+            raise ConfigError(
+                "server.tls_client_ca_file",
+                "client certificates need TLS: set tls_cert_file and tls_key_file too",
+            )
         for name, low in (
             ("max_message_bytes", 1024),
             ("max_clients", 1),
@@ -187,6 +203,9 @@ class Settings:
             "local_socket": self.local_socket,
             "token": secret(self.token),
             "admin_token": secret(self.admin_token),
+            "tls_cert_file": self.tls_cert_file,
+            "tls_key_file": self.tls_key_file,
+            "tls_client_ca_file": self.tls_client_ca_file,
             "max_message_bytes": self.max_message_bytes,
             "max_clients": self.max_clients,
             "max_requests_per_step": self.max_requests_per_step,
@@ -279,6 +298,13 @@ OPTIONS: tuple[Option, ...] = (
     Option("server.local_socket", str, "unix socket path for same-host clients (default: off)"),
     Option("server.token", str, "bearer token for gRPC calls and HTTP mutations"),
     Option("server.admin_token", str, "bearer token for HTTP admin endpoints (default: token)"),
+    Option("server.tls_cert_file", str, "PEM certificate chain: serve gRPC and HTTP over TLS"),
+    Option("server.tls_key_file", str, "PEM private key of the TLS certificate"),
+    Option(
+        "server.tls_client_ca_file",
+        str,
+        "PEM CA certificates gRPC clients' certificates must be signed by (mutual TLS)",
+    ),
     Option("server.max_message_bytes", _parse_int, "largest gRPC message, bytes"),
     Option("server.max_clients", _parse_int, "most registered clients"),
     Option("server.max_requests_per_step", _parse_int, "most requests per Step / batch"),

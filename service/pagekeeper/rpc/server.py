@@ -159,11 +159,15 @@ class GrpcServer:
         )
         self.address = ""
 
-    async def start(self, address: str) -> str:
-        """Bind and start; returns the bound address (the real port when 0 was asked)."""
+    async def start(self, address: str, credentials: grpc.ServerCredentials | None = None) -> str:
+        """Bind and start (over TLS with ``credentials``); returns the bound address (the
+        real port when 0 was asked)."""
         is_unix = address.startswith("unix:")
         try:
-            port = self.server.add_insecure_port(address)
+            if credentials is None:
+                port = self.server.add_insecure_port(address)
+            else:
+                port = self.server.add_secure_port(address, credentials)
             bound = port > 0 or is_unix
         except RuntimeError:  # grpcio says only "Failed to bind" (its C core logs why)
             bound = False

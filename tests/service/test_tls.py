@@ -1,0 +1,387 @@
+"""TLS on both listeners, mutual TLS on gRPC, and the errors a bad TLS setting gets.
+
+Certificates are made per session with the ``openssl`` command line (a CA, a server
+certificate for 127.0.0.1 and localhost, a client certificate of that CA and one of another
+CA); the real server runs as a subprocess on ephemeral loopback ports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import ssl
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from pagekeeper.core.errors import ConfigError
+from pagekeeper.probe import main as probe_main
+from pagekeeper.settings import Settings, load_settings
+from pagekeeper.tls import load_server_tls
+from pagekeeper_client import (
+    AsyncPagekeeperClient,
+    ClientTLS,
+    PagekeeperClient,
+    UnavailableError,
+    register_worker,
+)
+from pagekeeper_client.client import resolve_tls
+from tests.helpers.server import ROOT, RunningServer, clean_env, launch
+
+pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def _make_ca(d: Path, name: str) -> None:
+    _openssl(
+        "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
+        "-keyout", f"{name}.key", "-out", f"{name}.pem", "-subj", f"/CN={name}",
+        cwd=d,
+    )  # fmt: skip
+
+
+def _make_leaf(d: Path, name: str, ca: str, san: str | None) -> None:
+    _openssl(
+        "req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key",
+        "-out", f"{name}.csr", "-subj", f"/CN={name}",
+        cwd=d,
+    )  # fmt: skip
+    ext = d / f"{name}.ext"
+    ext.write_text(f"subjectAltName={san}\n" if san else "basicConstraints=CA:FALSE\n")
+    _openssl(
+        "x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key",
+        "-CAcreateserial", "-days", "2", "-out", f"{name}.pem", "-extfile", ext.name,
+        cwd=d,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("pki")
+    _make_ca(d, "ca")
+    _make_ca(d, "other-ca")
+    _make_leaf(d, "server", "ca", "IP:127.0.0.1,DNS:localhost")
+    _make_leaf(d, "client", "ca", None)
+    _make_leaf(d, "stranger", "other-ca", None)
+    return d
+
+
+def _tls_args(pki: Path, *, client_ca: bool = False) -> list[str]:
+    args = ["--tls-cert-file", str(pki / "server.pem"), "--tls-key-file", str(pki / "server.key")]
+    if client_ca:
+        args += ["--tls-client-ca-file", str(pki / "ca.pem")]
+    return args
+
+
+@pytest.fixture(scope="module")
+def tls_server(pki: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    server = launch(tmp_path_factory.mktemp("tls"), *_tls_args(pki), "--num-pages", "64")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def mtls_server(pki: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    server = launch(
+        tmp_path_factory.mktemp("mtls"), *_tls_args(pki, client_ca=True), "--num-pages", "64"
+    )
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _https_get(server: RunningServer, path: str, cafile: Path) -> tuple[int, dict]:
+    context = ssl.create_default_context(cafile=str(cafile))
+    with urllib.request.urlopen(
+        f"https://{server.http_address}{path}", context=context, timeout=10
+    ) as response:
+        return response.status, json.loads(response.read())
+
+
+def _step_once(client: PagekeeperClient) -> None:
+    client.register("scheduler", name="tls-test")
+    admitted = client.admit("r1", list(range(40)))
+    assert admitted.num_cached_tokens == 0
+    client.step()
+    assert client.block_table("r1").page_ids.size == 3
+    client.free_later("r1")
+    client.step()
+
+
+# -- TLS ----------------------------------------------------------------------------------
+
+
+def test_a_tls_server_serves_grpc_and_https_to_clients_that_trust_its_ca(
+    tls_server: RunningServer, pki: Path
+) -> None:
+    assert tls_server.info["tls"] is True
+    with PagekeeperClient(
+        tls_server.grpc_address, tls=ClientTLS(ca_file=str(pki / "ca.pem")), local_socket=None
+    ) as client:
+        _step_once(client)
+    status, pool = _https_get(tls_server, "/v1/pool", pki / "ca.pem")
+    assert status == 200
+    assert pool["steps"]["num_steps"] >= 2
+    status, _ = _https_get(tls_server, "/readyz", pki / "ca.pem")
+    assert status == 200
+    assert "over TLS" in tls_server.logs()
+
+
+def test_the_async_client_speaks_tls_too(tls_server: RunningServer, pki: Path) -> None:
+    async def run() -> int:
+        async with AsyncPagekeeperClient(
+            tls_server.grpc_address, tls=ClientTLS(ca_file=str(pki / "ca.pem"))
+        ) as client:
+            info = await client.pool_info()
+            return info.counters.num_free_pages
+
+    assert asyncio.run(run()) > 0
+
+
+def test_plaintext_and_untrusting_clients_are_not_served(
+    tls_server: RunningServer, pki: Path
+) -> None:
+    plain = PagekeeperClient(tls_server.grpc_address, tls=False, timeout=3, retry_s=0)
+    with plain, pytest.raises(UnavailableError):
+        plain.pool_info()
+    # A CA that did not sign the server's certificate: the handshake fails.
+    untrusting = PagekeeperClient(
+        tls_server.grpc_address,
+        tls=ClientTLS(ca_file=str(pki / "other-ca.pem")),
+        timeout=3,
+        retry_s=0,
+    )
+    with untrusting, pytest.raises(UnavailableError):
+        untrusting.pool_info()
+    with pytest.raises((urllib.error.URLError, ConnectionError, OSError)):
+        urllib.request.urlopen(f"http://{tls_server.http_address}/readyz", timeout=5).read()
+
+
+def test_a_certificate_for_another_name_is_checked_against_server_name(
+    tls_server: RunningServer, pki: Path
+) -> None:
+    port = tls_server.grpc_address.rpartition(":")[2]
+    # "localhost" is in the certificate: reached by that name, or by IP with the override.
+    tls = ClientTLS(ca_file=str(pki / "ca.pem"), server_name="localhost")
+    with PagekeeperClient(f"127.0.0.1:{port}", tls=tls, local_socket=None) as client:
+        assert client.pool_info().counters.num_free_pages > 0
+    wrong = ClientTLS(ca_file=str(pki / "ca.pem"), server_name="elsewhere.example")
+    mismatched = PagekeeperClient(f"127.0.0.1:{port}", tls=wrong, timeout=3, retry_s=0)
+    with mismatched, pytest.raises(UnavailableError):
+        mismatched.pool_info()
+
+
+def test_the_probe_speaks_tls(tls_server: RunningServer, pki: Path, capsys) -> None:
+    args = ["--grpc-address", tls_server.grpc_address, "--http-address", tls_server.http_address]
+    assert probe_main([*args, "--tls-ca-file", str(pki / "ca.pem")]) == 0
+    out = capsys.readouterr().out
+    assert "ok grpcs" in out and "ok https" in out
+    # Trusting the wrong CA is unhealthy, with the reason on the line.
+    assert probe_main([*args, "--tls-ca-file", str(pki / "other-ca.pem")]) == 1
+    assert "FAIL grpcs" in capsys.readouterr().out
+
+
+# -- mutual TLS ---------------------------------------------------------------------------
+
+
+def test_mutual_tls_serves_only_clients_with_a_certificate_of_its_ca(
+    mtls_server: RunningServer, pki: Path
+) -> None:
+    ca = str(pki / "ca.pem")
+    with PagekeeperClient(
+        mtls_server.grpc_address,
+        tls=ClientTLS(ca, str(pki / "client.pem"), str(pki / "client.key")),
+        local_socket=None,
+    ) as client:
+        _step_once(client)
+    for tls in (
+        ClientTLS(ca),  # no certificate
+        ClientTLS(ca, str(pki / "stranger.pem"), str(pki / "stranger.key")),  # another CA's
+    ):
+        refused = PagekeeperClient(mtls_server.grpc_address, tls=tls, timeout=3, retry_s=0)
+        with refused, pytest.raises(UnavailableError):
+            refused.pool_info()
+    # HTTP asks for no client certificate: probes and scrapers have none.
+    status, _ = _https_get(mtls_server, "/readyz", pki / "ca.pem")
+    assert status == 200
+    assert "gRPC clients need a certificate" in mtls_server.logs()
+
+
+def test_the_probe_presents_a_client_certificate(
+    mtls_server: RunningServer, pki: Path, capsys
+) -> None:
+    args = [
+        "--grpc-address", mtls_server.grpc_address, "--http-address", mtls_server.http_address,
+        "--tls-ca-file", str(pki / "ca.pem"),
+    ]  # fmt: skip
+    assert probe_main(args) == 1  # no client certificate
+    capsys.readouterr()
+    client_cert = ["--tls-cert-file", str(pki / "client.pem")]
+    assert probe_main([*args, *client_cert, "--tls-key-file", str(pki / "client.key")]) == 0
+    assert probe_main([*args, *client_cert]) == 1  # a certificate without its key
+    assert "FAIL usage" in capsys.readouterr().out
+
+
+def test_a_worker_reads_its_tables_over_the_mutual_tls_stream(
+    mtls_server: RunningServer, pki: Path
+) -> None:
+    """The cross-host path: no ring, the WatchTables stream, both ends with certificates."""
+    tls = ClientTLS(str(pki / "ca.pem"), str(pki / "client.pem"), str(pki / "client.key"))
+    with (
+        register_worker(mtls_server.grpc_address, "cpu", {0: [8]}, tls=tls) as worker,
+        PagekeeperClient(mtls_server.grpc_address, tls=tls, local_socket=None) as scheduler,
+    ):
+        assert worker.view.kind == "stream"
+        scheduler.register("scheduler", name="mtls-scheduler")
+        scheduler.admit("w1", list(range(100, 140)))
+        step = scheduler.step(batch=["w1"])
+        tables = worker.view.wait(step.step_id, timeout=10)
+        pages = scheduler.page_ids("w1").tolist()
+        assert len(pages) == 3
+        table = tables.table(0)
+        assert table.kernel_block_size == 8
+        # Page p is kernel blocks 2p, 2p+1 at kernel block size 8 (page size 16).
+        want = [b for p in pages for b in (2 * p, 2 * p + 1)]
+        assert table.block_table[0, : len(want)].tolist() == want
+        assert table.slot_mapping.tolist() == [16 * pages[t // 16] + t % 16 for t in range(40)]
+        scheduler.free_later("w1")
+        scheduler.step()
+
+
+# -- configuration errors -----------------------------------------------------------------
+
+
+def _settings(**server: str) -> Settings:
+    return load_settings(environ={}, flags={f"server.{k}": v for k, v in server.items()})
+
+
+@pytest.mark.parametrize(
+    ("server", "field", "reason"),
+    [
+        ({"tls_cert_file": "x.pem"}, "server.tls_key_file", "both a certificate and its key"),
+        ({"tls_key_file": "x.key"}, "server.tls_cert_file", "both a certificate and its key"),
+        ({"tls_client_ca_file": "ca.pem"}, "server.tls_client_ca_file", "need TLS"),
+    ],
+)
+def test_incomplete_tls_settings_name_the_field(server, field: str, reason: str) -> None:
+    with pytest.raises(ConfigError) as exc:
+        _settings(**server)
+    assert exc.value.field == field
+    assert reason in exc.value.reason
+
+
+def test_unusable_tls_files_name_the_field(pki: Path, tmp_path: Path) -> None:
+    cert, key = str(pki / "server.pem"), str(pki / "server.key")
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("not a certificate\n")
+    cases = [
+        ({"tls_cert_file": str(tmp_path / "none.pem"), "tls_key_file": key}, "tls_cert_file",
+         "cannot read"),
+        ({"tls_cert_file": cert, "tls_key_file": str(tmp_path / "none.key")}, "tls_key_file",
+         "cannot read"),
+        ({"tls_cert_file": str(garbage), "tls_key_file": key}, "tls_cert_file",
+         "no PEM certificate"),
+        ({"tls_cert_file": cert, "tls_key_file": str(pki / "client.key")}, "tls_key_file",
+         "is not the private key"),
+        ({"tls_cert_file": cert, "tls_key_file": key, "tls_client_ca_file": str(garbage)},
+         "tls_client_ca_file", "no readable PEM CA certificate"),
+    ]  # fmt: skip
+    for server, field, reason in cases:
+        with pytest.raises(ConfigError) as exc:
+            load_server_tls(_settings(**server))
+        assert exc.value.field == f"server.{field}", server
+        assert reason in exc.value.reason, (server, exc.value.reason)
+    tls = load_server_tls(_settings(tls_cert_file=cert, tls_key_file=key))
+    assert tls is not None and not tls.requires_client_certificates
+    assert load_server_tls(_settings()) is None
+
+
+def test_serve_refuses_a_bad_tls_file_in_one_line_before_touching_the_data_dir(
+    pki: Path, tmp_path: Path
+) -> None:
+    data_dir = tmp_path / "data"
+    result = subprocess.run(
+        [
+            sys.executable, "-m", "pagekeeper", "serve",
+            "--grpc-address", "127.0.0.1:0", "--http-address", "127.0.0.1:0",
+            "--data-dir", str(data_dir),
+            "--tls-cert-file", str(pki / "server.pem"),
+            "--tls-key-file", str(pki / "client.key"),
+        ],
+        capture_output=True, text=True, env=clean_env(), cwd=ROOT, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1
+    assert lines[0].startswith("pagekeeper: bad configuration: server.tls_key_file:")
+    assert not data_dir.exists()
+
+
+def test_config_prints_the_tls_files(pki: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "pagekeeper", "config", "--format", "json"],
+        capture_output=True,
+        text=True,
+        env=clean_env(
+            {
+                "PAGEKEEPER_TLS_CERT_FILE": str(pki / "server.pem"),
+                "PAGEKEEPER_TLS_KEY_FILE": str(pki / "server.key"),
+            }
+        ),
+        cwd=ROOT,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    server = json.loads(result.stdout)["server"]
+    assert server["tls_cert_file"] == str(pki / "server.pem")
+    assert server["tls_key_file"] == str(pki / "server.key")
+
+
+# -- the client's choice ------------------------------------------------------------------
+
+
+def test_the_clients_tls_argument() -> None:
+    assert resolve_tls(False) is None
+    assert resolve_tls(True) == ClientTLS()
+    assert resolve_tls(None) is None or isinstance(resolve_tls(None), ClientTLS)
+    with pytest.raises(ValueError, match="both cert_file and key_file"):
+        ClientTLS(cert_file="c.pem")
+    with pytest.raises(TypeError):
+        resolve_tls("yes")  # type: ignore[arg-type]
+    env = {
+        "PAGEKEEPER_TLS_CA_FILE": "/ca.pem",
+        "PAGEKEEPER_TLS_CLIENT_CERT_FILE": "/c.pem",
+        "PAGEKEEPER_TLS_CLIENT_KEY_FILE": "/c.key",
+    }
+    assert ClientTLS.from_env(env) == ClientTLS("/ca.pem", "/c.pem", "/c.key")
+    assert ClientTLS.from_env({}) is None
+    with pytest.raises(OSError):
+        PagekeeperClient("127.0.0.1:1", tls=ClientTLS(ca_file="/nonexistent/ca.pem"))
+
+
+def test_a_grpc_error_from_tls_is_unavailable_not_unknown(
+    tls_server: RunningServer,
+) -> None:
+    """A plaintext gRPC channel to the TLS port: the raw code the client maps."""
+    channel = grpc.insecure_channel(tls_server.grpc_address)
+    try:
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        with pytest.raises(grpc.RpcError) as exc:
+            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=3)
+        assert exc.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+    finally:
+        channel.close()
