@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -159,6 +159,13 @@ class Metrics:
             "How long each cyclic garbage collection held the process, by generation.",
             ["generation"],
             buckets=_PAUSE_BUCKETS,
+            registry=self.registry,
+        )
+        self.tls_reloads = Counter(
+            "pagekeeper_tls_reloads",
+            "Rotated TLS files seen, by result: loaded (new connections get them) or failed "
+            "(the previous certificate keeps serving; see the log).",
+            ["result"],
             registry=self.registry,
         )
         self._gc_pauses = [self.gc_pause_seconds.labels(str(g)) for g in range(3)]

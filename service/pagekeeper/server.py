@@ -29,7 +29,7 @@ from typing import Literal
 
 import uvicorn
 
-from pagekeeper.core.errors import PagekeeperError
+from pagekeeper.core.errors import ConfigError, PagekeeperError
 from pagekeeper.core.hashing import native_hashing
 from pagekeeper.core.pool import native_pool
 from pagekeeper.rest.app import create_app
@@ -38,7 +38,7 @@ from pagekeeper.rpc.server import GrpcServer
 from pagekeeper.runtime import Runtime, build_runtime
 from pagekeeper.settings import Settings, split_address
 from pagekeeper.state import ExpireLeasesCommand
-from pagekeeper.tls import ServerTLS, load_server_tls
+from pagekeeper.tls import RELOAD_INTERVAL_S, ServerTLS, load_server_tls
 
 log = logging.getLogger("pagekeeper")
 
@@ -125,6 +125,27 @@ async def _take_snapshots(runtime: Runtime, period: float) -> None:
             await durability.snapshot_in_background(runtime.state)
 
 
+async def _watch_tls(runtime: Runtime, tls: ServerTLS, wake: asyncio.Event) -> None:
+    """Reload rotated TLS files: every RELOAD_INTERVAL_S, and at once on SIGHUP."""
+    reloads = runtime.metrics.tls_reloads
+    while True:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(wake.wait(), RELOAD_INTERVAL_S)
+        wake.clear()
+        try:
+            if tls.reload_if_changed():
+                reloads.labels("loaded").inc()
+                log.info("TLS files reloaded: new connections get the new certificate")
+        except ConfigError as exc:
+            reloads.labels("failed").inc()
+            log.error(
+                "TLS files changed but do not load (%s: %s); the previous certificate keeps "
+                "serving",
+                exc.field,
+                exc.reason,
+            )
+
+
 async def serve(
     settings: Settings,
     *,
@@ -178,6 +199,13 @@ async def serve(
     housekeeping.append(
         asyncio.create_task(runtime.metrics.probe_loop_lag(), name="loop-lag-probe")
     )
+    if tls is not None:
+        reload_now = asyncio.Event()
+        with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread
+            loop.add_signal_handler(signal.SIGHUP, reload_now.set)
+        housekeeping.append(
+            asyncio.create_task(_watch_tls(runtime, tls, reload_now), name="tls-reload")
+        )
     try:
         while not http_server.started:
             if http_task.done():

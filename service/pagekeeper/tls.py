@@ -1,18 +1,27 @@
-"""TLS for the service's two listeners, loaded and checked once at start-up.
+"""TLS for the service's two listeners: loaded and checked at start-up, reloaded in place.
 
 ``server.tls_cert_file`` + ``server.tls_key_file`` serve gRPC and HTTP over TLS with one
 certificate; ``server.tls_client_ca_file`` also makes gRPC clients present a certificate
 signed by one of its CAs (mutual TLS). HTTP never asks for a client certificate: probes and
 Prometheus scrapers have none, and its mutations keep their bearer tokens.
 
-Every file is read and checked here, before the service binds anything or touches its data
+Every file is read and checked before the service binds anything or touches its data
 directory: a missing file, a key that is not the certificate's, or a CA file with no
 certificate is a :class:`~pagekeeper.core.errors.ConfigError` naming the field, which
 ``pagekeeper serve`` prints as one line.
+
+Rotation: :meth:`ServerTLS.reload_if_changed` (the server calls it every
+:data:`RELOAD_INTERVAL_S` and on SIGHUP) re-reads the files when one changed (its size,
+modification time or inode: a rename into place or a Kubernetes secret's symlink swap
+count) and, once they pass the same checks, new connections get the new certificate and CA
+on both listeners. Connections already open keep theirs. Files that do not pass (a
+rotation caught between writing the certificate and its key) leave the old ones serving
+and are tried again once they change.
 """
 
 from __future__ import annotations
 
+import os
 import ssl
 from dataclasses import dataclass
 from typing import Any
@@ -22,32 +31,26 @@ import grpc
 from pagekeeper.core.errors import ConfigError
 from pagekeeper.settings import Settings
 
+RELOAD_INTERVAL_S = 10.0
+"""How often the server looks for rotated certificate files (SIGHUP: at once)."""
 
-@dataclass(frozen=True, slots=True)
-class ServerTLS:
-    """The PEM bytes of a checked certificate, key and (optional) client CA bundle."""
+_Stamp = tuple[tuple[int, int, int] | None, ...]
 
-    cert_file: str
-    key_file: str
-    client_ca_file: str | None
-    cert_chain: bytes
-    private_key: bytes
-    client_ca: bytes | None
 
-    @property
-    def requires_client_certificates(self) -> bool:
-        return self.client_ca is not None
-
-    def grpc_credentials(self) -> grpc.ServerCredentials:
-        return grpc.ssl_server_credentials(
-            [(self.private_key, self.cert_chain)],
-            root_certificates=self.client_ca,
-            require_client_auth=self.client_ca is not None,
-        )
-
-    def uvicorn_options(self) -> dict[str, Any]:
-        """``uvicorn.Config`` arguments: the same certificate, no client certificate."""
-        return {"ssl_certfile": self.cert_file, "ssl_keyfile": self.key_file}
+def _stamp(paths: tuple[str | None, ...]) -> _Stamp:
+    """(size, mtime, inode) of each file (None where it cannot be stat'ed)."""
+    out: list[tuple[int, int, int] | None] = []
+    for path in paths:
+        if path is None:
+            out.append(None)
+            continue
+        try:
+            st = os.stat(path)
+        except OSError:
+            out.append(None)
+        else:
+            out.append((st.st_size, st.st_mtime_ns, st.st_ino))
+    return tuple(out)
 
 
 def _read(field: str, path: str) -> bytes:
@@ -58,47 +61,146 @@ def _read(field: str, path: str) -> bytes:
         raise ConfigError(field, f"cannot read {path}: {exc.strerror or exc}") from None
 
 
-def load_server_tls(settings: Settings) -> ServerTLS | None:
-    """The TLS material ``settings`` names, checked (None when TLS is off)."""
-    if settings.tls_cert_file is None or settings.tls_key_file is None:
-        return None
-    cert = _read("server.tls_cert_file", settings.tls_cert_file)
-    key = _read("server.tls_key_file", settings.tls_key_file)
+@dataclass(frozen=True, slots=True)
+class _Material:
+    cert_chain: bytes
+    private_key: bytes
+    client_ca: bytes | None
+    stamp: _Stamp
+
+
+def _load(cert_file: str, key_file: str, client_ca_file: str | None) -> _Material:
+    """Read and check the files (ConfigError naming the field when one does not pass)."""
+    stamp = _stamp((cert_file, key_file, client_ca_file))
+    cert = _read("server.tls_cert_file", cert_file)
+    key = _read("server.tls_key_file", key_file)
     if b"-----BEGIN CERTIFICATE-----" not in cert:
-        raise ConfigError(
-            "server.tls_cert_file", f"{settings.tls_cert_file} holds no PEM certificate"
-        )
+        raise ConfigError("server.tls_cert_file", f"{cert_file} holds no PEM certificate")
     if b"PRIVATE KEY-----" not in key:
-        raise ConfigError(
-            "server.tls_key_file", f"{settings.tls_key_file} holds no PEM private key"
-        )
+        raise ConfigError("server.tls_key_file", f"{key_file} holds no PEM private key")
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     try:
-        context.load_cert_chain(settings.tls_cert_file, settings.tls_key_file)
-    except ssl.SSLError as exc:
+        context.load_cert_chain(cert_file, key_file)
+    except (ssl.SSLError, OSError) as exc:
         raise ConfigError(
             "server.tls_key_file",
-            f"{settings.tls_key_file} is not the private key of {settings.tls_cert_file} "
-            f"({exc.reason or exc})",
+            f"{key_file} is not the private key of {cert_file} "
+            f"({getattr(exc, 'reason', None) or exc})",
         ) from None
     client_ca = None
-    if settings.tls_client_ca_file is not None:
-        client_ca = _read("server.tls_client_ca_file", settings.tls_client_ca_file)
+    if client_ca_file is not None:
+        client_ca = _read("server.tls_client_ca_file", client_ca_file)
         try:
             context.load_verify_locations(cadata=client_ca.decode("ascii"))
         except (ssl.SSLError, UnicodeDecodeError, ValueError) as exc:
             raise ConfigError(
                 "server.tls_client_ca_file",
-                f"{settings.tls_client_ca_file} holds no readable PEM CA certificate ({exc})",
+                f"{client_ca_file} holds no readable PEM CA certificate ({exc})",
             ) from None
-    return ServerTLS(
-        settings.tls_cert_file,
-        settings.tls_key_file,
-        settings.tls_client_ca_file,
-        cert,
-        key,
-        client_ca,
+    return _Material(cert, key, client_ca, stamp)
+
+
+def _grpc_configuration(material: _Material) -> Any:
+    return grpc.ssl_server_certificate_configuration(
+        [(material.private_key, material.cert_chain)], root_certificates=material.client_ca
     )
 
 
-__all__ = ["ServerTLS", "load_server_tls"]
+class ServerTLS:
+    """The certificate, key and (optional) client CA bundle both listeners serve; see the
+    module docstring for rotation."""
+
+    def __init__(self, cert_file: str, key_file: str, client_ca_file: str | None = None) -> None:
+        self.cert_file = cert_file
+        self.key_file = key_file
+        self.client_ca_file = client_ca_file
+        self._material = _load(cert_file, key_file, client_ca_file)
+        self._failed_stamp: _Stamp | None = None
+        # A new gRPC configuration waiting for the next connection's handshake.
+        self._pending_grpc: Any = None
+        self._http_context: ssl.SSLContext | None = None
+        self._current_http: ssl.SSLContext | None = None
+        self.num_reloads = 0
+
+    @property
+    def requires_client_certificates(self) -> bool:
+        return self.client_ca_file is not None
+
+    @property
+    def cert_chain(self) -> bytes:
+        return self._material.cert_chain
+
+    def grpc_credentials(self) -> grpc.ServerCredentials:
+        """Credentials whose certificate follows :meth:`reload_if_changed` (gRPC asks for a
+        replacement before each new connection's handshake: an attribute read)."""
+        return grpc.dynamic_ssl_server_credentials(
+            _grpc_configuration(self._material),
+            self._take_pending_grpc,
+            require_client_authentication=self.requires_client_certificates,
+        )
+
+    def _take_pending_grpc(self) -> Any:
+        pending, self._pending_grpc = self._pending_grpc, None
+        return pending
+
+    def _new_http_context(self) -> ssl.SSLContext:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(self.cert_file, self.key_file)  # checks the pair
+        return context
+
+    def http_context(self) -> ssl.SSLContext:
+        """The HTTP listener's context (no client certificate asked). Each handshake
+        switches to the newest loaded context in its server-name callback (which OpenSSL
+        runs whether or not the client sent a name), so a reload swaps whole contexts: a
+        certificate never meets another's key."""
+        if self._http_context is None:
+            context = self._new_http_context()
+            context.sni_callback = self._pick_http_context
+            self._http_context = self._current_http = context
+        return self._http_context
+
+    def _pick_http_context(
+        self, connection: Any, server_name: str | None, context: ssl.SSLContext
+    ) -> None:
+        current = self._current_http
+        if current is not None and current is not context:
+            connection.context = current
+
+    def uvicorn_options(self) -> dict[str, Any]:
+        """``uvicorn.Config`` arguments: :meth:`http_context` as its SSL context."""
+        return {"ssl_context_factory": lambda config, default_factory: self.http_context()}
+
+    def reload_if_changed(self) -> bool:
+        """Re-read the files if one changed since they were loaded; True when new
+        certificates now serve new connections. Raises ConfigError (the old ones keep
+        serving) when changed files do not pass, once per change."""
+        paths = (self.cert_file, self.key_file, self.client_ca_file)
+        stamp = _stamp(paths)
+        if stamp == self._material.stamp or stamp == self._failed_stamp:
+            return False
+        try:
+            material = _load(self.cert_file, self.key_file, self.client_ca_file)
+            http = self._new_http_context() if self._http_context is not None else None
+        except ConfigError:
+            self._failed_stamp = stamp
+            raise
+        except (ssl.SSLError, OSError) as exc:  # changed again between the two reads
+            self._failed_stamp = stamp
+            raise ConfigError("server.tls_cert_file", f"cannot load it: {exc}") from None
+        self._material = material
+        if http is not None:
+            self._current_http = http
+        self._failed_stamp = None
+        self._pending_grpc = _grpc_configuration(material)
+        self.num_reloads += 1
+        return True
+
+
+def load_server_tls(settings: Settings) -> ServerTLS | None:
+    """The TLS material ``settings`` names, checked (None when TLS is off)."""
+    if settings.tls_cert_file is None or settings.tls_key_file is None:
+        return None
+    return ServerTLS(settings.tls_cert_file, settings.tls_key_file, settings.tls_client_ca_file)
+
+
+__all__ = ["RELOAD_INTERVAL_S", "ServerTLS", "load_server_tls"]

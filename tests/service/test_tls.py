@@ -10,9 +10,11 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import signal
 import ssl
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -24,7 +26,7 @@ import pytest
 from pagekeeper.core.errors import ConfigError
 from pagekeeper.probe import main as probe_main
 from pagekeeper.settings import Settings, load_settings
-from pagekeeper.tls import load_server_tls
+from pagekeeper.tls import ServerTLS, load_server_tls
 from pagekeeper_client import (
     AsyncPagekeeperClient,
     ClientTLS,
@@ -73,6 +75,7 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
     _make_leaf(d, "server", "ca", "IP:127.0.0.1,DNS:localhost")
     _make_leaf(d, "client", "ca", None)
     _make_leaf(d, "stranger", "other-ca", None)
+    _make_leaf(d, "server2", "other-ca", "IP:127.0.0.1,DNS:localhost")  # the rotated one
     return d
 
 
@@ -259,6 +262,114 @@ def test_a_worker_reads_its_tables_over_the_mutual_tls_stream(
         assert table.slot_mapping.tolist() == [16 * pages[t // 16] + t % 16 for t in range(40)]
         scheduler.free_later("w1")
         scheduler.step()
+
+
+# -- rotation -----------------------------------------------------------------------------
+
+
+def _replace(src: Path, dst: Path) -> None:
+    """Copy ``src`` over ``dst`` as a rotation does: a new file renamed into place."""
+    tmp = dst.with_suffix(".new")
+    shutil.copyfile(src, tmp)
+    tmp.replace(dst)
+
+
+def _served_by(server: RunningServer, cafile: Path) -> bool:
+    """Whether a new gRPC connection that trusts only ``cafile`` gets served."""
+    tls = ClientTLS(ca_file=str(cafile))
+    client = PagekeeperClient(server.grpc_address, tls=tls, timeout=3, retry_s=0)
+    try:
+        client.pool_info()
+        return True
+    except UnavailableError:
+        return False
+    finally:
+        client.close()
+
+
+def _https_ok(server: RunningServer, cafile: Path) -> bool:
+    try:
+        return _https_get(server, "/readyz", cafile)[0] == 200
+    except (urllib.error.URLError, ssl.SSLError, ConnectionError):
+        return False
+
+
+def _metric(server: RunningServer, cafile: Path, result: str) -> float:
+    context = ssl.create_default_context(cafile=str(cafile))
+    url = f"https://{server.http_address}/metrics"
+    with urllib.request.urlopen(url, context=context, timeout=10) as response:
+        text = response.read().decode()
+    for line in text.splitlines():
+        if line.startswith(f'pagekeeper_tls_reloads_total{{result="{result}"}}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_rotated_certificates_serve_new_connections_after_sighup(pki: Path, tmp_path: Path) -> None:
+    live = tmp_path / "certs"
+    live.mkdir()
+    for name in ("server.pem", "server.key"):
+        shutil.copyfile(pki / name, live / name)
+    args = ["--tls-cert-file", str(live / "server.pem"), "--tls-key-file", str(live / "server.key")]
+    server = launch(tmp_path / "srv", *args, "--num-pages", "32")
+    try:
+        old_ca, new_ca = pki / "ca.pem", pki / "other-ca.pem"
+        assert _served_by(server, old_ca) and not _served_by(server, new_ca)
+        # A connection opened before the rotation keeps working after it.
+        kept = PagekeeperClient(server.grpc_address, tls=ClientTLS(str(old_ca)), local_socket=None)
+        kept.pool_info()
+
+        # A half-done rotation (new certificate, old key): refused, the old pair serves on.
+        _replace(pki / "server2.pem", live / "server.pem")
+        server.process.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 10
+        while "TLS files changed but do not load" not in server.logs():
+            assert time.monotonic() < deadline, server.logs()
+            time.sleep(0.05)
+        assert _served_by(server, old_ca) and _https_ok(server, old_ca)
+        assert _metric(server, old_ca, "failed") == 1
+
+        # The key follows: the new pair serves new connections on both listeners.
+        _replace(pki / "server2.key", live / "server.key")
+        server.process.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 10
+        while not _served_by(server, new_ca):
+            assert time.monotonic() < deadline, server.logs()
+            server.process.send_signal(signal.SIGHUP)
+            time.sleep(0.1)
+        assert not _served_by(server, old_ca)
+        assert _https_ok(server, new_ca) and not _https_ok(server, old_ca)
+        assert _metric(server, new_ca, "loaded") == 1
+        assert "TLS files reloaded" in server.logs()
+        assert kept.pool_info().counters.num_free_pages > 0
+        kept.close()
+    finally:
+        assert server.stop() == 0
+
+
+def test_reload_reports_each_bad_change_once_and_keeps_the_old_pair(
+    pki: Path, tmp_path: Path
+) -> None:
+    cert, key = tmp_path / "s.pem", tmp_path / "s.key"
+    shutil.copyfile(pki / "server.pem", cert)
+    shutil.copyfile(pki / "server.key", key)
+    tls = ServerTLS(str(cert), str(key))
+    tls.http_context()
+    assert tls.reload_if_changed() is False  # nothing changed
+    _replace(pki / "server2.pem", cert)
+    with pytest.raises(ConfigError) as exc:
+        tls.reload_if_changed()
+    assert exc.value.field == "server.tls_key_file"
+    assert tls.reload_if_changed() is False  # the same bad change: said once
+    assert tls.cert_chain == (pki / "server.pem").read_bytes()
+    key.unlink()
+    with pytest.raises(ConfigError, match="cannot read"):
+        tls.reload_if_changed()
+    _replace(pki / "server2.key", key)
+    assert tls.reload_if_changed() is True
+    assert tls.cert_chain == (pki / "server2.pem").read_bytes()
+    assert tls.num_reloads == 1
+    assert tls._take_pending_grpc() is not None and tls._take_pending_grpc() is None
 
 
 # -- configuration errors -----------------------------------------------------------------
