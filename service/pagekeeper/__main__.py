@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
 import sys
 from collections.abc import Sequence
 
 from pagekeeper import __version__
 from pagekeeper.core.errors import ConfigError
+from pagekeeper.logs import configure_logging
 from pagekeeper.settings import OPTIONS, Settings, load_settings, to_json, to_toml
 
 EXIT_CONFIG = 2
@@ -80,11 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.write(to_toml(settings) if ns.format == "toml" else to_json(settings) + "\n")
         return 0
 
-    logging.basicConfig(
-        level=settings.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging(settings.log_level, settings.log_format)
     from pagekeeper.durability import Durability, DurabilityError
     from pagekeeper.runtime import build_runtime
     from pagekeeper.server import serve

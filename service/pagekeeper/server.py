@@ -183,6 +183,7 @@ async def serve(
         create_app(runtime),
         log_level="warning" if settings.log_level != "debug" else "debug",
         access_log=settings.log_level == "debug",
+        log_config=None,  # uvicorn's records go through the process's handler and format
         lifespan="off",
         timeout_graceful_shutdown=max(1, round(settings.shutdown_grace_s)),
         **({} if tls is None else tls.uvicorn_options()),

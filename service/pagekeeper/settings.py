@@ -37,6 +37,7 @@ ENV_PREFIX = "PAGEKEEPER_"
 PUBLISH_TRANSPORTS = ("shm", "cpu_ipc", "cuda_ipc", "none")
 DURABILITY_LEVELS = ("none", "process", "fsync")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_FORMATS = ("text", "json")
 _REDACTED = "<redacted>"
 _MAX_UNIX_PATH = 107  # sun_path holds 108 bytes, the terminating NUL included
 
@@ -98,6 +99,9 @@ class Settings:
     snapshot_every: int = 10_000
     """Log records between two snapshots (bounds the replay at start-up)."""
     log_level: str = "info"
+    log_format: str = "text"
+    """``text`` (one readable line per record) or ``json`` (one JSON object per line: ``ts``,
+    ``level``, ``logger``, ``message``, ``exc`` with a traceback), both on stderr."""
     shutdown_grace_s: float = 5.0
     """How long SIGTERM waits for in-flight calls before cancelling them."""
     # -- pool --------------------------------------------------------------------------
@@ -167,6 +171,10 @@ class Settings:
             raise ConfigError(
                 "server.log_level", f"one of {list(LOG_LEVELS)}, got {self.log_level!r}"
             )
+        if self.log_format not in LOG_FORMATS:
+            raise ConfigError(
+                "server.log_format", f"one of {list(LOG_FORMATS)}, got {self.log_format!r}"
+            )
         if not isinstance(self.data_dir, str) or not self.data_dir:
             raise ConfigError("server.data_dir", "must be a non-empty path string")
         if self.durability not in DURABILITY_LEVELS:
@@ -220,6 +228,7 @@ class Settings:
             "durability": self.durability,
             "snapshot_every": self.snapshot_every,
             "log_level": self.log_level,
+            "log_format": self.log_format,
             "shutdown_grace_s": self.shutdown_grace_s,
         }
         pool = self.pool.to_dict()
@@ -323,6 +332,7 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option("server.snapshot_every", _parse_int, "log records between two snapshots"),
     Option("server.log_level", str, "debug, info, warning or error"),
+    Option("server.log_format", str, "text, or json (one object a line) for log collectors"),
     Option("server.shutdown_grace_s", float, "drain time on SIGTERM, seconds"),
     Option("pool.num_pages", _parse_int, "pages in the pool, null page included"),
     Option("pool.page_size", _parse_int, "page size of the (single) KV-cache group, tokens"),

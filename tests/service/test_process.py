@@ -155,3 +155,19 @@ def test_console_script_is_declared():
     assert 'pagekeeper = "pagekeeper.__main__:main"' in text
     probe = socket.socket()
     probe.close()
+
+
+def test_json_logs_are_one_object_a_line_uvicorns_included(server_factory):
+    server = server_factory("--log-format", "json", "--log-level", "debug")
+    server.http().get("/readyz")
+    assert server.stop(signal.SIGTERM) == 0
+    stderr = (server.workdir / "stderr.log").read_text()
+    records = [json.loads(ln) for ln in stderr.splitlines() if ln.strip()]  # one object a line
+    assert records
+    assert all({"ts", "level", "logger", "message"} <= r.keys() for r in records)
+    assert all(r["ts"].endswith("+00:00") for r in records)
+    loggers = {r["logger"] for r in records}
+    assert "pagekeeper" in loggers and "uvicorn.error" in loggers, loggers
+    assert any(name.startswith("uvicorn") for name in loggers), loggers
+    assert any(r["message"] == "stopped" for r in records)
+    assert any("gRPC on" in r["message"] for r in records)
