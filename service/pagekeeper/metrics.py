@@ -168,6 +168,12 @@ class Metrics:
             ["result"],
             registry=self.registry,
         )
+        self.tls_not_after = Gauge(
+            "pagekeeper_tls_certificate_expiry_timestamp_seconds",
+            "When the TLS certificate both listeners serve expires (Unix time; absent "
+            "without TLS): alert on it minus now.",
+            registry=self.registry,
+        )
         self._gc_pauses = [self.gc_pause_seconds.labels(str(g)) for g in range(3)]
         self._gc_started = 0.0
 

@@ -24,6 +24,7 @@ import os
 import signal
 import socket
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Literal
 
@@ -125,6 +126,20 @@ async def _take_snapshots(runtime: Runtime, period: float) -> None:
             await durability.snapshot_in_background(runtime.state)
 
 
+def _valid_until(tls: ServerTLS) -> str:
+    not_after = tls.not_after
+    if not_after is None:
+        return ""
+    when = datetime.fromtimestamp(not_after, UTC).isoformat(timespec="seconds")
+    return f" (valid until {when})"
+
+
+def _note_expiry(runtime: Runtime, tls: ServerTLS) -> None:
+    not_after = tls.not_after
+    if not_after is not None:
+        runtime.metrics.tls_not_after.set(not_after)
+
+
 async def _watch_tls(runtime: Runtime, tls: ServerTLS, wake: asyncio.Event) -> None:
     """Reload rotated TLS files: every RELOAD_INTERVAL_S, and at once on SIGHUP."""
     reloads = runtime.metrics.tls_reloads
@@ -135,7 +150,11 @@ async def _watch_tls(runtime: Runtime, tls: ServerTLS, wake: asyncio.Event) -> N
         try:
             if tls.reload_if_changed():
                 reloads.labels("loaded").inc()
-                log.info("TLS files reloaded: new connections get the new certificate")
+                _note_expiry(runtime, tls)
+                log.info(
+                    "TLS files reloaded: new connections get the new certificate%s",
+                    _valid_until(tls),
+                )
         except ConfigError as exc:
             reloads.labels("failed").inc()
             log.error(
@@ -201,6 +220,7 @@ async def serve(
         asyncio.create_task(runtime.metrics.probe_loop_lag(), name="loop-lag-probe")
     )
     if tls is not None:
+        _note_expiry(runtime, tls)
         reload_now = asyncio.Event()
         with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread
             loop.add_signal_handler(signal.SIGHUP, reload_now.set)
@@ -246,7 +266,8 @@ async def serve(
             ""
             if tls is None
             else " over TLS"
-            + (" (gRPC clients need a certificate)" if tls.requires_client_certificates else ""),
+            + (", gRPC clients need a certificate" if tls.requires_client_certificates else "")
+            + _valid_until(tls),
             f", local socket {local_server.path}" if local_server is not None else "",
             "C (pagekeeper.core._native)" if native_hashing() else "pure Python",
             "C (pagekeeper.core._poolops)" if native_pool() else "pure Python",

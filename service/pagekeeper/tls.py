@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import ssl
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 import grpc
@@ -51,6 +52,55 @@ def _stamp(paths: tuple[str | None, ...]) -> _Stamp:
         else:
             out.append((st.st_size, st.st_mtime_ns, st.st_ino))
     return tuple(out)
+
+
+def _der_item(der: bytes, at: int) -> tuple[int, int, int]:
+    """(tag, start of its content, end of its content) of the DER item at ``at``."""
+    if at + 2 > len(der):
+        raise ValueError("DER item cut short")
+    tag, first = der[at], der[at + 1]
+    at += 2
+    if first < 0x80:
+        length = first
+    else:
+        size = first & 0x7F
+        if not 1 <= size <= 4:
+            raise ValueError("unsupported DER length")
+        length = int.from_bytes(der[at : at + size], "big")
+        at += size
+    if at + length > len(der):
+        raise ValueError("DER item runs past the end")
+    return tag, at, at + length
+
+
+def certificate_not_after(pem: bytes) -> float:
+    """When the first certificate of ``pem`` expires (a Unix timestamp): its X.509
+    validity's notAfter. Raises ValueError when it cannot be read."""
+    der = ssl.PEM_cert_to_DER_cert(pem.decode("ascii"))
+    _, start, _ = _der_item(der, 0)  # Certificate ::= SEQUENCE
+    tag, at, _ = _der_item(der, start)  # tbsCertificate ::= SEQUENCE
+    if tag != 0x30:
+        raise ValueError("not an X.509 certificate")
+    fields = []
+    while len(fields) < 5:
+        tag, content, end = _der_item(der, at)
+        if not fields and tag == 0xA0:  # [0] version: optional
+            at = end
+            continue
+        fields.append((tag, content, end))
+        at = end
+    # serialNumber, signature, issuer, validity, ...: validity is the fourth.
+    tag, content, _ = fields[3]
+    _, begin, end = _der_item(der, content)  # notBefore
+    tag, begin, end = _der_item(der, end)  # notAfter
+    text = der[begin:end].decode("ascii")
+    if tag == 0x17:  # UTCTime YYMMDDHHMMSSZ (years 1950-2049)
+        year = int(text[:2])
+        text = f"{1900 + year if year >= 50 else 2000 + year}{text[2:]}"
+    elif tag != 0x18:  # GeneralizedTime YYYYMMDDHHMMSSZ
+        raise ValueError("unknown time type in the certificate's validity")
+    when = datetime.strptime(text, "%Y%m%d%H%M%SZ").replace(tzinfo=UTC)
+    return when.timestamp()
 
 
 def _read(field: str, path: str) -> bytes:
@@ -130,6 +180,14 @@ class ServerTLS:
     def cert_chain(self) -> bytes:
         return self._material.cert_chain
 
+    @property
+    def not_after(self) -> float | None:
+        """When the served certificate expires (Unix time; None if it cannot be read)."""
+        try:
+            return certificate_not_after(self._material.cert_chain)
+        except (ValueError, UnicodeDecodeError):
+            return None
+
     def grpc_credentials(self) -> grpc.ServerCredentials:
         """Credentials whose certificate follows :meth:`reload_if_changed` (gRPC asks for a
         replacement before each new connection's handshake: an attribute read)."""
@@ -203,4 +261,4 @@ def load_server_tls(settings: Settings) -> ServerTLS | None:
     return ServerTLS(settings.tls_cert_file, settings.tls_key_file, settings.tls_client_ca_file)
 
 
-__all__ = ["RELOAD_INTERVAL_S", "ServerTLS", "load_server_tls"]
+__all__ = ["RELOAD_INTERVAL_S", "ServerTLS", "certificate_not_after", "load_server_tls"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import shutil
 import signal
 import ssl
@@ -18,6 +19,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 
 import grpc
@@ -26,7 +28,7 @@ import pytest
 from pagekeeper.core.errors import ConfigError
 from pagekeeper.probe import main as probe_main
 from pagekeeper.settings import Settings, load_settings
-from pagekeeper.tls import ServerTLS, load_server_tls
+from pagekeeper.tls import ServerTLS, certificate_not_after, load_server_tls
 from pagekeeper_client import (
     AsyncPagekeeperClient,
     ClientTLS,
@@ -221,6 +223,7 @@ def test_mutual_tls_serves_only_clients_with_a_certificate_of_its_ca(
     status, _ = _https_get(mtls_server, "/readyz", pki / "ca.pem")
     assert status == 200
     assert "gRPC clients need a certificate" in mtls_server.logs()
+    assert "valid until 20" in mtls_server.logs()
 
 
 def test_the_probe_presents_a_client_certificate(
@@ -294,13 +297,16 @@ def _https_ok(server: RunningServer, cafile: Path) -> bool:
         return False
 
 
-def _metric(server: RunningServer, cafile: Path, result: str) -> float:
+def _metric(
+    server: RunningServer, cafile: Path, result: str, name: str = "pagekeeper_tls_reloads_total"
+) -> float:
     context = ssl.create_default_context(cafile=str(cafile))
     url = f"https://{server.http_address}/metrics"
     with urllib.request.urlopen(url, context=context, timeout=10) as response:
         text = response.read().decode()
+    series = f'{name}{{result="{result}"}} ' if result else f"{name} "
     for line in text.splitlines():
-        if line.startswith(f'pagekeeper_tls_reloads_total{{result="{result}"}}'):
+        if line.startswith(series):
             return float(line.split()[-1])
     return 0.0
 
@@ -340,6 +346,8 @@ def test_rotated_certificates_serve_new_connections_after_sighup(pki: Path, tmp_
         assert not _served_by(server, old_ca)
         assert _https_ok(server, new_ca) and not _https_ok(server, old_ca)
         assert _metric(server, new_ca, "loaded") == 1
+        expiry = _metric(server, new_ca, "", "pagekeeper_tls_certificate_expiry_timestamp_seconds")
+        assert expiry == certificate_not_after((pki / "server2.pem").read_bytes())
         assert "TLS files reloaded" in server.logs()
         assert kept.pool_info().counters.num_free_pages > 0
         kept.close()
@@ -370,6 +378,41 @@ def test_reload_reports_each_bad_change_once_and_keeps_the_old_pair(
     assert tls.cert_chain == (pki / "server2.pem").read_bytes()
     assert tls.num_reloads == 1
     assert tls._take_pending_grpc() is not None and tls._take_pending_grpc() is None
+
+
+def test_the_certificate_expiry_is_read_from_the_der(pki: Path, tmp_path: Path) -> None:
+    """UTCTime (before 2050) and GeneralizedTime (from 2050) validity, a CA's (v3 with
+    extensions) and a leaf's, against openssl's own reading; garbage is a ValueError."""
+    _openssl(
+        "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "40000",
+        "-keyout", "far.key", "-out", "far.pem", "-subj", "/CN=far", cwd=tmp_path,
+    )  # fmt: skip
+    for path in (pki / "server.pem", pki / "ca.pem", tmp_path / "far.pem"):
+        text = subprocess.run(
+            ["openssl", "x509", "-enddate", "-noout", "-in", str(path)],
+            capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+        when = text.strip().split("=", 1)[1]  # e.g. "Dec  8 06:35:19 2026 GMT"
+        expected = datetime.strptime(when, "%b %d %H:%M:%S %Y %Z").replace(tzinfo=UTC)
+        assert certificate_not_after(path.read_bytes()) == expected.timestamp(), path
+    assert certificate_not_after((tmp_path / "far.pem").read_bytes()) > 2**31  # past 2038
+    with pytest.raises(ValueError):
+        certificate_not_after(b"-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n")
+    # Damaged certificates: a date or a ValueError, never another exception.
+    der = ssl.PEM_cert_to_DER_cert((pki / "server.pem").read_text())
+    rng = random.Random(7)
+    outcomes = {"read": 0, "refused": 0}
+    for _ in range(2000):
+        damaged = bytearray(der)
+        for _ in range(rng.randint(1, 4)):
+            damaged[rng.randrange(min(len(der), 400))] = rng.randrange(256)
+        cut = bytes(damaged[: rng.randint(0, len(der))] if rng.random() < 0.3 else damaged)
+        try:
+            certificate_not_after(ssl.DER_cert_to_PEM_cert(cut).encode())
+            outcomes["read"] += 1
+        except ValueError:
+            outcomes["refused"] += 1
+    assert outcomes["read"] > 100 and outcomes["refused"] > 100, outcomes
 
 
 # -- configuration errors -----------------------------------------------------------------
