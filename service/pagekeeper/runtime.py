@@ -17,6 +17,7 @@ from pagekeeper.publication import PublicationHub, PublisherFactory, resolve_pub
 from pagekeeper.publish.api import RingGeometry, TablePublisher
 from pagekeeper.settings import Settings
 from pagekeeper.state import ConfigureLimitsCommand, Limits, ResumeLeasesCommand, ServiceState
+from pagekeeper.tls import ServerTLS
 
 log = logging.getLogger("pagekeeper")
 
@@ -34,6 +35,8 @@ class Runtime:
     """The durable command log (None: ``durability = "none"``, or built in-process)."""
     recovery: RecoveryReport | None = None
     """What start-up recovered from the data directory."""
+    tls: ServerTLS | None = None
+    """The listeners' TLS material (set by the server; None: plaintext)."""
     is_ready: bool = False
     """True once both servers listen; False again when shutdown starts."""
     is_stopping: bool = False

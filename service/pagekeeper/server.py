@@ -219,6 +219,7 @@ async def serve(
     housekeeping.append(
         asyncio.create_task(runtime.metrics.probe_loop_lag(), name="loop-lag-probe")
     )
+    runtime.tls = tls
     if tls is not None:
         _note_expiry(runtime, tls)
         reload_now = asyncio.Event()

@@ -59,6 +59,13 @@ def test_pool(pagekeeper_server, running):
     assert durability["last_seq"] >= pool["steps"]["num_steps"]
     assert durability["records_since_snapshot"] <= durability["last_seq"]
     assert durability["journal_segments"] >= 1 and durability["journal_bytes"] > 0
+    assert pool["tls"] == {
+        "enabled": False,
+        "client_certificates": False,
+        "cert_file": None,
+        "expires_at": None,
+        "num_reloads": 0,
+    }
 
 
 def test_pages(pagekeeper_server, running):

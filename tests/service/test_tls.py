@@ -140,6 +140,14 @@ def test_a_tls_server_serves_grpc_and_https_to_clients_that_trust_its_ca(
     status, pool = _https_get(tls_server, "/v1/pool", pki / "ca.pem")
     assert status == 200
     assert pool["steps"]["num_steps"] >= 2
+    expires = certificate_not_after((pki / "server.pem").read_bytes())
+    assert pool["tls"] == {
+        "enabled": True,
+        "client_certificates": False,
+        "cert_file": str(pki / "server.pem"),
+        "expires_at": expires,
+        "num_reloads": 0,
+    }
     status, _ = _https_get(tls_server, "/readyz", pki / "ca.pem")
     assert status == 200
     assert "over TLS" in tls_server.logs()

@@ -111,6 +111,18 @@ class DurabilityModel(Model):
     failure: str = Field(description="Why the log stopped taking writes; empty: it did not.")
 
 
+class TlsModel(Model):
+    enabled: bool = Field(description="Whether gRPC and HTTP are served over TLS.")
+    client_certificates: bool = Field(
+        description="Whether gRPC clients must present a certificate (mutual TLS)."
+    )
+    cert_file: str | None = Field(description="The served certificate's file; null: no TLS.")
+    expires_at: float | None = Field(
+        description="When the served certificate expires (Unix time); null: no TLS, or unread."
+    )
+    num_reloads: int = Field(description="Rotated certificate files loaded since start-up.")
+
+
 class PoolView(Model):
     """The pool at a glance."""
 
@@ -127,6 +139,7 @@ class PoolView(Model):
         description="Allocated but unused token slots (last-page tails), per group."
     )
     durability: DurabilityModel = Field(description="The durable command log and snapshots.")
+    tls: TlsModel = Field(description="Transport security of the two listeners.")
 
 
 # -- pages --------------------------------------------------------------------------------

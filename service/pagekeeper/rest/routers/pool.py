@@ -17,6 +17,7 @@ from pagekeeper.rest.schemas import (
     PoolView,
     PrefixCacheModel,
     StepsModel,
+    TlsModel,
 )
 from pagekeeper.runtime import Runtime
 
@@ -95,6 +96,22 @@ async def get_pool(runtime: RuntimeDep) -> PoolView:
         last_event_seq=state.last_event_seq,
         padding_tokens_per_group=list(stats.padding_tokens_per_group),
         durability=_durability(runtime),
+        tls=_tls(runtime),
+    )
+
+
+def _tls(runtime: Runtime) -> TlsModel:
+    tls = runtime.tls
+    if tls is None:
+        return TlsModel(
+            enabled=False, client_certificates=False, cert_file=None, expires_at=None, num_reloads=0
+        )
+    return TlsModel(
+        enabled=True,
+        client_certificates=tls.requires_client_certificates,
+        cert_file=tls.cert_file,
+        expires_at=tls.not_after,
+        num_reloads=tls.num_reloads,
     )
 
 
