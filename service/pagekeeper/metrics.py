@@ -170,8 +170,8 @@ class Metrics:
         )
         self.tls_not_after = Gauge(
             "pagekeeper_tls_certificate_expiry_timestamp_seconds",
-            "When the TLS certificate both listeners serve expires (Unix time; absent "
-            "without TLS): alert on it minus now.",
+            "When the TLS certificate both listeners serve expires (Unix time; 0 without "
+            "TLS): alert on it minus now.",
             registry=self.registry,
         )
         self._gc_pauses = [self.gc_pause_seconds.labels(str(g)) for g in range(3)]

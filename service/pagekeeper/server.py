@@ -143,6 +143,8 @@ def _note_expiry(runtime: Runtime, tls: ServerTLS) -> None:
 async def _watch_tls(runtime: Runtime, tls: ServerTLS, wake: asyncio.Event) -> None:
     """Reload rotated TLS files: every RELOAD_INTERVAL_S, and at once on SIGHUP."""
     reloads = runtime.metrics.tls_reloads
+    for result in ("loaded", "failed"):
+        reloads.labels(result)  # both series exist from the start (at 0)
     while True:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(wake.wait(), RELOAD_INTERVAL_S)

@@ -307,7 +307,7 @@ def _https_ok(server: RunningServer, cafile: Path) -> bool:
 
 def _metric(
     server: RunningServer, cafile: Path, result: str, name: str = "pagekeeper_tls_reloads_total"
-) -> float:
+) -> float | None:
     context = ssl.create_default_context(cafile=str(cafile))
     url = f"https://{server.http_address}/metrics"
     with urllib.request.urlopen(url, context=context, timeout=10) as response:
@@ -316,7 +316,7 @@ def _metric(
     for line in text.splitlines():
         if line.startswith(series):
             return float(line.split()[-1])
-    return 0.0
+    return None
 
 
 def test_rotated_certificates_serve_new_connections_after_sighup(pki: Path, tmp_path: Path) -> None:
@@ -329,6 +329,8 @@ def test_rotated_certificates_serve_new_connections_after_sighup(pki: Path, tmp_
     try:
         old_ca, new_ca = pki / "ca.pem", pki / "other-ca.pem"
         assert _served_by(server, old_ca) and not _served_by(server, new_ca)
+        # Both results are series from the start, at 0 (a rate() needs them to exist).
+        assert _metric(server, old_ca, "loaded") == _metric(server, old_ca, "failed") == 0.0
         # A connection opened before the rotation keeps working after it.
         kept = PagekeeperClient(server.grpc_address, tls=ClientTLS(str(old_ca)), local_socket=None)
         kept.pool_info()
