@@ -187,6 +187,7 @@ async def serve(
             loop.add_signal_handler(sig, stop.set)
     runtime.on_fatal.append(lambda reason: loop.call_soon_threadsafe(stop.set))
 
+    runtime.tls = tls  # before the servicer: it binds registrations to certificates
     grpc_server = GrpcServer(runtime)
     grpc_address = await grpc_server.start(
         settings.grpc_address, None if tls is None else tls.grpc_credentials()
@@ -221,7 +222,6 @@ async def serve(
     housekeeping.append(
         asyncio.create_task(runtime.metrics.probe_loop_lag(), name="loop-lag-probe")
     )
-    runtime.tls = tls
     if tls is not None:
         _note_expiry(runtime, tls)
         reload_now = asyncio.Event()

@@ -132,6 +132,9 @@ class RegisterCommand:
     """0: the server default."""
     device: str = ""
     kernel_support: tuple[GroupKernelSupport, ...] = ()
+    identity: str = ""
+    """The TLS certificate subject of the registering connection, where the service asks
+    for client certificates ("" otherwise): the registration is bound to it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -506,6 +509,8 @@ class ClientRecord:
     last_step_id: int = 0
     last_step_result: StepResult | None = None
     num_steps: int = 0
+    identity: str = ""
+    """The certificate subject this registration is bound to ("": none)."""
 
 
 # A step is validated whole, up front, against the core's own running requests (its
@@ -816,6 +821,11 @@ class ServiceState:
                     f"client {cmd.client_id!r} registered as {existing.role.value}, not "
                     f"{cmd.role.value}"
                 )
+            if existing.identity and cmd.identity and cmd.identity != existing.identity:
+                raise PermissionDenied(
+                    f"client {cmd.client_id!r} is bound to certificate {existing.identity!r}, "
+                    f"not {cmd.identity!r}"
+                )
         elif len(self._clients) >= self.limits.max_clients:
             raise ResourceExhausted(f"max_clients {self.limits.max_clients} already registered")
 
@@ -851,6 +861,8 @@ class ServiceState:
         client.expires_at = cmd.now + lease
         client.kernel_support = cmd.kernel_support
         client.kernel_block_sizes = sizes
+        if cmd.identity:
+            client.identity = cmd.identity
         self.counters.num_registrations += 1
         self._after_mutation(cmd)
         return RegisterResult(
@@ -1622,6 +1634,11 @@ class ServiceState:
             raise NotFound(f"client {client_id!r} is not registered")
         return record
 
+    def identity_of(self, client_id: str) -> str:
+        """The certificate subject ``client_id`` is bound to ("": none, or not registered)."""
+        record = self._clients.get(client_id)
+        return "" if record is None else record.identity
+
     def check_client(self, client_id: str, generation: int, now: float) -> ClientRecord:
         """A registered client with this generation and a live lease (for streams)."""
         return self._client(client_id, generation, now)
@@ -1966,10 +1983,15 @@ def _client_to_tree(c: ClientRecord) -> list[Any]:
         c.last_step_id,
         None if c.last_step_result is None else step_result_to_tree(c.last_step_result),
         c.num_steps,
+        # Only when bound: snapshots of pools without client certificates stay as they were.
+        *([c.identity] if c.identity else []),
     ]
 
 
 def _client_from_tree(tree: list[Any]) -> ClientRecord:
+    identity = ""
+    if isinstance(tree, list) and len(tree) == 15:
+        *tree, identity = tree
     (
         client_id,
         role,
@@ -2001,4 +2023,5 @@ def _client_from_tree(tree: list[Any]) -> ClientRecord:
         last_step_id=int(last_step_id),
         last_step_result=None if last_result is None else step_result_from_tree(last_result),
         num_steps=int(num_steps),
+        identity=str(identity),
     )

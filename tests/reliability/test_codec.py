@@ -118,6 +118,7 @@ COMMANDS = [
         now=1.5, role=ClientRole.WORKER, name="w", device="cuda:0", kernel_support=SUPPORT
     ),
     RegisterCommand(now=2.0, role=ClientRole.SCHEDULER, client_id="scheduler-3", lease_ttl_s=7.5),
+    RegisterCommand(now=2.5, role=ClientRole.SCHEDULER, name="s", identity="engine-a.example"),
     HeartbeatCommand(3.0, "worker-1", 4),
     UnregisterCommand(3.5, "worker-1", 4),
     ExpireLeasesCommand(4.0),
@@ -293,8 +294,16 @@ def test_snapshot_knows_every_attribute():
     assert {f.name for f in dataclasses.fields(ClientRecord)} == {
         "client_id", "role", "name", "device", "generation", "lease_ttl_s", "registered_at",
         "expires_at", "kernel_support", "kernel_block_sizes", "request_ids", "last_step_id",
-        "last_step_result", "num_steps",
+        "last_step_result", "num_steps", "identity",
     }  # fmt: skip
+
+
+def test_a_registration_without_identity_encodes_as_before_one_with_it_adds_a_field():
+    plain = RegisterCommand(now=1.0, role=ClientRole.SCHEDULER, name="s")
+    bound = dataclasses.replace(plain, identity="engine-a")
+    assert len(encode_command(bound)) > len(encode_command(plain))
+    # A record from before identities (7 fields) reads back unbound.
+    assert decode_command(encode_command(plain))[0].identity == ""
 
 
 def test_events_round_trip():

@@ -21,8 +21,10 @@ import urllib.request
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import grpc
+import numpy as np
 import pytest
 
 from pagekeeper.core.errors import ConfigError
@@ -36,6 +38,8 @@ from pagekeeper_client import (
     UnavailableError,
     register_worker,
 )
+from pagekeeper_client._proto.pagekeeper.v1 import pagekeeper_pb2 as pb
+from pagekeeper_client._proto.pagekeeper.v1 import pagekeeper_pb2_grpc as pb_grpc
 from pagekeeper_client.client import resolve_tls
 from tests.helpers.server import ROOT, RunningServer, clean_env, launch
 
@@ -78,6 +82,7 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
     _make_leaf(d, "client", "ca", None)
     _make_leaf(d, "stranger", "other-ca", None)
     _make_leaf(d, "server2", "other-ca", "IP:127.0.0.1,DNS:localhost")  # the rotated one
+    _make_leaf(d, "client2", "ca", None)  # the same CA, another subject
     return d
 
 
@@ -273,6 +278,95 @@ def test_a_worker_reads_its_tables_over_the_mutual_tls_stream(
         assert table.slot_mapping.tolist() == [16 * pages[t // 16] + t % 16 for t in range(40)]
         scheduler.free_later("w1")
         scheduler.step()
+
+
+def _raw_stub(server_address: str, pki: Path, name: str) -> tuple[grpc.Channel, Any]:
+    creds = grpc.ssl_channel_credentials(
+        (pki / "ca.pem").read_bytes(),
+        (pki / f"{name}.key").read_bytes(),
+        (pki / f"{name}.pem").read_bytes(),
+    )
+    channel = grpc.secure_channel(server_address, creds)
+    return channel, pb_grpc.PagekeeperServiceStub(channel)
+
+
+def test_with_mutual_tls_a_registration_is_bound_to_its_certificate_across_restarts(
+    pki: Path, tmp_path: Path
+) -> None:
+    """Another certificate of the same CA cannot step, renew, take over or unregister a
+    client registered with the first; the binding is journaled and snapshotted."""
+    args = [*_tls_args(pki, client_ca=True), "--num-pages", "64", "--lease-ttl-s", "60"]
+    workdir = tmp_path / "srv"
+    server = launch(workdir, *args)
+    try:
+        channel, owner = _raw_stub(server.grpc_address, pki, "client")
+        reg = owner.RegisterClient(pb.RegisterClientRequest(role=pb.CLIENT_ROLE_SCHEDULER))
+        client_id, generation = reg.client_id, reg.generation
+        tokens = np.arange(40, dtype="<i4").tobytes()
+        owner.Step(
+            pb.StepRequest(
+                client_id=client_id,
+                generation=generation,
+                step_id=1,
+                admissions=[pb.Admission(request_id="mine", token_ids=tokens)],
+            )
+        )
+        channel.close()
+        _, clients = _https_get(server, "/v1/clients", pki / "ca.pem")
+        assert {c["client_id"]: c["identity"] for c in clients}[client_id] == "client"
+
+        def assert_refused_to_the_other_certificate(generation: int) -> None:
+            channel, stub = _raw_stub(server.grpc_address, pki, "client2")
+            calls = [
+                lambda: stub.Step(
+                    pb.StepRequest(
+                        client_id=client_id,
+                        generation=generation,
+                        step_id=1000,
+                        free_request_ids=["mine"],
+                    )
+                ),
+                lambda: stub.Heartbeat(
+                    pb.HeartbeatRequest(client_id=client_id, generation=generation)
+                ),
+                lambda: stub.Unregister(
+                    pb.UnregisterRequest(client_id=client_id, generation=generation)
+                ),
+                lambda: stub.RegisterClient(
+                    pb.RegisterClientRequest(role=pb.CLIENT_ROLE_SCHEDULER, client_id=client_id)
+                ),
+            ]
+            try:
+                for call in calls:
+                    with pytest.raises(grpc.RpcError) as exc:
+                        call()
+                    assert exc.value.code() == grpc.StatusCode.PERMISSION_DENIED
+                    assert "bound to certificate 'client'" in exc.value.details()
+                # Its own registration works: the certificate is good, the client is not its.
+                own = stub.RegisterClient(pb.RegisterClientRequest(role=pb.CLIENT_ROLE_SCHEDULER))
+                assert own.client_id != client_id
+            finally:
+                channel.close()
+            _, requests = _https_get(server, "/v1/requests/mine", pki / "ca.pem")
+            assert requests["num_tokens"] == 40  # nothing changed
+
+        assert_refused_to_the_other_certificate(generation)
+        # Killed (the journal replays the registration), then stopped (the snapshot has it).
+        for how in (signal.SIGKILL, signal.SIGTERM):
+            server.stop(how)
+            server = launch(workdir, *args)
+            assert_refused_to_the_other_certificate(generation)
+        # The owner's own certificate takes its registration over after the restarts.
+        channel, stub = _raw_stub(server.grpc_address, pki, "client")
+        try:
+            again = stub.RegisterClient(
+                pb.RegisterClientRequest(role=pb.CLIENT_ROLE_SCHEDULER, client_id=client_id)
+            )
+            assert again.generation == generation + 1
+        finally:
+            channel.close()
+    finally:
+        server.stop()
 
 
 # -- rotation -----------------------------------------------------------------------------

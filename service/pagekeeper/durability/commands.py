@@ -135,6 +135,8 @@ def encode_command(command: Command, result: Any = None) -> bytes:
             float(command.lease_ttl_s),
             command.device,
             kernel_support_to_tree(command.kernel_support),
+            # Only when bound: records without client certificates stay as they were.
+            *([command.identity] if command.identity else []),
         ]
     elif isinstance(command, UnregisterCommand):
         kind, tree = KIND_UNREGISTER, [command.now, command.client_id, command.generation]
@@ -194,6 +196,9 @@ def _from_tree(kind: int, tree: Any) -> tuple[Command, Publication | None]:
         now, client_id, generation = tree
         return HeartbeatCommand(float(now), str(client_id), int(generation)), None
     if kind == KIND_REGISTER:
+        identity = ""
+        if isinstance(tree, list) and len(tree) == 8:
+            *tree, identity = tree
         now, role, name, client_id, lease, device, support = tree
         return (
             RegisterCommand(
@@ -204,6 +209,7 @@ def _from_tree(kind: int, tree: Any) -> tuple[Command, Publication | None]:
                 lease_ttl_s=float(lease),
                 device=str(device),
                 kernel_support=kernel_support_from_tree(support),
+                identity=str(identity),
             ),
             None,
         )

@@ -210,6 +210,10 @@ class ClientModel(Model):
     num_requests: int = Field(description="Schedulers: running requests it owns.")
     last_step_id: int = Field(description="Schedulers: last step id applied.")
     num_steps: int = Field(description="Schedulers: steps applied.")
+    identity: str = Field(
+        description="The TLS certificate subject the registration is bound to (mutual TLS); "
+        "empty: none."
+    )
 
 
 # -- events -------------------------------------------------------------------------------

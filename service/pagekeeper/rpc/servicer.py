@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import grpc
 
 from pagekeeper import __version__
-from pagekeeper.core.errors import PagekeeperError
+from pagekeeper.core.errors import PagekeeperError, PermissionDenied
 from pagekeeper.errors_map import grpc_status
 from pagekeeper.rpc import convert
 from pagekeeper.runtime import Runtime
@@ -39,6 +39,20 @@ DEFAULT_EVENTS_PER_MESSAGE = 1024
 MAX_EVENTS_PER_MESSAGE = 16384
 # Streams re-check their client's registration at least this often while idle.
 _STREAM_RECHECK_S = 1.0
+
+
+def peer_identity(context: Any) -> str:
+    """The TLS certificate subject of the caller's connection: its common name, else its
+    first subject alternative name ("" without one, or off gRPC)."""
+    if context is None:
+        return ""
+    auth = context.auth_context()
+    for key in ("x509_common_name", "x509_subject_alternative_name"):
+        values = auth.get(key)
+        if values:
+            first = values[0]
+            return first.decode(errors="replace") if isinstance(first, bytes) else str(first)
+    return ""
 
 
 def run_unary(
@@ -95,8 +109,24 @@ class PagekeeperServicer(pb_grpc.PagekeeperServiceServicer):  # type: ignore[mis
         settings = runtime.settings
         self._pool_pb = convert.pool_config_to_pb(settings.pool)
         self._limits_pb = convert.limits_to_pb(self.state.limits, settings.max_message_bytes)
+        tls = runtime.tls
+        self._bind_identities = tls is not None and tls.requires_client_certificates
+        """Registrations are bound to the caller's certificate (mutual TLS)."""
         self.local_socket = ""
         """The same-node socket's absolute path once it listens (advertised at registration)."""
+
+    def _check_identity(self, client_id: str, context: Any) -> None:
+        """With mutual TLS, a gRPC call for a client must come over a connection with the
+        certificate it registered with (the same-node socket, ``context=None``, is guarded
+        by its file mode instead)."""
+        if not self._bind_identities or context is None:
+            return
+        bound = self.state.identity_of(client_id)
+        if bound and peer_identity(context) != bound:
+            raise PermissionDenied(
+                f"client {client_id!r} is bound to certificate {bound!r}; this connection "
+                f"presents {peer_identity(context)!r}"
+            )
 
     # -- pool ---------------------------------------------------------------------------
     @_unary
@@ -126,6 +156,7 @@ class PagekeeperServicer(pb_grpc.PagekeeperServiceServicer):  # type: ignore[mis
                 lease_ttl_s=request.lease_ttl_ms / 1000.0,
                 device=request.device,
                 kernel_support=convert.kernel_support_from_pb(request.kernel_support),
+                identity=peer_identity(context) if self._bind_identities else "",
             )
         )
         response = pb.RegisterClientResponse(
@@ -157,6 +188,7 @@ class PagekeeperServicer(pb_grpc.PagekeeperServiceServicer):  # type: ignore[mis
 
     @_unary
     def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> pb.HeartbeatResponse:
+        self._check_identity(request.client_id, context)
         result = self.state.heartbeat(
             HeartbeatCommand(self.runtime.now(), request.client_id, request.generation)
         )
@@ -169,6 +201,7 @@ class PagekeeperServicer(pb_grpc.PagekeeperServiceServicer):  # type: ignore[mis
 
     @_unary
     def Unregister(self, request: pb.UnregisterRequest, context: Any) -> pb.UnregisterResponse:
+        self._check_identity(request.client_id, context)
         freed = self.state.unregister(
             UnregisterCommand(self.runtime.now(), request.client_id, request.generation)
         )
@@ -178,6 +211,7 @@ class PagekeeperServicer(pb_grpc.PagekeeperServiceServicer):  # type: ignore[mis
     # -- the hot path -------------------------------------------------------------------
     @_unary
     def Step(self, request: pb.StepRequest, context: Any) -> pb.StepResponse:
+        self._check_identity(request.client_id, context)
         command = convert.step_from_pb(request, self.runtime.now())
         started = time.perf_counter()
         result = self.state.step(command)
@@ -264,6 +298,7 @@ class PagekeeperServicer(pb_grpc.PagekeeperServiceServicer):  # type: ignore[mis
     ) -> AsyncIterator[pb.WatchTablesResponse]:
         runtime, hub = self.runtime, self.runtime.hub
         try:
+            self._check_identity(request.client_id, context)
             client = self.state.check_client(request.client_id, request.generation, runtime.now())
         except PagekeeperError as exc:
             await context.abort(*grpc_status(exc))

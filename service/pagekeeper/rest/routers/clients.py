@@ -26,6 +26,7 @@ async def list_clients(runtime: RuntimeDep) -> list[ClientModel]:
             num_requests=len(c.request_ids),
             last_step_id=c.last_step_id,
             num_steps=c.num_steps,
+            identity=c.identity,
         )
         for c in runtime.state.clients()
     ]
