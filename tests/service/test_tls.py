@@ -293,8 +293,9 @@ def _raw_stub(server_address: str, pki: Path, name: str) -> tuple[grpc.Channel, 
 def test_with_mutual_tls_a_registration_is_bound_to_its_certificate_across_restarts(
     pki: Path, tmp_path: Path
 ) -> None:
-    """Another certificate of the same CA cannot step, renew, take over or unregister a
-    client registered with the first; the binding is journaled and snapshotted."""
+    """Another certificate of the same CA cannot step, renew, take over, unregister or
+    watch the tables of a client registered with the first; the binding is journaled and
+    snapshotted."""
     args = [*_tls_args(pki, client_ca=True), "--num-pages", "64", "--lease-ttl-s", "60"]
     workdir = tmp_path / "srv"
     server = launch(workdir, *args)
@@ -334,6 +335,14 @@ def test_with_mutual_tls_a_registration_is_bound_to_its_certificate_across_resta
                 ),
                 lambda: stub.RegisterClient(
                     pb.RegisterClientRequest(role=pb.CLIENT_ROLE_SCHEDULER, client_id=client_id)
+                ),
+                lambda: next(
+                    iter(
+                        stub.WatchTables(
+                            pb.WatchTablesRequest(client_id=client_id, generation=generation),
+                            timeout=10,
+                        )
+                    )
                 ),
             ]
             try:
