@@ -117,6 +117,10 @@ class _Material:
     private_key: bytes
     client_ca: bytes | None
     stamp: _Stamp
+    http: ssl.SSLContext
+    """The HTTP listener's context for this pair (the one that checked it)."""
+    not_after: float | None
+    """When the certificate expires (Unix time; None if it cannot be read)."""
 
 
 def _load(cert_file: str, key_file: str, client_ca_file: str | None) -> _Material:
@@ -128,9 +132,9 @@ def _load(cert_file: str, key_file: str, client_ca_file: str | None) -> _Materia
         raise ConfigError("server.tls_cert_file", f"{cert_file} holds no PEM certificate")
     if b"PRIVATE KEY-----" not in key:
         raise ConfigError("server.tls_key_file", f"{key_file} holds no PEM private key")
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    http = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)  # asks for no client certificate
     try:
-        context.load_cert_chain(cert_file, key_file)
+        http.load_cert_chain(cert_file, key_file)  # checks the pair
     except (ssl.SSLError, OSError) as exc:
         raise ConfigError(
             "server.tls_key_file",
@@ -141,13 +145,19 @@ def _load(cert_file: str, key_file: str, client_ca_file: str | None) -> _Materia
     if client_ca_file is not None:
         client_ca = _read("server.tls_client_ca_file", client_ca_file)
         try:
-            context.load_verify_locations(cadata=client_ca.decode("ascii"))
+            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_verify_locations(
+                cadata=client_ca.decode("ascii")
+            )
         except (ssl.SSLError, UnicodeDecodeError, ValueError) as exc:
             raise ConfigError(
                 "server.tls_client_ca_file",
                 f"{client_ca_file} holds no readable PEM CA certificate ({exc})",
             ) from None
-    return _Material(cert, key, client_ca, stamp)
+    try:
+        not_after: float | None = certificate_not_after(cert)
+    except ValueError:
+        not_after = None
+    return _Material(cert, key, client_ca, stamp, http, not_after)
 
 
 def _grpc_configuration(material: _Material) -> Any:
@@ -168,8 +178,9 @@ class ServerTLS:
         self._failed_stamp: _Stamp | None = None
         # A new gRPC configuration waiting for the next connection's handshake.
         self._pending_grpc: Any = None
-        self._http_context: ssl.SSLContext | None = None
-        self._current_http: ssl.SSLContext | None = None
+        # The context uvicorn holds: the first pair's, switching each handshake to the
+        # current pair's.
+        self._front_http: ssl.SSLContext | None = None
         self.num_reloads = 0
 
     @property
@@ -183,10 +194,7 @@ class ServerTLS:
     @property
     def not_after(self) -> float | None:
         """When the served certificate expires (Unix time; None if it cannot be read)."""
-        try:
-            return certificate_not_after(self._material.cert_chain)
-        except (ValueError, UnicodeDecodeError):
-            return None
+        return self._material.not_after
 
     def grpc_credentials(self) -> grpc.ServerCredentials:
         """Credentials whose certificate follows :meth:`reload_if_changed` (gRPC asks for a
@@ -201,27 +209,22 @@ class ServerTLS:
         pending, self._pending_grpc = self._pending_grpc, None
         return pending
 
-    def _new_http_context(self) -> ssl.SSLContext:
-        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        context.load_cert_chain(self.cert_file, self.key_file)  # checks the pair
-        return context
-
     def http_context(self) -> ssl.SSLContext:
         """The HTTP listener's context (no client certificate asked). Each handshake
         switches to the newest loaded context in its server-name callback (which OpenSSL
         runs whether or not the client sent a name), so a reload swaps whole contexts: a
         certificate never meets another's key."""
-        if self._http_context is None:
-            context = self._new_http_context()
-            context.sni_callback = self._pick_http_context
-            self._http_context = self._current_http = context
-        return self._http_context
+        if self._front_http is None:
+            front = self._material.http
+            front.sni_callback = self._pick_http_context
+            self._front_http = front
+        return self._front_http
 
     def _pick_http_context(
         self, connection: Any, server_name: str | None, context: ssl.SSLContext
     ) -> None:
-        current = self._current_http
-        if current is not None and current is not context:
+        current = self._material.http
+        if current is not context:
             connection.context = current
 
     def uvicorn_options(self) -> dict[str, Any]:
@@ -238,16 +241,10 @@ class ServerTLS:
             return False
         try:
             material = _load(self.cert_file, self.key_file, self.client_ca_file)
-            http = self._new_http_context() if self._http_context is not None else None
         except ConfigError:
             self._failed_stamp = stamp
             raise
-        except (ssl.SSLError, OSError) as exc:  # changed again between the two reads
-            self._failed_stamp = stamp
-            raise ConfigError("server.tls_cert_file", f"cannot load it: {exc}") from None
         self._material = material
-        if http is not None:
-            self._current_http = http
         self._failed_stamp = None
         self._pending_grpc = _grpc_configuration(material)
         self.num_reloads += 1
