@@ -122,10 +122,10 @@ class PagekeeperServicer(pb_grpc.PagekeeperServiceServicer):  # type: ignore[mis
         if not self._bind_identities or context is None:
             return
         bound = self.state.identity_of(client_id)
-        if bound and peer_identity(context) != bound:
+        if bound and (presented := peer_identity(context)) != bound:
             raise PermissionDenied(
                 f"client {client_id!r} is bound to certificate {bound!r}; this connection "
-                f"presents {peer_identity(context)!r}"
+                f"presents {presented!r}"
             )
 
     # -- pool ---------------------------------------------------------------------------
