@@ -23,11 +23,9 @@ recovered from its log without the snapshot (records replayed per second).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,16 +33,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+from _services import decode_step_medians, order, services, tokens
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-for _sub in ("client", "service"):
-    if str(REPO_ROOT / _sub) not in sys.path:
-        sys.path.insert(0, str(REPO_ROOT / _sub))
-
-from pagekeeper.core.config import PoolConfig  # noqa: E402
-from pagekeeper.durability import Durability  # noqa: E402
-from pagekeeper.durability.commands import encode_command  # noqa: E402
-from pagekeeper.state import (  # noqa: E402
+from pagekeeper.core.config import PoolConfig
+from pagekeeper.durability import Durability
+from pagekeeper.durability.commands import encode_command
+from pagekeeper.state import (
     Admission,
     Batch,
     ClientRole,
@@ -61,10 +55,6 @@ LIMITS = Limits(lease_ttl_s=3600.0, max_lease_ttl_s=3600.0, max_requests_per_ste
 LEVELS = ("none", "process", "fsync")
 DOC_START = "<!-- bench_durability:start -->"
 DOC_END = "<!-- bench_durability:end -->"
-
-
-def _tokens(start: int, n: int) -> np.ndarray:
-    return (np.arange(start, start + n) % 30000).astype(np.int32)
 
 
 class Lane:
@@ -109,7 +99,7 @@ class Scenario:
             rid = f"r{self.next_request}"
             self.next_request += 1
             prompt = np.concatenate(
-                [_tokens(0, shared), _tokens(self.next_request * 7919, length - shared)]
+                [tokens(0, shared), tokens(self.next_request * 7919, length - shared)]
             )
             admissions.append(Admission(rid, prompt))
             self.running.append(rid)
@@ -118,7 +108,7 @@ class Scenario:
     def decode(self, batch: int) -> StepCommand:
         ids = self.running[:batch]
         # In column form, as PagekeeperClient sends a decode step.
-        columns = GrowthColumns.decodes(ids, _tokens(self.step_id, len(ids)))
+        columns = GrowthColumns.decodes(ids, tokens(self.step_id, len(ids)))
         return self._step(growth_columns=columns, batch=Batch(tuple(ids)))
 
     def sched_step(self) -> StepCommand:
@@ -126,13 +116,13 @@ class Scenario:
         frees = tuple(self.running[:4])
         self.running = self.running[4:]
         decoding = self.running[:256]
-        columns = GrowthColumns.decodes(decoding, _tokens(self.step_id, len(decoding)))
+        columns = GrowthColumns.decodes(decoding, tokens(self.step_id, len(decoding)))
         admissions = []
         for _ in range(4):
             rid = f"r{self.next_request}"
             self.next_request += 1
             prompt = np.concatenate(
-                [_tokens(0, 1024), _tokens(self.next_request * 7919, 2000 - 1024)]
+                [tokens(0, 1024), tokens(self.next_request * 7919, 2000 - 1024)]
             )
             admissions.append(Admission(rid, prompt))
         self.running += [a.request_id for a in admissions]
@@ -143,10 +133,6 @@ class Scenario:
         return self._step(frees=frees)
 
 
-def _order(i: int) -> list[int]:
-    return [0, 1, 2] if i % 2 == 0 else [2, 1, 0]
-
-
 def measure_in_process(samples: int) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -154,7 +140,7 @@ def measure_in_process(samples: int) -> list[dict]:
         scenario = Scenario(256)
 
         def apply_all(command, times: list[list[float]] | None = None, i: int = 0) -> None:
-            for k in _order(i):
+            for k in order(i, 3):
                 started = time.perf_counter()
                 lanes[k].state.apply(command)
                 if times is not None:
@@ -245,75 +231,17 @@ def measure_in_process(samples: int) -> list[dict]:
 def measure_rpc(samples: int) -> dict[str, float]:
     import grpc
 
-    from pagekeeper_client._proto.pagekeeper.v1 import pagekeeper_pb2 as pb
     from pagekeeper_client._proto.pagekeeper.v1 import pagekeeper_pb2_grpc as pb_grpc
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEKEEPER_")}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT / "service"), str(REPO_ROOT / "client")])
     with tempfile.TemporaryDirectory() as tmp:
-        procs, stubs, ids = [], [], []
-        try:
-            for level in LEVELS:
-                ready = Path(tmp) / f"{level}.json"
-                command = [
-                    sys.executable, "-m", "pagekeeper", "serve",
-                    "--grpc-address", "127.0.0.1:0", "--http-address", "127.0.0.1:0",
-                    "--ready-file", str(ready), "--publish-transport", "none",
-                    "--num-pages", "131072", "--max-model-len", "8192",
-                    "--lease-ttl-s", "600", "--max-lease-ttl-s", "600",
-                    "--log-level", "warning", "--durability", level,
-                    "--data-dir", str(Path(tmp) / f"data-{level}"),
-                ]  # fmt: skip
-                procs.append(
-                    subprocess.Popen(
-                        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-                    )
-                )
-            for level, proc in zip(LEVELS, procs, strict=True):
-                ready = Path(tmp) / f"{level}.json"
-                deadline = time.monotonic() + 60
-                while not ready.exists():
-                    if proc.poll() is not None or time.monotonic() > deadline:
-                        raise RuntimeError(f"the {level} service did not start")
-                    time.sleep(0.02)
-                address = json.loads(ready.read_text())["grpc_address"]
-                stub = pb_grpc.PagekeeperServiceStub(grpc.insecure_channel(address))
-                reply = stub.RegisterClient(
-                    pb.RegisterClientRequest(role=pb.CLIENT_ROLE_SCHEDULER, lease_ttl_ms=600_000)
-                )
-                stubs.append(stub)
-                ids.append(reply.client_id)
-            rids = [f"r{i}" for i in range(64)]
-            admissions = [
-                pb.Admission(request_id=r, token_ids=_tokens(i * 1000, 200).tobytes())
-                for i, r in enumerate(rids)
+        args = [["--durability", level, "--data-dir", f"{tmp}/data-{level}"] for level in LEVELS]
+        with services(Path(tmp), args) as infos:
+            stubs = [
+                pb_grpc.PagekeeperServiceStub(grpc.insecure_channel(info["grpc_address"]))
+                for info in infos
             ]
-            times: list[list[float]] = [[], [], []]
-            for step_id in range(1, samples + 2):
-                if step_id == 1:
-                    fields = {"admissions": admissions}
-                else:
-                    fields = {
-                        "growth_columns": pb.GrowthColumns(
-                            request_ids=rids,
-                            new_token_ids=_tokens(step_id, len(rids)).tobytes(),
-                        ),
-                        "batch": pb.Batch(request_ids=rids),
-                    }
-                for k in _order(step_id):
-                    request = pb.StepRequest(
-                        client_id=ids[k], generation=1, step_id=step_id, **fields
-                    )
-                    started = time.perf_counter()
-                    stubs[k].Step(request)
-                    if step_id > 1:
-                        times[k].append(time.perf_counter() - started)
-            return {level: statistics.median(t) for level, t in zip(LEVELS, times, strict=True)}
-        finally:
-            for proc in procs:
-                proc.terminate()
-            for proc in procs:
-                proc.wait(30)
+            medians = decode_step_medians(stubs, samples)
+    return dict(zip(LEVELS, medians, strict=True))
 
 
 def _us(seconds: float) -> str:
