@@ -209,9 +209,10 @@ def _write_log(tmp_path, seed, n, snapshot_every=10_000):
 
 @pytest.mark.parametrize("damage", ["body", "crc", "gap", "undecodable", "torn", "seq"])
 def test_damaged_record_ends_the_valid_prefix(tmp_path, damage, caplog):
-    """A damaged record (flipped bytes, bad CRC, a missing record, an unknown kind) is
-    detected, reported (log line + metric), dropped with everything after it, and the state
-    is the twin's just before it; the log then continues from there."""
+    """A damaged record (flipped bytes, bad CRC, a missing record, a known kind whose body
+    does not decode) is detected, reported (log line + metric), dropped with everything
+    after it, and the state is the twin's just before it; the log then continues from
+    there."""
     last = _write_log(tmp_path, 31, 300)
     bad = last - 25
     ((_, crc, body),) = [r for r in journal_files.records(tmp_path) if r[0] == bad]
@@ -231,7 +232,7 @@ def test_damaged_record_ends_the_valid_prefix(tmp_path, damage, caplog):
     elif damage == "torn":
         journal_files.cut_inside(tmp_path, bad)  # the rest of its segment goes with it
     else:
-        garbage = b"\xee\x01garbage"
+        garbage = bytes(body[:2]) + b"\x99garbage"  # its own kind and version
         journal_files.edit_record(tmp_path, bad, body=garbage, crc=record_crc(bad, garbage))
     with caplog.at_level("ERROR", logger="pagekeeper.durability"):
         recovered, durability = recover(tmp_path)
@@ -250,6 +251,69 @@ def test_damaged_record_ends_the_valid_prefix(tmp_path, damage, caplog):
     again, durability = recover(tmp_path)
     assert durability.report.damage == "" and state_digest(again) == state_digest(recovered)
     durability.close()
+
+
+@pytest.mark.parametrize("change", ["kind", "version"])
+def test_a_newer_pagekeepers_record_is_refused_not_dropped(tmp_path, change):
+    """A whole, CRC-valid record of a kind or version this pagekeeper does not know is a
+    newer pagekeeper's, not damage: start-up fails with one line naming it and the journal
+    is left as it was (dropping it would lose it and every later acknowledged step)."""
+    last = _write_log(tmp_path, 33, 120)
+    bad = last - 10
+    ((_, _, body),) = [r for r in journal_files.records(tmp_path) if r[0] == bad]
+    newer = bytearray(body)
+    if change == "kind":
+        newer[0] = 0xEE
+    else:
+        newer[1] = 0x7F
+    journal_files.edit_record(tmp_path, bad, body=bytes(newer), crc=record_crc(bad, bytes(newer)))
+    before = journal_files.records(tmp_path)
+    for _ in range(2):  # refused again the next time: nothing was dropped
+        with pytest.raises(DurabilityError, match=f"record {bad} .* newer pagekeeper") as info:
+            recover(tmp_path)
+        assert "\n" not in str(info.value)
+        assert journal_files.records(tmp_path) == before
+
+
+def _format_of(data_dir) -> str:
+    db = sqlite3.connect(data_dir / DB_NAME)
+    try:
+        return db.execute("SELECT value FROM meta WHERE key = 'format_version'").fetchone()[0]
+    finally:
+        db.close()
+
+
+def test_a_certificate_identity_stamps_format_4_which_older_readers_refuse(tmp_path):
+    """Records and snapshots of a pool without client certificates keep format 3 (an
+    older pagekeeper still reads the dir); the first registration bound to a certificate
+    stamps format 4 before it is written, and the dir stays 4 through snapshots and
+    restarts. This pagekeeper reads 4; one that reads 1-3 refuses the dir at start."""
+    state, workload = new_state(), Workload(35)
+    durability = Durability.open(tmp_path, "process", snapshot_every=40)
+    durability.recover(state)
+    durability.attach(state)
+    _drive(state, workload, 60, durability)
+    assert _format_of(tmp_path) == "3"
+    bound = RegisterCommand(now=1e6, role=ClientRole.WORKER, name="w", identity="worker-7")
+    client = state.apply(bound)
+    assert _format_of(tmp_path) == "4"
+    _drive(state, workload, 60, durability)  # snapshots in between keep it
+    assert durability.latest_snapshot_seq > 0 and _format_of(tmp_path) == "4"
+    digest = state_digest(state)
+    state.journal = None
+    crash(durability)
+    again, durability = recover(tmp_path)
+    assert state_digest(again) == digest
+    assert again.identity_of(client.client_id) == "worker-7"
+    durability.close(again)
+    assert _format_of(tmp_path) == "4"
+
+    db = sqlite3.connect(tmp_path / DB_NAME)
+    db.execute("UPDATE meta SET value = '5' WHERE key = 'format_version'")
+    db.commit()
+    db.close()
+    with pytest.raises(DurabilityError, match="has format 5; this pagekeeper reads 1, 2, 3, 4"):
+        Durability.open(tmp_path, "process")
 
 
 def _to_format_1(data_dir) -> None:

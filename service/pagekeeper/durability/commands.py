@@ -86,6 +86,11 @@ class RecordDecodeError(ValueError):
     """A record body that is not a command this version can read."""
 
 
+class RecordFromNewerVersion(RecordDecodeError):
+    """A record of a kind, or a kind's version, that this version does not know: what a
+    newer pagekeeper writes (recovery refuses the data dir rather than drop it as damage)."""
+
+
 # Version 2 of ``step_wire``: a fixed header (now, publication flags, published slot,
 # publish_error's length), publish_error (UTF-8), then the request's bytes to the end.
 _WIRE_HEADER = struct.Struct("<dBqI")
@@ -161,10 +166,10 @@ def decode_command(body: bytes | memoryview) -> tuple[Command, Publication | Non
         raise RecordDecodeError("record body shorter than its header")
     kind, version = body[0], body[1]
     if kind not in KIND_NAMES:
-        raise RecordDecodeError(f"unknown record kind {kind}")
+        raise RecordFromNewerVersion(f"unknown record kind {kind}")
     readable = READABLE_VERSIONS.get(kind, (VERSION,))
     if version not in readable:
-        raise RecordDecodeError(
+        raise RecordFromNewerVersion(
             f"{KIND_NAMES[kind]} record version {version} is not {' or '.join(map(str, readable))}"
         )
     if kind == KIND_STEP_WIRE and version == STEP_WIRE_VERSION:

@@ -107,9 +107,13 @@ DB_NAME = "pagekeeper.db"
 SNAPSHOT_DIR = "snapshots"
 JOURNAL_DIR = "journal"
 FORMAT_VERSION = "3"
-READABLE_FORMATS = ("1", "2", "3")
+IDENTITY_FORMAT = "4"
+READABLE_FORMATS = ("1", "2", "3", "4")
 """Format 1 kept snapshot bodies inline (table ``snapshots``); 2 keeps them in files; 3
-appends records to segment files (older records stay in table ``log`` and are read first)."""
+appends records to segment files (older records stay in table ``log`` and are read first);
+4 is 3 whose records and snapshots may bind a client to a certificate's subject (mutual
+TLS), which a pagekeeper reading 1-3 would take for damage. A data dir is stamped 4 before
+its first such record, and stays 4; without client certificates it stays 3."""
 _SEQ = struct.Struct("<q")
 
 SEGMENT_BYTES = 64 << 20
@@ -523,6 +527,27 @@ class CommandLog:
         )
 
     # -- records ---------------------------------------------------------------------------
+    def _stamp_format(self, version: str) -> bool:
+        """Set the format row to ``version`` unless it already says that or later (a
+        format is never lowered: a dir that holds format-4 records stays 4); returns
+        whether it wrote. Inside the caller's transaction, if any."""
+        current = self.get_meta("format_version")
+        if current is not None and int(current) >= int(version):
+            return False
+        self.set_meta("format_version", version)
+        return True
+
+    def require_format(self, version: str) -> None:
+        """Make the format row at least ``version`` (a small commit when it changes)
+        before a record that needs it is appended."""
+        try:
+            with self._write_lock:
+                wrote = self._stamp_format(version)
+        except sqlite3.Error as exc:
+            raise LogError(f"cannot update {self.path}: {exc}") from None
+        if wrote and self._checkpointer is not None:
+            self._checkpointer.dirty = True
+
     def append(self, seq: int, body: bytes) -> None:
         """Write one record (after the last one) to the journal; durable at this level once
         it returns: in the OS page cache (``process``) or on the disk (``fsync``)."""
@@ -553,16 +578,10 @@ class CommandLog:
         (at level ``fsync``, its header and its name in the directory synced before any
         record goes in)."""
         self._close_segment()
-        if not self._segments and self.get_meta("format_version") != FORMAT_VERSION:
+        if not self._segments:
             # An older pagekeeper would not see records in segment files: make it refuse
             # the directory (a small commit, once, before the first segment).
-            try:
-                with self._write_lock:
-                    self.set_meta("format_version", FORMAT_VERSION)
-            except sqlite3.Error as exc:
-                raise LogError(f"cannot update {self.path}: {exc}") from None
-            if self._checkpointer is not None:
-                self._checkpointer.dirty = True
+            self.require_format(FORMAT_VERSION)
         synced = self.level is DurabilityLevel.FSYNC  # a killed process loses no write()
         created = not self.journal_dir.exists()
         self.journal_dir.mkdir(exist_ok=True)
@@ -800,7 +819,7 @@ class CommandLog:
                     if checkpointer is None:
                         db.execute("DELETE FROM log WHERE seq <= ?", (snapshot.seq,))
                     db.execute("DELETE FROM snapshots")  # inline ones (format 1) are older
-                    self.set_meta("format_version", FORMAT_VERSION)
+                    self._stamp_format(FORMAT_VERSION)
                     db.execute("COMMIT")
                 except BaseException:
                     with contextlib.suppress(sqlite3.Error):

@@ -46,10 +46,16 @@ from typing import Any
 import numpy as np
 
 from pagekeeper.core.errors import PagekeeperError
-from pagekeeper.durability.commands import RecordDecodeError, decode_command, encode_command
+from pagekeeper.durability.commands import (
+    RecordDecodeError,
+    RecordFromNewerVersion,
+    decode_command,
+    encode_command,
+)
 from pagekeeper.durability.log import (
     CUT_SHORT,
     FORMAT_VERSION,
+    IDENTITY_FORMAT,
     READABLE_FORMATS,
     CheckpointStats,
     CommandLog,
@@ -62,6 +68,7 @@ from pagekeeper.durability.snapshot import SnapshotError, decode_snapshot, encod
 from pagekeeper.state import (
     Command,
     ConfigureLimitsCommand,
+    RegisterCommand,
     ServiceState,
     limits_from_tree,
     limits_to_tree,
@@ -180,6 +187,7 @@ class Durability:
         self._log: CommandLog | None = None
         self._seq = 0
         self._since_snapshot = 0
+        self._identity_format = False  # the dir is stamped IDENTITY_FORMAT
 
     # -- opening ---------------------------------------------------------------------------
     @classmethod
@@ -208,7 +216,8 @@ class Durability:
             if version is not None and version not in READABLE_FORMATS:
                 raise DurabilityError(
                     f"{self._log.path} has format {version}; this pagekeeper reads "
-                    f"{' and '.join(READABLE_FORMATS)}"
+                    f"{', '.join(READABLE_FORMATS)} (a newer pagekeeper wrote it: start that "
+                    "version on it, or give this one another --data-dir)"
                 )
             orphans = self._log.remove_orphan_snapshot_files()
             if orphans:
@@ -346,6 +355,15 @@ class Durability:
                 break
             try:
                 command, publication = decode_command(body)
+            except RecordFromNewerVersion as exc:
+                # Whole and CRC-valid, so not a torn write: a newer pagekeeper's record.
+                # Dropping it and what follows would lose acknowledged steps; refuse.
+                raise DurabilityError(
+                    f"record {seq} of {commands_log.journal_dir} is not one this "
+                    f"pagekeeper reads ({exc}): most likely a newer pagekeeper wrote "
+                    "it. Nothing was changed: start that version on this data dir, or "
+                    "give this one another --data-dir"
+                ) from None
             except RecordDecodeError as exc:
                 damage = f"record {seq} does not decode: {exc}"
                 break
@@ -438,6 +456,11 @@ class Durability:
         seq = self._seq + 1
         started = time.perf_counter()
         try:
+            if not self._identity_format and type(command) is RegisterCommand and command.identity:
+                # A pagekeeper reading formats 1-3 would drop this record (and every
+                # later one) as damage: make it refuse the dir instead.
+                commands_log.require_format(IDENTITY_FORMAT)
+                self._identity_format = True
             commands_log.append(seq, body)
         except LogError as exc:
             self._fail(str(exc))
