@@ -36,6 +36,7 @@ from tests.dashboard.known_state import (
     make_known_state,
 )
 from tests.helpers.grpc_util import Scheduler, i32
+from tests.helpers.pki import HAVE_OPENSSL, make_pki, tls_args
 from tests.helpers.server import ROOT, RunningServer, launch
 
 ARTIFACT = ROOT / "artifacts" / "dashboard.png"
@@ -50,6 +51,8 @@ CHROMIUM_FLAGS = (
     "--disable-sync",
     "--window-size=1440,1000",
     "--force-device-scale-factor=1",
+    # The TLS test's server certificate is of a throwaway CA (HTTP asks for no client one).
+    "--ignore-certificate-errors",
 )
 WAIT_S = 15.0
 
@@ -141,6 +144,18 @@ for (const li of document.querySelectorAll('#legend li')) {
   out[li.dataset.state] = rgb.slice(0, 3).map(Number);
 }
 return out;
+"""
+
+
+# The header's chips once the pool was read (null before).
+OPS_JS = """
+const j = document.getElementById('ops-journal'), t = document.getElementById('ops-tls');
+if (!j.dataset.level || !t.dataset.tls) return null;
+return {
+  journal: {level: j.dataset.level, tone: j.dataset.tone, text: j.textContent, title: j.title},
+  tls: {tls: t.dataset.tls, tone: t.dataset.tone, text: t.textContent, title: t.title,
+        expiresAt: t.dataset.expiresAt},
+};
 """
 
 
@@ -257,6 +272,13 @@ def test_dashboard_in_a_browser(driver: Any, server: RunningServer) -> None:
     for page, state in probes.items():
         assert cells[str(page)] == colours[state], f"page {page}: expected {state}"
 
+    # -- the header: the journal's level, plaintext ---------------------------------------
+    ops = wait_until(lambda: browser.execute_script(OPS_JS), "the journal and TLS chips")
+    assert ops["journal"]["level"] == "process" and ops["journal"]["tone"] == "ok"
+    assert ops["journal"]["text"] == "journal: process"
+    assert str(server.workdir / "data") in ops["journal"]["title"]
+    assert ops["tls"] == {**ops["tls"], "tls": "off", "text": "plaintext", "tone": "muted"}
+
     # -- tables: clients with kernel block sizes, the largest requests ---------------------
     wait_until(
         lambda: browser.find_elements(
@@ -330,3 +352,49 @@ def test_dashboard_in_a_browser(driver: Any, server: RunningServer) -> None:
 
     errors = console_errors(browser)
     assert not errors, errors
+
+
+@pytest.mark.skipif(not HAVE_OPENSSL, reason="needs openssl")
+def test_the_dashboard_shows_mutual_tls_and_certificate_bindings(
+    driver: Any, tmp_path: Path
+) -> None:
+    """Over HTTPS, with client certificates required for gRPC: the header says mutual TLS
+    and how long the served certificate has left (two days here: under the 14-day warning),
+    and a client registered with a certificate shows the subject it is bound to."""
+    import grpc
+
+    from pagekeeper.tls import certificate_not_after
+    from pagekeeper_client._proto.pagekeeper.v1 import pagekeeper_pb2_grpc as pb_grpc
+
+    (tmp_path / "pki").mkdir()
+    pki = make_pki(tmp_path / "pki")
+    server = launch(tmp_path / "srv", *tls_args(pki, client_ca=True), "--num-pages", "64")
+    try:
+        creds = grpc.ssl_channel_credentials(
+            (pki / "ca.pem").read_bytes(),
+            (pki / "client.key").read_bytes(),
+            (pki / "client.pem").read_bytes(),
+        )
+        with grpc.secure_channel(server.grpc_address, creds) as channel:
+            stub = pb_grpc.PagekeeperServiceStub(channel)
+            reg = stub.RegisterClient(pb.RegisterClientRequest(role=pb.CLIENT_ROLE_SCHEDULER))
+        driver.get(f"https://{server.http_address}/")
+        ops = wait_until(lambda: driver.execute_script(OPS_JS), "the journal and TLS chips")
+        expires = certificate_not_after((pki / "server.pem").read_bytes())
+        assert ops["tls"]["tls"] == "mutual" and float(ops["tls"]["expiresAt"]) == expires
+        assert ops["tls"]["tone"] == "warn", ops["tls"]  # two days left
+        assert ops["tls"]["text"].startswith("mutual TLS · cert "), ops["tls"]
+        assert str(pki / "server.pem") in ops["tls"]["title"]
+        row = wait_until(
+            lambda: driver.execute_script(
+                'const r = document.querySelector(`#clients tr[data-client="${arguments[0]}"]`);'
+                "return r && {identity: r.dataset.identity,"
+                " badge: r.querySelector('.ident') && r.querySelector('.ident').textContent};",
+                reg.client_id,
+            ),
+            "the bound client in the clients table",
+        )
+        assert row == {"identity": "client", "badge": "client"}
+        assert console_errors(driver) == []
+    finally:
+        server.stop()

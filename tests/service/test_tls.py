@@ -12,6 +12,7 @@ import json
 import random
 import shutil
 import signal
+import sqlite3
 import ssl
 import subprocess
 import sys
@@ -41,61 +42,20 @@ from pagekeeper_client import (
 from pagekeeper_client._proto.pagekeeper.v1 import pagekeeper_pb2 as pb
 from pagekeeper_client._proto.pagekeeper.v1 import pagekeeper_pb2_grpc as pb_grpc
 from pagekeeper_client.client import resolve_tls
+from tests.helpers.pki import HAVE_OPENSSL, make_pki, openssl, tls_args
 from tests.helpers.server import ROOT, RunningServer, clean_env, launch
 
-pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
-
-
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
-def _make_ca(d: Path, name: str) -> None:
-    _openssl(
-        "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
-        "-keyout", f"{name}.key", "-out", f"{name}.pem", "-subj", f"/CN={name}",
-        cwd=d,
-    )  # fmt: skip
-
-
-def _make_leaf(d: Path, name: str, ca: str, san: str | None) -> None:
-    _openssl(
-        "req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key",
-        "-out", f"{name}.csr", "-subj", f"/CN={name}",
-        cwd=d,
-    )  # fmt: skip
-    ext = d / f"{name}.ext"
-    ext.write_text(f"subjectAltName={san}\n" if san else "basicConstraints=CA:FALSE\n")
-    _openssl(
-        "x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key",
-        "-CAcreateserial", "-days", "2", "-out", f"{name}.pem", "-extfile", ext.name,
-        cwd=d,
-    )  # fmt: skip
+pytestmark = pytest.mark.skipif(not HAVE_OPENSSL, reason="needs openssl")
 
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("pki")
-    _make_ca(d, "ca")
-    _make_ca(d, "other-ca")
-    _make_leaf(d, "server", "ca", "IP:127.0.0.1,DNS:localhost")
-    _make_leaf(d, "client", "ca", None)
-    _make_leaf(d, "stranger", "other-ca", None)
-    _make_leaf(d, "server2", "other-ca", "IP:127.0.0.1,DNS:localhost")  # the rotated one
-    _make_leaf(d, "client2", "ca", None)  # the same CA, another subject
-    return d
-
-
-def _tls_args(pki: Path, *, client_ca: bool = False) -> list[str]:
-    args = ["--tls-cert-file", str(pki / "server.pem"), "--tls-key-file", str(pki / "server.key")]
-    if client_ca:
-        args += ["--tls-client-ca-file", str(pki / "ca.pem")]
-    return args
+    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 @pytest.fixture(scope="module")
 def tls_server(pki: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    server = launch(tmp_path_factory.mktemp("tls"), *_tls_args(pki), "--num-pages", "64")
+    server = launch(tmp_path_factory.mktemp("tls"), *tls_args(pki), "--num-pages", "64")
     try:
         yield server
     finally:
@@ -105,7 +65,7 @@ def tls_server(pki: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 @pytest.fixture(scope="module")
 def mtls_server(pki: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     server = launch(
-        tmp_path_factory.mktemp("mtls"), *_tls_args(pki, client_ca=True), "--num-pages", "64"
+        tmp_path_factory.mktemp("mtls"), *tls_args(pki, client_ca=True), "--num-pages", "64"
     )
     try:
         yield server
@@ -296,7 +256,7 @@ def test_with_mutual_tls_a_registration_is_bound_to_its_certificate_across_resta
     """Another certificate of the same CA cannot step, renew, take over, unregister or
     watch the tables of a client registered with the first; the binding is journaled and
     snapshotted."""
-    args = [*_tls_args(pki, client_ca=True), "--num-pages", "64", "--lease-ttl-s", "60"]
+    args = [*tls_args(pki, client_ca=True), "--num-pages", "64", "--lease-ttl-s", "60"]
     workdir = tmp_path / "srv"
     server = launch(workdir, *args)
     try:
@@ -376,6 +336,15 @@ def test_with_mutual_tls_a_registration_is_bound_to_its_certificate_across_resta
             channel.close()
     finally:
         server.stop()
+    # The data dir holds a bound registration: format 4, which a pagekeeper reading only
+    # formats 1-3 refuses instead of dropping that record as damage.
+    db = sqlite3.connect(workdir / "data" / "pagekeeper.db")
+    try:
+        assert db.execute("SELECT value FROM meta WHERE key = 'format_version'").fetchone() == (
+            "4",
+        )
+    finally:
+        db.close()
 
 
 # -- rotation -----------------------------------------------------------------------------
@@ -496,7 +465,7 @@ def test_reload_reports_each_bad_change_once_and_keeps_the_old_pair(
 def test_the_certificate_expiry_is_read_from_the_der(pki: Path, tmp_path: Path) -> None:
     """UTCTime (before 2050) and GeneralizedTime (from 2050) validity, a CA's (v3 with
     extensions) and a leaf's, against openssl's own reading; garbage is a ValueError."""
-    _openssl(
+    openssl(
         "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "40000",
         "-keyout", "far.key", "-out", "far.pem", "-subj", "/CN=far", cwd=tmp_path,
     )  # fmt: skip

@@ -137,6 +137,63 @@
     node.title = node.textContent;
   }
 
+  // The journal and the listeners' security, beside the pool: what an operator checks first
+  // after a restart or before a certificate runs out.
+  const CERT_WARN_DAYS = 14;
+
+  function setChip(node, text, tone, title) {
+    node.textContent = text;
+    node.dataset.tone = tone;
+    node.title = title;
+  }
+
+  function fmtDays(seconds) {
+    const days = seconds / 86400;
+    return days >= 2 ? `${Math.floor(days)} d` : fmtDuration(seconds);
+  }
+
+  function renderOps() {
+    const pool = app.pool;
+    if (!pool) return;
+    const d = pool.durability;
+    const journal = $("ops-journal");
+    journal.dataset.level = d.level;
+    if (d.failure) {
+      setChip(journal, "journal failed", "bad", `the durable log stopped taking writes: ${d.failure}`);
+    } else if (d.level === "none") {
+      setChip(journal, "no journal", "muted", "durability none: a restart starts empty");
+    } else {
+      setChip(
+        journal,
+        `journal: ${d.level}`,
+        "ok",
+        `${d.data_dir} · record ${fmtInt(d.last_seq)}, ${fmtInt(d.records_since_snapshot)} since ` +
+          `the last snapshot · ${fmtInt(d.journal_segments)} segment file(s), ${fmtCompact(d.journal_bytes)} B`,
+      );
+    }
+    const t = pool.tls;
+    const tls = $("ops-tls");
+    tls.dataset.tls = !t.enabled ? "off" : t.client_certificates ? "mutual" : "on";
+    tls.dataset.expiresAt = t.expires_at === null ? "" : String(t.expires_at);
+    if (!t.enabled) {
+      setChip(tls, "plaintext", "muted", "gRPC and HTTP without TLS (loopback or a private network)");
+      return;
+    }
+    const name = t.client_certificates ? "mutual TLS" : "TLS";
+    if (t.expires_at === null) {
+      setChip(tls, name, "ok", `${t.cert_file} · ${fmtInt(t.num_reloads)} reload(s)`);
+      return;
+    }
+    const left = t.expires_at - Date.now() / 1000;
+    const until = new Date(t.expires_at * 1000).toISOString().replace(".000Z", "Z");
+    setChip(
+      tls,
+      left <= 0 ? `${name} · certificate expired` : `${name} · cert ${fmtDays(left)} left`,
+      left <= 0 ? "bad" : left < CERT_WARN_DAYS * 86400 ? "warn" : "ok",
+      `${t.cert_file} · valid until ${until} · ${fmtInt(t.num_reloads)} reload(s) since start-up`,
+    );
+  }
+
   // -- KPIs ------------------------------------------------------------------------------
   function setKpi(name, value, sub, barFraction) {
     const card = document.querySelector(`.kpi[data-kpi="${name}"]`);
@@ -389,8 +446,14 @@
           : "–";
         return h(
           "tr",
-          { "data-client": c.client_id },
-          h("td", { class: "id", title: c.name ? `${c.client_id} (${c.name})` : c.client_id }, c.client_id, c.name ? h("span", { class: "muted", text: ` ${c.name}` }) : ""),
+          { "data-client": c.client_id, "data-identity": c.identity },
+          h(
+            "td",
+            { class: "id", title: (c.name ? `${c.client_id} (${c.name})` : c.client_id) + (c.identity ? ` · bound to certificate ${c.identity}` : "") },
+            c.client_id,
+            c.name ? h("span", { class: "muted", text: ` ${c.name}` }) : "",
+            c.identity ? h("span", { class: "ident", text: c.identity }) : "",
+          ),
           h("td", {}, h("span", { class: `badge ${c.role}`, text: c.role })),
           h("td", { text: c.device || "–" }),
           h("td", { class: "num", text: String(c.generation) }),
@@ -780,6 +843,7 @@
       app.pool = pool;
       app.clients = clients;
       renderPoolMeta();
+      renderOps();
       renderClients();
       renderRequests(requests);
       if (app.selected) await refreshDetail();
