@@ -198,6 +198,13 @@ class AsyncPagekeeperClient:
         local = self._local
         return "local" if local is not None and local.is_open else "grpc"
 
+    def _local_ticket(self) -> tuple[str, str] | None:
+        """``(client id, ticket)`` for the socket's hello when the registration has one."""
+        registration = self._registration
+        if registration is None or not registration.local_ticket:
+            return None
+        return registration.client_id, registration.local_ticket
+
     async def _connect_local(self, *, required: bool) -> None:
         path = self._local_path
         if not path or self._is_closed:
@@ -208,6 +215,7 @@ class AsyncPagekeeperClient:
                 token=self._token,
                 timeout=self.timeout,
                 max_message_bytes=self._max_message_bytes,
+                ticket=self._local_ticket(),
             )
         except PagekeeperError as exc:
             if required:
@@ -298,6 +306,10 @@ class AsyncPagekeeperClient:
         if self._local_mode == "auto":
             self._local_path = registration.local_socket
             await self._connect_local(required=False)
+        elif registration.local_ticket and self._local is not None:
+            # A named socket opened before registering: reopen it with the ticket a
+            # registration bound to a certificate needs there.
+            await self._connect_local(required=True)
         if renew:
             self._heartbeat_task = asyncio.create_task(
                 self._heartbeat_loop(), name="pagekeeper-lease"
@@ -381,6 +393,8 @@ class AsyncPagekeeperClient:
         if self._local_mode == "auto" and fresh.local_socket != self._local_path:
             self._local_path = fresh.local_socket
             await self._connect_local(required=False)
+        elif fresh.local_ticket != registration.local_ticket and self._local is not None:
+            await self._connect_local(required=self._local_mode != "auto")
         self.stats.num_reregistrations += 1
         return fresh
 

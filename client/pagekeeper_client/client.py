@@ -481,6 +481,7 @@ def registration_from_pb(msg: pb.RegisterClientResponse) -> Registration:
         ),
         ring=ring_from_pb(msg.ring) if msg.HasField("ring") else None,
         local_socket=msg.local_socket,
+        local_ticket=msg.local_ticket,
     )
 
 
@@ -1743,6 +1744,7 @@ class PagekeeperClient:
                 token=self._token,
                 timeout=self.timeout,
                 max_message_bytes=self._max_message_bytes,
+                ticket=self._local_ticket(),
             )
         except PagekeeperError as exc:
             if required:
@@ -1753,6 +1755,13 @@ class PagekeeperClient:
         old, self._local = self._local, channel
         if old is not None:
             old.close()
+
+    def _local_ticket(self) -> tuple[str, str] | None:
+        """``(client id, ticket)`` for the socket's hello when the registration has one."""
+        registration = self._registration
+        if registration is None or not registration.local_ticket:
+            return None
+        return registration.client_id, registration.local_ticket
 
     def _local_channel(self, method: str) -> LocalChannel | None:
         """The open same-node channel for ``method``, reconnecting a dropped one at most
@@ -1845,6 +1854,10 @@ class PagekeeperClient:
         if self._local_mode == "auto":
             self._local_path = registration.local_socket
             self._connect_local(required=False)
+        elif registration.local_ticket and self._local is not None:
+            # A named socket opened before registering: reopen it with the ticket a
+            # registration bound to a certificate needs there.
+            self._connect_local(required=True)
         if renew:
             self._start_heartbeat()
         return registration
@@ -1935,6 +1948,8 @@ class PagekeeperClient:
         if self._local_mode == "auto" and fresh.local_socket != self._local_path:
             self._local_path = fresh.local_socket
             self._connect_local(required=False)
+        elif fresh.local_ticket != registration.local_ticket and self._local is not None:
+            self._connect_local(required=self._local_mode != "auto")
         self.stats.num_reregistrations += 1
         return fresh
 

@@ -15,7 +15,9 @@ response message, anything else with the UTF-8 reason. A connection carries one 
 time and the service answers in order.
 
 The hello's payload is :data:`MAGIC` followed by the bearer token (nothing when the service
-has none); its answer is the server version. A connection whose hello fails is answered with
+has none) and, for a client bound to a certificate (mutual TLS), a NUL, the client id, a NUL
+and the ticket its registration returned (``ticket=(client_id, local_ticket)``); its answer
+is the server version. A connection whose hello fails is answered with
 the status and closed.
 
 Semantics are gRPC's, call for call: the service runs the same handler bodies, so a Step
@@ -90,6 +92,7 @@ class _Channel:
         timeout: float,
         max_message_bytes: int,
         max_connections: int,
+        ticket: tuple[str, str] | None = None,
     ) -> None:
         if max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {max_connections}")
@@ -98,6 +101,9 @@ class _Channel:
         self.max_connections = max_connections
         self.server_version = ""
         self._hello = MAGIC + (token or "").encode()
+        if ticket is not None and ticket[1]:
+            client_id, value = ticket
+            self._hello += b"\0" + client_id.encode() + b"\0" + value.encode()
         self._connect_timeout = timeout
         self._num_connections = 0
         self._closed = False
@@ -133,8 +139,9 @@ class LocalChannel(_Channel):
         timeout: float = 30.0,
         max_message_bytes: int = 64 * 1024 * 1024,
         max_connections: int = 4,
+        ticket: tuple[str, str] | None = None,
     ) -> None:
-        super().__init__(path, token, timeout, max_message_bytes, max_connections)
+        super().__init__(path, token, timeout, max_message_bytes, max_connections, ticket)
         self._pool = threading.Condition(threading.Lock())
         self._idle: list[_Connection] = []
         # The first connection now: a channel that cannot connect raises here.
@@ -321,8 +328,9 @@ class AsyncLocalChannel(_Channel):
         timeout: float,
         max_message_bytes: int,
         max_connections: int,
+        ticket: tuple[str, str] | None = None,
     ) -> None:
-        super().__init__(path, token, timeout, max_message_bytes, max_connections)
+        super().__init__(path, token, timeout, max_message_bytes, max_connections, ticket)
         # One event loop: the idle list changes only between awaits, no lock needed; the
         # semaphore bounds the calls in flight, hence the connections.
         self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
@@ -337,6 +345,7 @@ class AsyncLocalChannel(_Channel):
         timeout: float = 30.0,
         max_message_bytes: int = 64 * 1024 * 1024,
         max_connections: int = 4,
+        ticket: tuple[str, str] | None = None,
     ) -> AsyncLocalChannel:
         channel = cls(
             path,
@@ -344,6 +353,7 @@ class AsyncLocalChannel(_Channel):
             timeout=timeout,
             max_message_bytes=max_message_bytes,
             max_connections=max_connections,
+            ticket=ticket,
         )
         channel._idle.append(await channel._open())
         return channel

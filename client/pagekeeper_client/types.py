@@ -241,6 +241,9 @@ class Registration:
     """Workers: where published tables land (None: nothing is published)."""
     local_socket: str = ""
     """The service's same-node socket ("": none), see :mod:`pagekeeper_client.local`."""
+    local_ticket: str = ""
+    """With mutual TLS: what a same-node socket connection presents to act for this client
+    ("": none needed)."""
 
 
 # -- step inputs ----------------------------------------------------------------------------

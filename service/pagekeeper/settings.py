@@ -135,6 +135,9 @@ class Settings:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value.strip()):
                 raise ConfigError(f"server.{name}", "must be a non-empty string when set")
+        for name in ("token", "admin_token"):
+            if "\0" in (getattr(self, name) or ""):
+                raise ConfigError(f"server.{name}", "must not contain a NUL character")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             missing = "tls_key_file" if self.tls_key_file is None else "tls_cert_file"
             raise ConfigError(f"server.{missing}", "TLS needs both a certificate and its key")

@@ -123,3 +123,8 @@ def test_settings_validate_on_construction():
     assert exc.value.field == "publish.ring_depth"
     assert Settings(token="t").effective_admin_token == "t"
     assert Settings(token="t", admin_token="a").effective_admin_token == "a"
+    # The same-node socket's hello ends the token at a NUL (what follows is a client's ticket).
+    for field in ("token", "admin_token"):
+        with pytest.raises(ConfigError, match="NUL") as exc:
+            Settings(**{field: "a\0b"})
+        assert exc.value.field == f"server.{field}"

@@ -36,12 +36,14 @@ from pagekeeper_client import (
     AsyncPagekeeperClient,
     ClientTLS,
     PagekeeperClient,
+    PermissionDeniedError,
     UnavailableError,
     register_worker,
 )
 from pagekeeper_client._proto.pagekeeper.v1 import pagekeeper_pb2 as pb
 from pagekeeper_client._proto.pagekeeper.v1 import pagekeeper_pb2_grpc as pb_grpc
 from pagekeeper_client.client import resolve_tls
+from pagekeeper_client.local import LocalChannel
 from tests.helpers.pki import HAVE_OPENSSL, make_pki, openssl, tls_args
 from tests.helpers.server import ROOT, RunningServer, clean_env, launch
 
@@ -345,6 +347,120 @@ def test_with_mutual_tls_a_registration_is_bound_to_its_certificate_across_resta
         )
     finally:
         db.close()
+
+
+def test_with_mutual_tls_the_same_node_socket_needs_the_registrations_ticket(
+    pki: Path, tmp_path: Path
+) -> None:
+    """The socket carries no certificate: a call there for a client bound to one needs the
+    ticket its registration returned, sent in the hello. The client does that by itself
+    (its steps go over the socket); a connection without the ticket, or with another
+    client's, gets PERMISSION_DENIED for Step, Heartbeat and Unregister, and nothing
+    changes; registering over the socket is refused; the ticket outlives a restart."""
+    sock = tmp_path / "run" / "pk.sock"
+    args = [*tls_args(pki, client_ca=True), "--num-pages", "64", "--local-socket", str(sock)]
+    workdir = tmp_path / "srv"
+    server = launch(workdir, *args)
+
+    def tls_of(name: str) -> ClientTLS:
+        return ClientTLS(str(pki / "ca.pem"), str(pki / f"{name}.pem"), str(pki / f"{name}.key"))
+
+    owner = PagekeeperClient(server.grpc_address, tls=tls_of("client"))
+    other = PagekeeperClient(server.grpc_address, tls=tls_of("client2"))
+    try:
+        mine = owner.register("scheduler", name="owner", renew=False)
+        theirs = other.register("scheduler", name="other", renew=False)
+        assert mine.local_ticket and theirs.local_ticket
+        assert mine.local_ticket != theirs.local_ticket
+        owner.admit("mine", list(range(40)))
+        owner.step()
+        assert owner.transport == "local" and owner.stats.num_local_calls >= 1
+
+        async def async_owner() -> tuple[str, int]:
+            async with AsyncPagekeeperClient(server.grpc_address, tls=tls_of("client")) as c:
+                reg = await c.register("scheduler", name="async", renew=False)
+                await c.admit("async-r", list(range(20)))
+                await c.step()
+                return c.transport, len(reg.local_ticket)
+
+        assert asyncio.run(async_owner()) == ("local", 64)
+        step_id = 1000
+
+        def over_socket(ticket: tuple[str, str] | None) -> None:
+            nonlocal step_id
+            step_id += 1
+            channel = LocalChannel(str(sock), timeout=10, ticket=ticket)
+            calls = {
+                "Step": pb.StepRequest(
+                    client_id=mine.client_id,
+                    generation=mine.generation,
+                    step_id=step_id,
+                    free_request_ids=["mine"],
+                ),
+                "Heartbeat": pb.HeartbeatRequest(
+                    client_id=mine.client_id, generation=mine.generation
+                ),
+                "Unregister": pb.UnregisterRequest(
+                    client_id=mine.client_id, generation=mine.generation
+                ),
+            }
+            answers = {
+                "Step": pb.StepResponse,
+                "Heartbeat": pb.HeartbeatResponse,
+                "Unregister": pb.UnregisterResponse,
+            }
+            try:
+                for method, request in calls.items():
+                    with pytest.raises(PermissionDeniedError, match="did not open with its ticket"):
+                        channel.call(method, request, answers[method], 10.0)
+                with pytest.raises(PermissionDeniedError, match="registers over gRPC"):
+                    channel.call(
+                        "RegisterClient",
+                        pb.RegisterClientRequest(
+                            role=pb.CLIENT_ROLE_SCHEDULER, client_id=mine.client_id
+                        ),
+                        pb.RegisterClientResponse,
+                        10.0,
+                    )
+            finally:
+                channel.close()
+            _, request = _https_get(server, "/v1/requests/mine", pki / "ca.pem")
+            assert request["num_tokens"] == 40  # nothing changed
+            _, clients = _https_get(server, "/v1/clients", pki / "ca.pem")
+            assert {c["client_id"]: c["generation"] for c in clients}[mine.client_id] == 1
+
+        over_socket(None)
+        over_socket((mine.client_id, theirs.local_ticket))  # another client's ticket
+        over_socket((theirs.client_id, theirs.local_ticket))  # its own id: not this client
+        altered = mine.local_ticket[:-1] + ("1" if mine.local_ticket.endswith("0") else "0")
+        over_socket((mine.client_id, altered))
+
+        # Killed and started again: the recovered registration's ticket opens the socket.
+        server.stop(signal.SIGKILL)
+        server = launch(workdir, *args)
+        channel = LocalChannel(str(sock), timeout=10, ticket=(mine.client_id, mine.local_ticket))
+        try:
+            step_id += 1
+            channel.call(
+                "Step",
+                pb.StepRequest(
+                    client_id=mine.client_id,
+                    generation=mine.generation,
+                    step_id=step_id,
+                    free_request_ids=["mine"],
+                ),
+                pb.StepResponse,
+                10.0,
+            )
+        finally:
+            channel.close()
+        with pytest.raises(urllib.error.HTTPError) as gone:
+            _https_get(server, "/v1/requests/mine", pki / "ca.pem")
+        assert gone.value.code == 404  # freed by that step
+    finally:
+        owner.close()
+        other.close()
+        server.stop()
 
 
 # -- rotation -----------------------------------------------------------------------------

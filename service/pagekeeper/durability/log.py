@@ -526,6 +526,20 @@ class CommandLog:
             (key, value),
         )
 
+    def setdefault_meta(self, key: str, value: str) -> str:
+        """The meta row ``key``, set to ``value`` (a small commit) when there is none."""
+        try:
+            with self._write_lock:
+                stored = self.get_meta(key)
+                if stored is not None:
+                    return stored
+                self.set_meta(key, value)
+        except sqlite3.Error as exc:
+            raise LogError(f"cannot update {self.path}: {exc}") from None
+        if self._checkpointer is not None:
+            self._checkpointer.dirty = True
+        return value
+
     # -- records ---------------------------------------------------------------------------
     def _stamp_format(self, version: str) -> bool:
         """Set the format row to ``version`` unless it already says that or later (a

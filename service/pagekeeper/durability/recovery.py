@@ -423,6 +423,16 @@ class Durability:
         )
         return report
 
+    def secret(self, name: str) -> bytes:
+        """32 random bytes kept in the data dir under ``name`` (made on first use): a key
+        that must outlive restarts as the state does (the same-node socket's tickets)."""
+        commands_log = self._require_log()
+        try:
+            stored = commands_log.setdefault_meta(f"secret.{name}", os.urandom(32).hex())
+        except LogError as exc:
+            raise DurabilityError(str(exc)) from None
+        return bytes.fromhex(stored)
+
     def attach(self, state: ServiceState) -> None:
         """Journal every later mutation of ``state`` here."""
         state.journal = self

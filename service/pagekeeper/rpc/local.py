@@ -5,6 +5,8 @@ frame is handled where it arrives, in the event loop, by the same handler body t
 servicer runs, with no ``await`` in between: a step is as atomic here as over gRPC, and its
 answer, journal record, step-id deduplication and error status are the same. The socket
 file is created owner-only (0600); with a bearer token configured, the hello must carry it.
+With mutual TLS, a call for a client bound to a certificate is served only on a connection
+whose hello carried that client's ticket (from its registration over gRPC).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from pagekeeper import __version__
-from pagekeeper.rpc.servicer import PagekeeperServicer, run_unary
+from pagekeeper.rpc.servicer import LocalCaller, PagekeeperServicer, run_unary
 from pagekeeper_client._proto.pagekeeper.v1 import pagekeeper_pb2 as pb
 from pagekeeper_client.local import HEADER, HELLO, MAGIC, METHODS
 
@@ -57,6 +59,7 @@ class _Connection(asyncio.Protocol):
         self.buf = bytearray()
         self.greeted = False
         self.closing = False
+        self.caller = LocalCaller()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -128,7 +131,7 @@ class _Connection(asyncio.Protocol):
             reason = f"malformed {full_name} ({len(payload)} bytes): {exc}"
             self._answer(_INVALID_ARGUMENT, reason.encode())
             return
-        response, status, reason = run_unary(server.servicer, name, body, request, None)
+        response, status, reason = run_unary(server.servicer, name, body, request, self.caller)
         if status is grpc.StatusCode.OK:
             self._answer(_OK, response.SerializeToString())
         else:
@@ -139,10 +142,19 @@ class _Connection(asyncio.Protocol):
             self._fail(_INVALID_ARGUMENT, "not a pagekeeper-local/1 hello")
             return
         token = self.server.token
-        given = payload[len(MAGIC) :]
+        # MAGIC, the token, then (a client bound to a certificate) NUL, its id, NUL, its
+        # ticket: the token itself never holds a NUL (an environment variable cannot).
+        given, _, binding = payload[len(MAGIC) :].partition(b"\0")
         if token is not None and not hmac.compare_digest(given, token.encode()):
             self._fail(_UNAUTHENTICATED, "missing or wrong bearer token")
             return
+        if binding:
+            client_id, _, ticket = binding.partition(b"\0")
+            try:
+                self.caller = LocalCaller(client_id.decode(), ticket)
+            except UnicodeDecodeError:
+                self._fail(_INVALID_ARGUMENT, "the hello's client id is not UTF-8")
+                return
         self.greeted = True
         self._answer(_OK, __version__.encode())
 

@@ -8,7 +8,10 @@ the core leave through :mod:`pagekeeper.errors_map`, the one status table.
 from __future__ import annotations
 
 import functools
+import hashlib
+import hmac
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
@@ -41,10 +44,23 @@ MAX_EVENTS_PER_MESSAGE = 16384
 _STREAM_RECHECK_S = 1.0
 
 
+class LocalCaller:
+    """The context the same-node socket hands a handler body: the client id and ticket its
+    connection's hello carried (empty: none), in place of gRPC's certificate."""
+
+    __slots__ = ("client_id", "ticket", "verified")
+
+    def __init__(self, client_id: str = "", ticket: bytes = b"") -> None:
+        self.client_id = client_id
+        self.ticket = ticket
+        self.verified: tuple[str, str] | None = None
+        """``(client id, certificate subject)`` the ticket was last checked against."""
+
+
 def peer_identity(context: Any) -> str:
     """The TLS certificate subject of the caller's connection: its common name, else its
     first subject alternative name ("" without one, or off gRPC)."""
-    if context is None:
+    if context is None or type(context) is LocalCaller:
         return ""
     auth = context.auth_context()
     for key in ("x509_common_name", "x509_subject_alternative_name"):
@@ -85,7 +101,8 @@ def _unary(
     status if the body failed).
 
     The same-node socket (:mod:`pagekeeper.rpc.local`) runs the bodies themselves
-    (``__wrapped__``) with ``context=None``: a body must not use its gRPC context."""
+    (``__wrapped__``) with its connection's :class:`LocalCaller` as the context: a body
+    must not use gRPC's context beyond :func:`peer_identity`."""
     name = method.__name__
 
     @functools.wraps(method)
@@ -114,15 +131,44 @@ class PagekeeperServicer(pb_grpc.PagekeeperServiceServicer):  # type: ignore[mis
         """Registrations are bound to the caller's certificate (mutual TLS)."""
         self.local_socket = ""
         """The same-node socket's absolute path once it listens (advertised at registration)."""
+        self._ticket_key = b""
+        if self._bind_identities:
+            # Stable across restarts where the state is (a recovered registration's ticket
+            # still opens the socket); a state that starts empty needs none.
+            durability = runtime.durability
+            self._ticket_key = (
+                durability.secret("local_ticket") if durability is not None else os.urandom(32)
+            )
+
+    def local_ticket(self, client_id: str, identity: str) -> str:
+        """What a same-node socket connection presents to act for ``client_id``, bound to
+        ``identity``: an HMAC of both under this service's key (hex)."""
+        message = f"{client_id}\0{identity}".encode()
+        return hmac.new(self._ticket_key, message, hashlib.sha256).hexdigest()
 
     def _check_identity(self, client_id: str, context: Any) -> None:
-        """With mutual TLS, a gRPC call for a client must come over a connection with the
-        certificate it registered with (the same-node socket, ``context=None``, is guarded
-        by its file mode instead)."""
-        if not self._bind_identities or context is None:
+        """With mutual TLS, a call for a client bound to a certificate must come over a
+        gRPC connection with that certificate, or a same-node socket connection that opened
+        with the client's ticket (handed out at registration)."""
+        if not self._bind_identities:
             return
         bound = self.state.identity_of(client_id)
-        if bound and (presented := peer_identity(context)) != bound:
+        if not bound:
+            return
+        if context is None or type(context) is LocalCaller:
+            if context is not None and context.client_id == client_id:
+                if context.verified == (client_id, bound):
+                    return
+                expected = self.local_ticket(client_id, bound).encode()
+                if hmac.compare_digest(context.ticket, expected):
+                    context.verified = (client_id, bound)
+                    return
+            raise PermissionDenied(
+                f"client {client_id!r} is bound to certificate {bound!r}; this same-node "
+                "socket connection did not open with its ticket (RegisterClientResponse"
+                ".local_ticket, sent in the hello)"
+            )
+        if (presented := peer_identity(context)) != bound:
             raise PermissionDenied(
                 f"client {client_id!r} is bound to certificate {bound!r}; this connection "
                 f"presents {presented!r}"
@@ -147,6 +193,14 @@ class PagekeeperServicer(pb_grpc.PagekeeperServiceServicer):  # type: ignore[mis
         self, request: pb.RegisterClientRequest, context: Any
     ) -> pb.RegisterClientResponse:
         role = convert.role_from_pb(request.role)
+        identity = ""
+        if self._bind_identities:
+            if context is None or type(context) is LocalCaller:
+                raise PermissionDenied(
+                    "with mutual TLS a client registers over gRPC, with its certificate "
+                    "(the same-node socket carries none)"
+                )
+            identity = peer_identity(context)
         result = self.state.register(
             RegisterCommand(
                 now=self.runtime.now(),
@@ -156,7 +210,7 @@ class PagekeeperServicer(pb_grpc.PagekeeperServiceServicer):  # type: ignore[mis
                 lease_ttl_s=request.lease_ttl_ms / 1000.0,
                 device=request.device,
                 kernel_support=convert.kernel_support_from_pb(request.kernel_support),
-                identity=peer_identity(context) if self._bind_identities else "",
+                identity=identity,
             )
         )
         response = pb.RegisterClientResponse(
@@ -172,6 +226,9 @@ class PagekeeperServicer(pb_grpc.PagekeeperServiceServicer):  # type: ignore[mis
             last_step_id=result.last_step_id,
             last_published_step_seq=result.last_published_step_seq,
             local_socket=self.local_socket,
+            local_ticket=self.local_ticket(result.client_id, identity)
+            if identity and self.local_socket
+            else "",
         )
         if result.ring is not None:
             response.ring.CopyFrom(convert.ring_to_pb(result.ring))

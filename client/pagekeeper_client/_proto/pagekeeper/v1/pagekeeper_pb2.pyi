@@ -278,7 +278,7 @@ class KernelBlockSize(_message.Message):
     def __init__(self, group_id: _Optional[int] = ..., kernel_block_size: _Optional[int] = ...) -> None: ...
 
 class RegisterClientResponse(_message.Message):
-    __slots__ = ("client_id", "generation", "lease_ttl_ms", "kernel_block_sizes", "ring", "pool", "limits", "last_step_id", "last_published_step_seq", "local_socket")
+    __slots__ = ("client_id", "generation", "lease_ttl_ms", "kernel_block_sizes", "ring", "pool", "limits", "last_step_id", "last_published_step_seq", "local_socket", "local_ticket")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
@@ -289,6 +289,7 @@ class RegisterClientResponse(_message.Message):
     LAST_STEP_ID_FIELD_NUMBER: _ClassVar[int]
     LAST_PUBLISHED_STEP_SEQ_FIELD_NUMBER: _ClassVar[int]
     LOCAL_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_TICKET_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     generation: int
     lease_ttl_ms: int
@@ -299,7 +300,8 @@ class RegisterClientResponse(_message.Message):
     last_step_id: int
     last_published_step_seq: int
     local_socket: str
-    def __init__(self, client_id: _Optional[str] = ..., generation: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., kernel_block_sizes: _Optional[_Iterable[_Union[KernelBlockSize, _Mapping]]] = ..., ring: _Optional[_Union[RingDescriptor, _Mapping]] = ..., pool: _Optional[_Union[PoolConfig, _Mapping]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., last_step_id: _Optional[int] = ..., last_published_step_seq: _Optional[int] = ..., local_socket: _Optional[str] = ...) -> None: ...
+    local_ticket: str
+    def __init__(self, client_id: _Optional[str] = ..., generation: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., kernel_block_sizes: _Optional[_Iterable[_Union[KernelBlockSize, _Mapping]]] = ..., ring: _Optional[_Union[RingDescriptor, _Mapping]] = ..., pool: _Optional[_Union[PoolConfig, _Mapping]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., last_step_id: _Optional[int] = ..., last_published_step_seq: _Optional[int] = ..., local_socket: _Optional[str] = ..., local_ticket: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("client_id", "generation")
