@@ -12,6 +12,7 @@ import asyncio
 import copy
 import dataclasses
 import sqlite3
+import stat
 import time
 
 import numpy as np
@@ -602,6 +603,33 @@ def test_a_checkpoint_behind_a_reader_reports_busy_without_waiting(tmp_path):
     assert log.checkpoint()
     assert (tmp_path / f"{DB_NAME}-wal").stat().st_size == 0
     log.close()
+
+
+def test_the_data_dir_is_owner_only_and_an_open_one_is_reported(tmp_path, caplog):
+    """The journal and snapshots hold the running requests' token ids: a data dir made
+    here is 0700 with its subdirectories, journal segments and snapshot files 0600; one
+    that already exists keeps its mode, and a start logs a warning when other users can
+    open it."""
+    data = tmp_path / "nested" / "data"
+    with caplog.at_level("WARNING", logger="pagekeeper.durability"):
+        _write_log(data, 47, 120, snapshot_every=50)
+    assert not [r for r in caplog.records if "open to other users" in r.message]
+    assert stat.S_IMODE(data.stat().st_mode) == 0o700
+    for sub in (data / "journal", data / SNAPSHOT_DIR):
+        assert stat.S_IMODE(sub.stat().st_mode) == 0o700, sub
+        files = list(sub.iterdir())
+        assert files, sub
+        for path in files:
+            assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+
+    data.chmod(0o755)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="pagekeeper.durability"):
+        state, durability = recover(data)
+    durability.close(state)
+    (warning,) = [r.message for r in caplog.records if "open to other users" in r.message]
+    assert "mode 0755" in warning and str(data) in warning
+    assert stat.S_IMODE(data.stat().st_mode) == 0o755  # an operator's choice: left alone
 
 
 def test_another_pool_or_a_second_instance_is_refused(tmp_path):

@@ -598,13 +598,13 @@ class CommandLog:
             self.require_format(FORMAT_VERSION)
         synced = self.level is DurabilityLevel.FSYNC  # a killed process loses no write()
         created = not self.journal_dir.exists()
-        self.journal_dir.mkdir(exist_ok=True)
+        self.journal_dir.mkdir(mode=0o700, exist_ok=True)
         if created and synced:
             _fsync_path(self.journal_dir.parent)
         path = self.journal_dir / f"segment-{seq:020d}.pkj"
-        # Mode 0o666 less the umask, as open() makes the snapshot files and SQLite its own.
+        # Owner-only: the records hold every admitted prompt's token ids.
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC
-        fd = os.open(path, flags, 0o666)
+        fd = os.open(path, flags, 0o600)
         try:
             os.write(fd, _SEGMENT_HEADER.pack(_SEGMENT_MAGIC, seq))
             if synced:
@@ -781,8 +781,10 @@ class CommandLog:
         path = self.snapshot_dir / name
         partial = path.with_suffix(".tmp")
         try:
-            self.snapshot_dir.mkdir(exist_ok=True)
-            with open(partial, "wb") as f:
+            self.snapshot_dir.mkdir(mode=0o700, exist_ok=True)
+            # Owner-only, as the journal: a snapshot holds the running requests' tokens.
+            fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            with open(fd, "wb") as f:
                 f.write(_FILE_HEADER.pack(_FILE_MAGIC, seq, crc, len(body)))
                 f.write(body)
                 f.flush()

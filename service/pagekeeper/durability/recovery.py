@@ -36,6 +36,7 @@ import json
 import logging
 import os
 import re
+import stat
 import time
 from collections import deque
 from collections.abc import Callable
@@ -203,11 +204,23 @@ class Durability:
         :class:`DurabilityError` (one line) when any of it is impossible."""
         self = cls(data_dir, level, snapshot_every=snapshot_every, on_failure=on_failure)
         try:
-            self.data_dir.mkdir(parents=True, exist_ok=True)
+            # Owner-only when made here: the journal and snapshots hold every running
+            # request's token ids (its prompt). Its parents get the usual mode.
+            self.data_dir.parent.mkdir(parents=True, exist_ok=True)
+            self.data_dir.mkdir(mode=0o700, exist_ok=True)
+            mode = stat.S_IMODE(self.data_dir.stat().st_mode)
         except OSError as exc:
             raise DurabilityError(
                 f"cannot create data dir {self.data_dir}: {exc.strerror or exc}"
             ) from None
+        if mode & 0o007:
+            log.warning(
+                "data dir %s is open to other users (mode %04o): its journal and snapshots "
+                "hold the running requests' token ids; consider chmod o-rwx %s",
+                self.data_dir,
+                mode,
+                self.data_dir,
+            )
         self._lock()
         try:
             self.stale_ring_files = self._remove_stale_rings()
