@@ -384,6 +384,14 @@ def test_with_mutual_tls_the_same_node_socket_needs_the_registrations_ticket(
                 return c.transport, len(reg.local_ticket)
 
         assert asyncio.run(async_owner()) == ("local", 64)
+        # A socket named up front is opened before registering: reopened with the ticket.
+        with PagekeeperClient(
+            server.grpc_address, tls=tls_of("client"), local_socket=str(sock)
+        ) as named:
+            named.register("scheduler", name="named", renew=False)
+            named.admit("named-r", list(range(20)))
+            named.step()
+            assert named.transport == "local" and named.stats.num_local_calls >= 1
         step_id = 1000
 
         def over_socket(ticket: tuple[str, str] | None) -> None:
