@@ -163,6 +163,9 @@ set_state(PyObject *state, Py_ssize_t page, long v)
  * keys(), values() and items() are lists in table order, which follows the hash seed of
  * the process: a snapshot lists the index in page order instead. */
 
+/* How many keys ahead of the one being entered or removed a bulk pass asks for slots. */
+#define PREFETCH_AHEAD 8
+
 typedef struct {
     PyObject *key;   /* exact bytes (owned); NULL: the slot is empty */
     Py_hash_t hash;
@@ -240,6 +243,33 @@ index_resize(PageIndexObject *self, size_t n)
     return 0;
 }
 
+/* Ask for the cache line holding `p` (a hint, never a fault). */
+static inline void
+prefetch_read(const void *p)
+{
+#if defined(__GNUC__) || defined(__clang__)
+    __builtin_prefetch(p, 0, 1);
+#else
+    (void)p;
+#endif
+}
+
+/* Ask for the cache line of the slot `hash` probes first (a hint: the table may still
+ * be resized before the key goes in). */
+static inline void
+index_prefetch(PageIndexObject *self, Py_hash_t hash)
+{
+#if defined(__GNUC__) || defined(__clang__)
+    __builtin_prefetch(&self->slots[(size_t)hash & self->mask], 1, 1);
+#else
+    (void)self;
+    (void)hash;
+#endif
+}
+
+static int index_insert_hashed(PageIndexObject *self, PyObject *key, Py_hash_t hash,
+                               PyObject *value);
+
 /* Enter key -> value unless key is there: 1 entered, 0 there already (nothing changed),
  * -1 with an exception set. `key` exact bytes, `value` exact int (the caller checks). */
 static int
@@ -249,6 +279,13 @@ index_insert(PageIndexObject *self, PyObject *key, PyObject *value)
     if (hash == -1) {
         return -1;
     }
+    return index_insert_hashed(self, key, hash, value);
+}
+
+/* index_insert with the key's hash already computed. */
+static int
+index_insert_hashed(PageIndexObject *self, PyObject *key, Py_hash_t hash, PyObject *value)
+{
     size_t i = index_find(self, key, hash);
     if (self->slots[i].key != NULL) {
         return 0;
@@ -767,6 +804,7 @@ pool_evict(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     Py_ssize_t k = PySequence_Fast_GET_SIZE(fast);
     PyObject *hashes = NULL;
+    Py_hash_t *key_hashes = NULL;
     Py_ssize_t *ids = page_ids(fast, PyByteArray_GET_SIZE(cached));
     if (ids == NULL) {
         goto done;
@@ -782,6 +820,31 @@ pool_evict(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (hashes == NULL) {
         goto done;
     }
+    int native = PageIndex_Check(index);
+    if (native && k > 1) {
+        /* Each page costs three dependent misses (its cell of `hash_of`, the hash object,
+         * the index slot): taken in passes over the run, each a few pages ahead, so they
+         * overlap. The hashes are cached in their objects (they were entered). */
+        key_hashes = PyMem_Malloc((size_t)k * sizeof(Py_hash_t));
+        if (key_hashes == NULL) {
+            PyErr_NoMemory();
+            goto fail;
+        }
+        PyObject **cells = ((PyListObject *)hash_of)->ob_item;
+        for (Py_ssize_t i = 0; i < k; i++) {
+            prefetch_read(&cells[ids[i]]);
+        }
+        for (Py_ssize_t i = 0; i < k; i++) {
+            prefetch_read(cells[ids[i]]);
+        }
+        for (Py_ssize_t i = 0; i < k; i++) {
+            PyObject *h = cells[ids[i]];
+            key_hashes[i] = PyBytes_CheckExact(h) ? PyObject_Hash(h) : -1;
+            if (key_hashes[i] != -1) {
+                index_prefetch((PageIndexObject *)index, key_hashes[i]);
+            }
+        }
+    }
     for (Py_ssize_t i = 0; i < k; i++) {
         PyObject *h = PyList_GET_ITEM(hash_of, ids[i]);
         if (h == Py_None) {
@@ -792,8 +855,8 @@ pool_evict(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyList_SET_ITEM(hashes, i, h);
         PyList_SET_ITEM(hash_of, ids[i], Py_NewRef(Py_None));
         flags[ids[i]] = 0;
-        if ((PageIndex_Check(index) ? index_delete((PageIndexObject *)index, h)
-                                    : PyDict_DelItem(index, h)) < 0) {
+        if ((native ? index_delete((PageIndexObject *)index, h) : PyDict_DelItem(index, h))
+            < 0) {
             goto fail;
         }
     }
@@ -803,6 +866,7 @@ fail:
      * gets here, after the pages before it were evicted: the caller reports it. */
     Py_CLEAR(hashes);
 done:
+    PyMem_Free(key_hashes);
     PyMem_Free(ids);
     Py_DECREF(fast);
     return hashes;
@@ -841,6 +905,7 @@ pool_cache(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     PyObject *result = NULL;
     Py_ssize_t *ids = NULL;
     long *states = NULL;
+    Py_hash_t *key_hashes = NULL;
     Py_ssize_t k = PySequence_Fast_GET_SIZE(pages_fast);
     PyObject **pages = PySequence_Fast_ITEMS(pages_fast);
     PyObject **hashes = PySequence_Fast_ITEMS(hashes_fast);
@@ -858,6 +923,21 @@ pool_cache(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         goto done;
     }
     unsigned char *flags = (unsigned char *)PyByteArray_AS_STRING(cached);
+    /* The pages' cells in `state`, `cached` and `hash_of` are scattered: asked for all
+     * at once, so the passes below find them arriving rather than wait for each. */
+    {
+        PyObject **state_cells = ((PyListObject *)state)->ob_item;
+        PyObject **hash_cells = ((PyListObject *)hash_of)->ob_item;
+        Py_ssize_t limit = PyList_GET_SIZE(state);
+        for (Py_ssize_t i = 0; i < k; i++) {
+            if (ids[i] >= 0 && ids[i] < limit && ids[i] < PyList_GET_SIZE(hash_of)
+                && ids[i] < PyByteArray_GET_SIZE(cached)) {
+                prefetch_read(&state_cells[ids[i]]);
+                prefetch_read(&flags[ids[i]]);
+                prefetch_read(&hash_cells[ids[i]]);
+            }
+        }
+    }
     /* 1. Checks: held, uncached, real pages, each once; bytes hashes. A page's flag is
      * set as it passes, so a page listed twice finds it set; undone on any refusal. */
     Py_ssize_t flagged = 0;
@@ -874,11 +954,31 @@ pool_cache(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         flags[ids[i]] = (unsigned char)flag;
         flagged = i + 1;
     }
-    /* 2. The index, undone if a hash is already there (or repeats within the run). */
+    /* 2. The index, undone if a hash is already there (or repeats within the run). The
+     * native index's slots are scattered over a table of megabytes: every key's hash is
+     * computed and its slot's line asked for a few keys ahead of its insertion, so the
+     * misses overlap instead of following one another. */
     int native = PageIndex_Check(index);
+    if (native) {
+        key_hashes = PyMem_Malloc((size_t)(k ? k : 1) * sizeof(Py_hash_t));
+        if (key_hashes == NULL) {
+            PyErr_NoMemory();
+            goto unflag;
+        }
+        for (Py_ssize_t i = 0; i < k; i++) {
+            key_hashes[i] = PyObject_Hash(hashes[i]);  /* exact bytes: cannot fail */
+        }
+        for (Py_ssize_t i = 0; i < k && i < PREFETCH_AHEAD; i++) {
+            index_prefetch((PageIndexObject *)index, key_hashes[i]);
+        }
+    }
     for (Py_ssize_t i = 0; i < k; i++) {
         if (native) {
-            int rc = index_insert((PageIndexObject *)index, hashes[i], pages[i]);
+            PageIndexObject *pi = (PageIndexObject *)index;
+            if (i + PREFETCH_AHEAD < k) {
+                index_prefetch(pi, key_hashes[i + PREFETCH_AHEAD]);
+            }
+            int rc = index_insert_hashed(pi, hashes[i], key_hashes[i], pages[i]);
             if (rc < 0) {
                 goto undo;  /* a MemoryError */
             }
@@ -926,6 +1026,7 @@ unflag:
         flags[ids[i]] = 0;
     }
 done:
+    PyMem_Free(key_hashes);
     PyMem_Free(ids);
     PyMem_Free(states);
     Py_DECREF(pages_fast);
