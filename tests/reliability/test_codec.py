@@ -249,6 +249,7 @@ KNOWN_ATTRIBUTES = {
         "_cached_np", "_buf", "_buf_np", "_head", "_tail", "_indexed", "_num_free", "_index",
         "_dups", "_page_hash", "_events", "_event_seq", "num_evictions",
         "num_allocated_total", "_num_taken_by_hits",
+        "_num_free_cached",  # derived from _state: recounted when a snapshot is restored
         "_ops",  # which loops run (C or Python): the restoring process's choice, not state
     },
     PageRows: {
