@@ -282,8 +282,19 @@ def index_cases(cases: int, seed: int) -> int:
                 pairs = [(rng.choice(keys), rng.randrange(100)) for _ in range(rng.randrange(5))]
                 index.update(pairs)
                 model.update(pairs)
-            elif kind < 0.97:
+            elif kind < 0.93:
                 assert index.get(key) == model.get(key) and index.get(7, "d") == "d"
+            elif kind < 0.97:
+                run = [rng.choice(keys) for _ in range(rng.randrange(0, 20))]
+                if run and rng.random() < 0.2:
+                    run[rng.randrange(len(run))] = "not bytes"
+                limit = rng.randrange(-2, 24)
+                expected = []
+                for k in run[: max(limit, 0)]:
+                    if not isinstance(k, bytes) or k not in model:
+                        break
+                    expected.append(model[k])
+                assert index.prefix(run, limit) == expected
             else:
                 index.clear()
                 model.clear()
@@ -297,6 +308,9 @@ def index_cases(cases: int, seed: int) -> int:
         lambda: ops.PageIndex(4).__setitem__(b"s", 1.0),
         lambda: ops.PageIndex(4).update([(b"a", 1), (b"b",)]),
         lambda: ops.PageIndex(4)[b"missing"],
+        lambda: ops.PageIndex(4).prefix(7, 1),
+        lambda: ops.PageIndex(4).prefix([b"a"], "1"),
+        lambda: ops.PageIndex(4).prefix([b"a"]),
     ):
         checked += _refused(call, "PageIndex")
     print(f"memcheck: {checked} checks of pagekeeper.core._poolops.PageIndex passed")

@@ -93,6 +93,18 @@ class IndexVsDict(RuleBasedStateMachine):
             with pytest.raises(KeyError):
                 self.index[key]
 
+    @rule(
+        run=st.lists(st.one_of(KEYS, st.just("not bytes")), max_size=12), limit=st.integers(-2, 14)
+    )
+    def prefix(self, run: list[bytes | str], limit: int) -> None:
+        # What the full-attention hit does: a get per hash up to the first miss.
+        expected = []
+        for key in run[: max(limit, 0)]:
+            if not isinstance(key, bytes) or key not in self.model:
+                break
+            expected.append(self.model[key])
+        assert self.index.prefix(run, limit) == expected
+
     @invariant()
     def same(self) -> None:
         assert len(self.index) == len(self.model)

@@ -504,6 +504,68 @@ PageIndex_get(PageIndexObject *self, PyObject *const *args, Py_ssize_t nargs)
     return Py_NewRef(nargs == 2 ? args[1] : Py_None);
 }
 
+/* prefix(hashes, limit): the pages of the longest run hashes[0], hashes[1], ... (at most
+ * `limit` of them) all in the index; the same as a `get` per hash up to the first miss,
+ * with each key's slot asked for a few keys ahead so the misses overlap. */
+static PyObject *
+PageIndex_prefix(PageIndexObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "prefix(hashes, limit)");
+        return NULL;
+    }
+    Py_ssize_t limit = PyLong_AsSsize_t(args[1]);
+    if (limit == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    PyObject *fast = PySequence_Fast(args[0], "hashes must be a sequence");
+    if (fast == NULL) {
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    if (limit < n) {
+        n = limit < 0 ? 0 : limit;
+    }
+    PyObject **keys = PySequence_Fast_ITEMS(fast);
+    PyObject *out = PyList_New(0);
+    Py_hash_t *hashes = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(Py_hash_t));
+    if (out == NULL || hashes == NULL) {
+        if (hashes == NULL) {
+            PyErr_NoMemory();
+        }
+        Py_XDECREF(out);
+        PyMem_Free(hashes);
+        Py_DECREF(fast);
+        return NULL;
+    }
+    /* hashes[i]: the key's hash, or -1 for a key that cannot be in the index (not exact
+     * bytes): the run ends there. Computed PREFETCH_AHEAD keys before the lookup. */
+    Py_ssize_t ready = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        for (; ready < n && ready <= i + PREFETCH_AHEAD; ready++) {
+            PyObject *key = keys[ready];
+            hashes[ready] = PyBytes_CheckExact(key) ? PyObject_Hash(key) : -1;
+            if (hashes[ready] != -1) {
+                index_prefetch(self, hashes[ready]);
+            }
+        }
+        if (hashes[i] == -1) {
+            break;
+        }
+        size_t slot = index_find(self, keys[i], hashes[i]);
+        if (self->slots[slot].key == NULL) {
+            break;
+        }
+        if (PyList_Append(out, self->slots[slot].value) < 0) {
+            Py_CLEAR(out);
+            break;
+        }
+    }
+    PyMem_Free(hashes);
+    Py_DECREF(fast);
+    return out;
+}
+
 static PyObject *
 PageIndex_pop(PageIndexObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -656,6 +718,9 @@ static PyMethodDef PageIndex_methods[] = {
      "get(key, default=None): the page under key, or default."},
     {"pop", (PyCFunction)(void (*)(void))PageIndex_pop, METH_FASTCALL,
      "pop(key[, default]): remove key and return its page."},
+    {"prefix", (PyCFunction)(void (*)(void))PageIndex_prefix, METH_FASTCALL,
+     "prefix(hashes, limit): the pages of the longest run of hashes[:limit] found, in "
+     "order (a get per hash up to the first miss)."},
     {"clear", (PyCFunction)PageIndex_clear, METH_NOARGS, "Remove every entry."},
     {"keys", (PyCFunction)PageIndex_keys, METH_NOARGS, "The hashes, as a list."},
     {"values", (PyCFunction)PageIndex_values, METH_NOARGS, "The pages, as a list."},

@@ -65,9 +65,14 @@ class GroupManager:
     def find_cache_hit(self, hashes: Sequence[bytes], max_length: int) -> list[int]:
         """Pages of the longest cached prefix of at most ``max_length`` tokens (null pages
         where the kind needs none). Hashes are this group's, one per page."""
-        # The longest run of hashes found, in one C-level pass that stops at the first miss.
+        # The longest run of hashes found, in one C-level pass that stops at the first miss
+        # (the native index's own, which asks for the slots a few hashes ahead).
         index = self.pool.index(self.group_id)
-        found: Iterator[int] = map(index.get, hashes[: max_length // self.page_size])  # type: ignore[arg-type]
+        limit = max_length // self.page_size
+        prefix = getattr(index, "prefix", None)
+        if prefix is not None:
+            return prefix(hashes, limit)  # type: ignore[no-any-return]
+        found: Iterator[int] = map(index.get, hashes[:limit])  # type: ignore[arg-type]
         return list(takewhile(_is_not_none, found))
 
     # -- per-request state ---------------------------------------------------------------
