@@ -73,8 +73,12 @@ _HOLES = array("i", [-1]) * _SMALL
 _INT32S = [struct.Struct(f"={k}i") for k in range(_SMALL + 1)]
 
 
-# Entries a group's PageIndex is first sized for, at most (1.5 MB of table).
-_INDEX_PRESIZE = 65_536
+# Entries a group's PageIndex is first sized for, at most: 2,048 slots of 24 bytes (48 KB).
+# The table doubles as the cache first fills; the rebuilds are geometric, so the total is
+# about one rebuild of the final size (the one at 128K entries, ~10 ms, happened at any
+# presize up to 64K), and the smaller ones cost ~1 ms or less. Sized for 65,536 entries
+# (3 MB: 48 bytes a page of a 65,536-page pool) it broke the start-up memory target.
+_INDEX_PRESIZE = 1_024
 
 # The C accelerator of the per-page loops below (``_poolops.c``: the same loops on the
 # same objects), built with the package where a C compiler is; results are identical.
