@@ -76,8 +76,9 @@ _INT32S = [struct.Struct(f"={k}i") for k in range(_SMALL + 1)]
 # Entries a group's PageIndex is first sized for, at most: 2,048 slots of 24 bytes (48 KB).
 # The table doubles as the cache first fills; the rebuilds are geometric, so the total is
 # about one rebuild of the final size (the one at 128K entries, ~10 ms, happened at any
-# presize up to 64K), and the smaller ones cost ~1 ms or less. Sized for 65,536 entries
-# (3 MB: 48 bytes a page of a 65,536-page pool) it broke the start-up memory target.
+# presize up to 64K); those below 64K entries add ~5 ms in all, once (1.2 ms at 16K, 2.5
+# ms at 32K). Sized for 65,536 entries (3 MB: 48 bytes a page of a 65,536-page pool) it
+# broke the start-up memory target.
 _INDEX_PRESIZE = 1_024
 
 # The C accelerator of the per-page loops below (``_poolops.c``: the same loops on the
