@@ -869,7 +869,6 @@ pool_evict(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     Py_ssize_t k = PySequence_Fast_GET_SIZE(fast);
     PyObject *hashes = NULL;
-    Py_hash_t *key_hashes = NULL;
     Py_ssize_t *ids = page_ids(fast, PyByteArray_GET_SIZE(cached));
     if (ids == NULL) {
         goto done;
@@ -888,13 +887,9 @@ pool_evict(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     int native = PageIndex_Check(index);
     if (native && k > 1) {
         /* Each page costs three dependent misses (its cell of `hash_of`, the hash object,
-         * the index slot): taken in passes over the run, each a few pages ahead, so they
-         * overlap. The hashes are cached in their objects (they were entered). */
-        key_hashes = PyMem_Malloc((size_t)k * sizeof(Py_hash_t));
-        if (key_hashes == NULL) {
-            PyErr_NoMemory();
-            goto fail;
-        }
+         * the index slot): taken in passes over the run, so they overlap. The hashes are
+         * cached in their objects (they were entered), so the removal below reads them
+         * again for nothing. */
         PyObject **cells = ((PyListObject *)hash_of)->ob_item;
         for (Py_ssize_t i = 0; i < k; i++) {
             prefetch_read(&cells[ids[i]]);
@@ -904,9 +899,8 @@ pool_evict(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
         for (Py_ssize_t i = 0; i < k; i++) {
             PyObject *h = cells[ids[i]];
-            key_hashes[i] = PyBytes_CheckExact(h) ? PyObject_Hash(h) : -1;
-            if (key_hashes[i] != -1) {
-                index_prefetch((PageIndexObject *)index, key_hashes[i]);
+            if (PyBytes_CheckExact(h)) {
+                index_prefetch((PageIndexObject *)index, PyObject_Hash(h));
             }
         }
     }
@@ -931,7 +925,6 @@ fail:
      * gets here, after the pages before it were evicted: the caller reports it. */
     Py_CLEAR(hashes);
 done:
-    PyMem_Free(key_hashes);
     PyMem_Free(ids);
     Py_DECREF(fast);
     return hashes;
@@ -989,19 +982,14 @@ pool_cache(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     unsigned char *flags = (unsigned char *)PyByteArray_AS_STRING(cached);
     /* The pages' cells in `state`, `cached` and `hash_of` are scattered: asked for all
-     * at once, so the passes below find them arriving rather than wait for each. */
-    {
-        PyObject **state_cells = ((PyListObject *)state)->ob_item;
-        PyObject **hash_cells = ((PyListObject *)hash_of)->ob_item;
-        Py_ssize_t limit = PyList_GET_SIZE(state);
-        for (Py_ssize_t i = 0; i < k; i++) {
-            if (ids[i] >= 0 && ids[i] < limit && ids[i] < PyList_GET_SIZE(hash_of)
-                && ids[i] < PyByteArray_GET_SIZE(cached)) {
-                prefetch_read(&state_cells[ids[i]]);
-                prefetch_read(&flags[ids[i]]);
-                prefetch_read(&hash_cells[ids[i]]);
-            }
-        }
+     * at once, so the passes below find them arriving rather than wait for each (page_ids
+     * checked every id against the pool, check_types the three lengths). */
+    PyObject **state_cells = ((PyListObject *)state)->ob_item;
+    PyObject **hash_cells = ((PyListObject *)hash_of)->ob_item;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        prefetch_read(&state_cells[ids[i]]);
+        prefetch_read(&flags[ids[i]]);
+        prefetch_read(&hash_cells[ids[i]]);
     }
     /* 1. Checks: held, uncached, real pages, each once; bytes hashes. A page's flag is
      * set as it passes, so a page listed twice finds it set; undone on any refusal. */
