@@ -54,6 +54,7 @@ from pagekeeper_client.client import (
     extra_keys_to_pb,
     limits_from_pb,
     local_socket_choice,
+    local_ticket,
     lookup_from_pb,
     pool_from_pb,
     register_request,
@@ -198,13 +199,6 @@ class AsyncPagekeeperClient:
         local = self._local
         return "local" if local is not None and local.is_open else "grpc"
 
-    def _local_ticket(self) -> tuple[str, str] | None:
-        """``(client id, ticket)`` for the socket's hello when the registration has one."""
-        registration = self._registration
-        if registration is None or not registration.local_ticket:
-            return None
-        return registration.client_id, registration.local_ticket
-
     async def _connect_local(self, *, required: bool) -> None:
         path = self._local_path
         if not path or self._is_closed:
@@ -215,7 +209,7 @@ class AsyncPagekeeperClient:
                 token=self._token,
                 timeout=self.timeout,
                 max_message_bytes=self._max_message_bytes,
-                ticket=self._local_ticket(),
+                ticket=local_ticket(self._registration),
             )
         except PagekeeperError as exc:
             if required:

@@ -485,6 +485,14 @@ def registration_from_pb(msg: pb.RegisterClientResponse) -> Registration:
     )
 
 
+def local_ticket(registration: Registration | None) -> tuple[str, str] | None:
+    """``(client id, ticket)`` for the same-node socket's hello when the registration has
+    one (mutual TLS), else None."""
+    if registration is None or not registration.local_ticket:
+        return None
+    return registration.client_id, registration.local_ticket
+
+
 def extra_keys_to_pb(extra: ExtraKeys) -> pb.ExtraKeys:
     msg = pb.ExtraKeys(
         mm_inputs=[
@@ -1744,7 +1752,7 @@ class PagekeeperClient:
                 token=self._token,
                 timeout=self.timeout,
                 max_message_bytes=self._max_message_bytes,
-                ticket=self._local_ticket(),
+                ticket=local_ticket(self._registration),
             )
         except PagekeeperError as exc:
             if required:
@@ -1755,13 +1763,6 @@ class PagekeeperClient:
         old, self._local = self._local, channel
         if old is not None:
             old.close()
-
-    def _local_ticket(self) -> tuple[str, str] | None:
-        """``(client id, ticket)`` for the socket's hello when the registration has one."""
-        registration = self._registration
-        if registration is None or not registration.local_ticket:
-            return None
-        return registration.client_id, registration.local_ticket
 
     def _local_channel(self, method: str) -> LocalChannel | None:
         """The open same-node channel for ``method``, reconnecting a dropped one at most
