@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
@@ -38,7 +37,6 @@ from pagekeeper_client.client import (
     DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_RETRY_S,
     DEFAULT_TIMEOUT_S,
-    TOKEN_ENV,
     ClientTLS,
     RequestView,
     SchedulerState,
@@ -49,6 +47,7 @@ from pagekeeper_client.client import (
     channel_setup,
     counters_from_pb,
     default_client_name,
+    default_token,
     encode_i32,
     event_batch_from_pb,
     extra_keys_to_pb,
@@ -152,7 +151,7 @@ class AsyncPagekeeperClient:
         tls: ClientTLS | bool | None = None,
     ) -> None:
         self.address = resolve_address(address)
-        self._token = token if token is not None else os.environ.get(TOKEN_ENV) or None
+        self._token = token if token is not None else default_token()
         self._metadata = auth_metadata(self._token)
         self.timeout = timeout
         self.retry_s = retry_s

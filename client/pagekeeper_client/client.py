@@ -137,6 +137,7 @@ _clientops = _load_clientops()
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 ADDRESS_ENV = "PAGEKEEPER_GRPC_ADDRESS"
 TOKEN_ENV = "PAGEKEEPER_TOKEN"
+TOKEN_FILE_ENV = "PAGEKEEPER_TOKEN_FILE"
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 DEFAULT_KEEPALIVE_S = 30.0
 DEFAULT_TIMEOUT_S = 30.0
@@ -295,6 +296,30 @@ def channel_options(
 
 def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+def default_token(environ: Mapping[str, str] | None = None) -> str | None:
+    """The token a client presents when given none: ``$PAGEKEEPER_TOKEN``, else the first
+    token listed in the file ``$PAGEKEEPER_TOKEN_FILE`` names (the service's token-file
+    format: one a line, ``#`` comments; read once, when the client is made). None: neither
+    is set. Raises ValueError when the file cannot be read or lists no token."""
+    env = os.environ if environ is None else environ
+    token = env.get(TOKEN_ENV)
+    if token:
+        return token
+    path = env.get(TOKEN_FILE_ENV)
+    if not path:
+        return None
+    try:
+        with open(path, encoding="ascii") as f:
+            lines = f.read(1024 * 1024).splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{TOKEN_FILE_ENV}={path}: cannot read a token ({exc})") from None
+    for line in lines:
+        line = line.strip()
+        if line and not line.startswith("#"):
+            return line
+    raise ValueError(f"{TOKEN_FILE_ENV}={path} lists no token")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1651,7 +1676,8 @@ class PagekeeperClient:
     the scheduling API).
 
     ``address``: ``HOST:PORT`` or ``unix:PATH`` (default ``$PAGEKEEPER_GRPC_ADDRESS`` or
-    ``127.0.0.1:50051``). ``token``: the bearer token (default ``$PAGEKEEPER_TOKEN``).
+    ``127.0.0.1:50051``). ``token``: the bearer token (default ``$PAGEKEEPER_TOKEN``, else the
+    first token in ``$PAGEKEEPER_TOKEN_FILE``: :func:`default_token`).
     ``interceptors``: extra ``grpc`` client interceptors (e.g. to count calls).
     ``timeout``: per-call deadline in seconds. ``retry_s``: how long a step is retried while
     the service is UNAVAILABLE.
@@ -1696,7 +1722,7 @@ class PagekeeperClient:
         tls: ClientTLS | bool | None = None,
     ) -> None:
         self.address = resolve_address(address)
-        self._token = token if token is not None else os.environ.get(TOKEN_ENV) or None
+        self._token = token if token is not None else default_token()
         self._metadata = auth_metadata(self._token)
         self.timeout = timeout
         self.retry_s = retry_s

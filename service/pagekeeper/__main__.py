@@ -81,6 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
 
     configure_logging(settings.log_level, settings.log_format)
+    from pagekeeper.auth import load_server_tokens
     from pagekeeper.durability import Durability, DurabilityError
     from pagekeeper.runtime import build_runtime
     from pagekeeper.server import serve
@@ -89,11 +90,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     durability = None
     try:
         tls = load_server_tls(settings)  # before the data directory is touched
+        tokens = load_server_tokens(settings)
         if settings.durability != "none":
             durability = Durability.open(
                 settings.data_dir, settings.durability, snapshot_every=settings.snapshot_every
             )
-        runtime = build_runtime(settings, durability=durability)
+        runtime = build_runtime(settings, durability=durability, tokens=tokens)
     except ConfigError as exc:
         if durability is not None:
             durability.close()

@@ -168,6 +168,13 @@ class Metrics:
             ["result"],
             registry=self.registry,
         )
+        self.token_reloads = Counter(
+            "pagekeeper_token_reloads",
+            "Changed bearer-token files seen, by result: loaded (the tokens listed are the "
+            "ones accepted now) or failed (the tokens in force stay; see the log).",
+            ["result"],
+            registry=self.registry,
+        )
         self.tls_not_after = Gauge(
             "pagekeeper_tls_certificate_expiry_timestamp_seconds",
             "When the TLS certificate both listeners serve expires (Unix time; 0 without "

@@ -421,6 +421,7 @@ def targets_from_args(
     ns: argparse.Namespace, environ: Mapping[str, str] | None = None
 ) -> ProbeTargets:
     """Resolve addresses and token the way ``pagekeeper serve`` resolves its settings."""
+    from pagekeeper.auth import first_token
     from pagekeeper.settings import load_settings
 
     flags = {"server.grpc_address": ns.grpc_address, "server.http_address": ns.http_address}
@@ -435,7 +436,7 @@ def targets_from_args(
         tls=_probe_tls(ns, settings.tls_cert_file, os.environ if environ is None else environ),
         grpc_address=None if ns.no_grpc else settings.grpc_address,
         http_address=None if ns.no_http else settings.http_address,
-        token=settings.token,
+        token=first_token(settings),
         local_socket=None if ns.no_local else settings.local_socket,
         expect_clients=tuple(ns.expect_client),
         expect_roles=tuple(ns.expect_role),

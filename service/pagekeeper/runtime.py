@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from pagekeeper.auth import ServerTokens, load_server_tokens
 from pagekeeper.durability import Durability, RecoveryReport
 from pagekeeper.metrics import Metrics
 from pagekeeper.notify import ChangeNotifier
@@ -37,6 +38,8 @@ class Runtime:
     """What start-up recovered from the data directory."""
     tls: ServerTLS | None = None
     """The listeners' TLS material (set by the server; None: plaintext)."""
+    tokens: ServerTokens = field(default_factory=lambda: ServerTokens(None, None))
+    """The bearer tokens calls and admin endpoints must present (none: no check)."""
     is_ready: bool = False
     """True once both servers listen; False again when shutdown starts."""
     is_stopping: bool = False
@@ -102,6 +105,7 @@ def build_runtime(
     clock: Callable[[], float] = time.time,
     publisher_factory: PublisherFactory | str | None = "auto",
     durability: Durability | None = None,
+    tokens: ServerTokens | None = None,
 ) -> Runtime:
     """Create the pool and everything around it. ``publisher_factory="auto"`` resolves the
     configured transport (raises ConfigError when it is unavailable).
@@ -109,7 +113,10 @@ def build_runtime(
     With ``durability`` (an opened data directory) the state is first recovered from it
     (raises :class:`pagekeeper.durability.DurabilityError` when it cannot be), then every
     later mutation is journaled there; changed limits and the restart's lease extension
-    are logged as commands of their own."""
+    are logged as commands of their own. ``tokens``: the checked bearer tokens (default:
+    read from ``settings``; a token file that does not load raises ConfigError)."""
+    if tokens is None:
+        tokens = load_server_tokens(settings)
     if publisher_factory == "auto":
         factory = resolve_publisher_factory(settings.publish_transport, settings.publish_device)
     else:
@@ -152,6 +159,7 @@ def build_runtime(
         clock=clock,
         durability=durability,
         recovery=report,
+        tokens=tokens,
     )
     if durability is not None:
         from pagekeeper.durability.metrics import DurabilityCollector

@@ -17,19 +17,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import json
 import logging
 import os
 import signal
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Literal
 
 import uvicorn
+from prometheus_client import Counter
 
+from pagekeeper.auth import BearerTokens
 from pagekeeper.core.errors import ConfigError, PagekeeperError
 from pagekeeper.core.hashing import native_hashing
 from pagekeeper.core.pool import native_pool
@@ -140,30 +143,65 @@ def _note_expiry(runtime: Runtime, tls: ServerTLS) -> None:
         runtime.metrics.tls_not_after.set(not_after)
 
 
-async def _watch_tls(runtime: Runtime, tls: ServerTLS, wake: asyncio.Event) -> None:
-    """Reload rotated TLS files: every RELOAD_INTERVAL_S, and at once on SIGHUP."""
-    reloads = runtime.metrics.tls_reloads
-    for result in ("loaded", "failed"):
-        reloads.labels(result)  # both series exist from the start (at 0)
+def _reload(
+    counter: Counter,
+    reload: Callable[[], bool],
+    loaded: Callable[[], str],
+    failed: str,
+) -> None:
+    """One look at rotated files: ``reload()`` True means new ones are in force
+    (``loaded()`` says what to log); a ConfigError, that they do not load (``failed``
+    starts the log line, which ends with what stays in force)."""
+    try:
+        if reload():
+            counter.labels("loaded").inc()
+            log.info("%s", loaded())
+    except ConfigError as exc:
+        counter.labels("failed").inc()
+        log.error(failed, exc.field, exc.reason)
+
+
+def _tokens_loaded(holder: BearerTokens) -> str:
+    return f"bearer tokens reloaded from {holder.path}: {holder.count} accepted now"
+
+
+def _tls_loaded(runtime: Runtime, tls: ServerTLS) -> str:
+    _note_expiry(runtime, tls)
+    return f"TLS files reloaded: new connections get the new certificate{_valid_until(tls)}"
+
+
+async def _watch_files(
+    runtime: Runtime,
+    tls: ServerTLS | None,
+    token_holders: tuple[BearerTokens, ...],
+    wake: asyncio.Event,
+) -> None:
+    """Reload rotated TLS and token files: every RELOAD_INTERVAL_S, and at once on SIGHUP."""
+    for counter, watched in (
+        (runtime.metrics.tls_reloads, tls is not None),
+        (runtime.metrics.token_reloads, bool(token_holders)),
+    ):
+        if watched:
+            for result in ("loaded", "failed"):
+                counter.labels(result)  # both series exist from the start (at 0)
     while True:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(wake.wait(), RELOAD_INTERVAL_S)
         wake.clear()
-        try:
-            if tls.reload_if_changed():
-                reloads.labels("loaded").inc()
-                _note_expiry(runtime, tls)
-                log.info(
-                    "TLS files reloaded: new connections get the new certificate%s",
-                    _valid_until(tls),
-                )
-        except ConfigError as exc:
-            reloads.labels("failed").inc()
-            log.error(
+        if tls is not None:
+            _reload(
+                runtime.metrics.tls_reloads,
+                tls.reload_if_changed,
+                lambda: _tls_loaded(runtime, tls),
                 "TLS files changed but do not load (%s: %s); the previous certificate keeps "
                 "serving",
-                exc.field,
-                exc.reason,
+            )
+        for holder in token_holders:
+            _reload(
+                runtime.metrics.token_reloads,
+                holder.reload_if_changed,
+                functools.partial(_tokens_loaded, holder),
+                "token file changed but does not load (%s: %s); the tokens in force stay",
             )
 
 
@@ -224,11 +262,16 @@ async def serve(
     )
     if tls is not None:
         _note_expiry(runtime, tls)
-        reload_now = asyncio.Event()
-        with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread
-            loop.add_signal_handler(signal.SIGHUP, reload_now.set)
+    token_holders = runtime.tokens.holders()
+    reload_now = asyncio.Event()
+    # SIGHUP reloads what can be reloaded, and never stops the service (its default action).
+    with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread
+        loop.add_signal_handler(signal.SIGHUP, reload_now.set)
+    if tls is not None or token_holders:
         housekeeping.append(
-            asyncio.create_task(_watch_tls(runtime, tls, reload_now), name="tls-reload")
+            asyncio.create_task(
+                _watch_files(runtime, tls, token_holders, reload_now), name="file-reload"
+            )
         )
     try:
         while not http_server.started:

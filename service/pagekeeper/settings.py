@@ -61,6 +61,11 @@ class Settings:
     admin_token: str | None = None
     """Bearer token of the HTTP admin endpoints; defaults to ``token``. With neither set the
     admin endpoints are refused (403): force-freeing pages needs a deliberate credential."""
+    token_file: str | None = None
+    """A file listing the accepted bearer tokens instead of ``token``: one a line, each
+    accepted, re-read when it changes (rotation without a restart; ``pagekeeper.auth``)."""
+    admin_token_file: str | None = None
+    """The same for ``admin_token``."""
     tls_cert_file: str | None = None
     """PEM certificate chain: gRPC and HTTP are served over TLS with it (None: plaintext,
     for loopback and trusted networks). Needs ``tls_key_file``."""
@@ -131,13 +136,23 @@ class Settings:
                     f"the absolute path must be at most {_MAX_UNIX_PATH} bytes (a unix socket "
                     f"address), got {size}",
                 )
-        for name in ("token", "admin_token", "tls_cert_file", "tls_key_file", "tls_client_ca_file"):
+        for name in (
+            "token",
+            "admin_token",
+            "token_file",
+            "admin_token_file",
+            "tls_cert_file",
+            "tls_key_file",
+            "tls_client_ca_file",
+        ):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value.strip()):
                 raise ConfigError(f"server.{name}", "must be a non-empty string when set")
         for name in ("token", "admin_token"):
             if "\0" in (getattr(self, name) or ""):
                 raise ConfigError(f"server.{name}", "must not contain a NUL character")
+            if getattr(self, name) is not None and getattr(self, f"{name}_file") is not None:
+                raise ConfigError(f"server.{name}_file", f"set {name} or {name}_file, not both")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             missing = "tls_key_file" if self.tls_key_file is None else "tls_cert_file"
             raise ConfigError(f"server.{missing}", "TLS needs both a certificate and its key")
@@ -199,8 +214,12 @@ class Settings:
             raise ConfigError("publish.device", "the cuda_ipc transport needs device = 'cuda:N'")
 
     @property
-    def effective_admin_token(self) -> str | None:
-        return self.admin_token if self.admin_token is not None else self.token
+    def has_admin_credential(self) -> bool:
+        """Whether the HTTP admin endpoints can be used at all (some token is configured)."""
+        return any(
+            v is not None
+            for v in (self.admin_token, self.admin_token_file, self.token, self.token_file)
+        )
 
     def to_dict(self, *, redact: bool = True) -> dict[str, Any]:
         """The nested form of the TOML file (``None`` values dropped: TOML has no null)."""
@@ -214,6 +233,8 @@ class Settings:
             "local_socket": self.local_socket,
             "token": secret(self.token),
             "admin_token": secret(self.admin_token),
+            "token_file": self.token_file,
+            "admin_token_file": self.admin_token_file,
             "tls_cert_file": self.tls_cert_file,
             "tls_key_file": self.tls_key_file,
             "tls_client_ca_file": self.tls_client_ca_file,
@@ -310,6 +331,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("server.local_socket", str, "unix socket path for same-host clients (default: off)"),
     Option("server.token", str, "bearer token for gRPC calls and HTTP mutations"),
     Option("server.admin_token", str, "bearer token for HTTP admin endpoints (default: token)"),
+    Option("server.token_file", str, "file of accepted bearer tokens, one a line (re-read)"),
+    Option("server.admin_token_file", str, "file of accepted admin tokens, one a line"),
     Option("server.tls_cert_file", str, "PEM certificate chain: serve gRPC and HTTP over TLS"),
     Option("server.tls_key_file", str, "PEM private key of the TLS certificate"),
     Option(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hmac
 from typing import Annotated
 
 from fastapi import Depends, Request
@@ -28,7 +27,10 @@ StateDep = Annotated[ServiceState, Depends(get_state)]
 
 _bearer = HTTPBearer(
     auto_error=False,
-    description="The admin token (PAGEKEEPER_ADMIN_TOKEN, else PAGEKEEPER_TOKEN).",
+    description=(
+        "The admin token (PAGEKEEPER_ADMIN_TOKEN or one in PAGEKEEPER_ADMIN_TOKEN_FILE, "
+        "else the service token)."
+    ),
 )
 
 
@@ -38,15 +40,15 @@ async def require_admin(
 ) -> None:
     """Mutations need ``Authorization: Bearer <admin token>``. Without any token configured
     they are refused outright: force-freeing pages must be a deliberate act."""
-    expected = runtime.settings.effective_admin_token
+    expected = runtime.tokens.admin
     if expected is None:
         raise PermissionDenied(
             "admin endpoints are disabled: start the service with PAGEKEEPER_ADMIN_TOKEN "
-            "(or PAGEKEEPER_TOKEN) set"
+            "or PAGEKEEPER_ADMIN_TOKEN_FILE (else PAGEKEEPER_TOKEN or PAGEKEEPER_TOKEN_FILE) set"
         )
     if credentials is None:
         raise Unauthenticated("missing 'Authorization: Bearer <token>' header")
-    if not hmac.compare_digest(credentials.credentials.encode(), expected.encode()):
+    if not expected.accepts(credentials.credentials.encode()):
         raise Unauthenticated("invalid bearer token")
 
 

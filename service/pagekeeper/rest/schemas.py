@@ -123,6 +123,23 @@ class TlsModel(Model):
     num_reloads: int = Field(description="Rotated certificate files loaded since start-up.")
 
 
+class TokensModel(Model):
+    source: Literal["none", "inline", "file"] = Field(
+        description="Where the accepted tokens come from: none (no check), inline (the "
+        "token setting) or file (a token file, re-read when it changes)."
+    )
+    file: str | None = Field(description="The token file; null unless source is file.")
+    num_tokens: int = Field(description="Tokens accepted now (never the tokens themselves).")
+    num_reloads: int = Field(description="Changed token files loaded since start-up.")
+
+
+class AuthModel(Model):
+    calls: TokensModel = Field(
+        description="The bearer token every gRPC call and same-node connection presents."
+    )
+    admin: TokensModel = Field(description="The bearer token of the HTTP admin endpoints.")
+
+
 class PoolView(Model):
     """The pool at a glance."""
 
@@ -140,6 +157,7 @@ class PoolView(Model):
     )
     durability: DurabilityModel = Field(description="The durable command log and snapshots.")
     tls: TlsModel = Field(description="Transport security of the two listeners.")
+    auth: AuthModel = Field(description="Which bearer tokens are checked, and from where.")
 
 
 # -- pages --------------------------------------------------------------------------------

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import os
 import socket
@@ -60,6 +59,8 @@ class _Connection(asyncio.Protocol):
         self.greeted = False
         self.closing = False
         self.caller = LocalCaller()
+        self.token = b""  # what the hello presented, checked again after a token reload
+        self.token_generation = 0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -115,6 +116,13 @@ class _Connection(asyncio.Protocol):
         if not self.greeted:
             self._fail(_UNAUTHENTICATED, "the connection must open with a hello")
             return
+        tokens = server.tokens
+        if tokens is not None and tokens.generation != self.token_generation:
+            # The token file was reloaded since the hello: the token must still be listed.
+            if not tokens.accepts(self.token):
+                self._fail(_UNAUTHENTICATED, "the connection's bearer token was revoked")
+                return
+            self.token_generation = tokens.generation
         if server.runtime.is_stopping:
             self._answer(_UNAVAILABLE, b"the service is shutting down")
             return
@@ -141,13 +149,16 @@ class _Connection(asyncio.Protocol):
         if not payload.startswith(MAGIC):
             self._fail(_INVALID_ARGUMENT, "not a pagekeeper-local/1 hello")
             return
-        token = self.server.token
+        tokens = self.server.tokens
         # MAGIC, the token, then (a client bound to a certificate) NUL, its id, NUL, its
         # ticket: the token itself never holds a NUL (an environment variable cannot).
         given, _, binding = payload[len(MAGIC) :].partition(b"\0")
-        if token is not None and not hmac.compare_digest(given, token.encode()):
-            self._fail(_UNAUTHENTICATED, "missing or wrong bearer token")
-            return
+        if tokens is not None:
+            if not tokens.accepts(given):
+                self._fail(_UNAUTHENTICATED, "missing or wrong bearer token")
+                return
+            self.token = given
+            self.token_generation = tokens.generation
         if binding:
             client_id, _, ticket = binding.partition(b"\0")
             try:
@@ -180,7 +191,7 @@ class LocalServer:
         self.runtime = runtime
         self.servicer = servicer
         self.handlers = _handlers()
-        self.token = runtime.settings.token
+        self.tokens = runtime.tokens.calls
         self.max_frame_bytes = runtime.settings.max_message_bytes
         self.connections: set[_Connection] = set()
         runtime.metrics.local_connections.set_function(lambda: len(self.connections))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -11,6 +10,7 @@ from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pagekeeper.auth import BearerTokens
 from pagekeeper.rpc.servicer import PagekeeperServicer
 from pagekeeper.runtime import Runtime
 from pagekeeper.settings import Settings
@@ -52,8 +52,8 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """Require ``authorization: Bearer <token>`` on every call except health checks (load
     balancers and orchestrators probe health without credentials)."""
 
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
+    def __init__(self, tokens: BearerTokens) -> None:
+        self._tokens = tokens  # followed as it reloads: each call checks the tokens in force
         self._missing = _deny_handler("missing 'authorization: Bearer <token>' metadata")
         self._wrong = _deny_handler("invalid bearer token")
 
@@ -67,7 +67,7 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         for key, value in handler_call_details.invocation_metadata or ():
             if key == "authorization":
                 given = value.encode() if isinstance(value, str) else value
-                if hmac.compare_digest(given, self._expected):
+                if self._tokens.accepts_header(given):
                     return await continuation(handler_call_details)
                 return self._wrong
         return self._missing
@@ -148,7 +148,8 @@ class GrpcServer:
 
     def __init__(self, runtime: Runtime) -> None:
         settings = runtime.settings
-        interceptors = [BearerTokenInterceptor(settings.token)] if settings.token else []
+        tokens = runtime.tokens.calls
+        interceptors = [BearerTokenInterceptor(tokens)] if tokens is not None else []
         self.server = grpc.aio.server(interceptors=interceptors, options=grpc_options(settings))
         self.servicer = PagekeeperServicer(runtime)
         add_servicer(self.servicer, self.server)

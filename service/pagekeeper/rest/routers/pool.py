@@ -5,10 +5,12 @@ from __future__ import annotations
 import numpy as np
 from fastapi import APIRouter
 
+from pagekeeper.auth import BearerTokens
 from pagekeeper.core.hashing import native_hashing
 from pagekeeper.core.pool import native_pool
 from pagekeeper.rest.deps import RuntimeDep
 from pagekeeper.rest.schemas import (
+    AuthModel,
     DurabilityModel,
     GroupModel,
     LimitsModel,
@@ -18,6 +20,7 @@ from pagekeeper.rest.schemas import (
     PrefixCacheModel,
     StepsModel,
     TlsModel,
+    TokensModel,
 )
 from pagekeeper.runtime import Runtime
 
@@ -97,6 +100,18 @@ async def get_pool(runtime: RuntimeDep) -> PoolView:
         padding_tokens_per_group=list(stats.padding_tokens_per_group),
         durability=_durability(runtime),
         tls=_tls(runtime),
+        auth=AuthModel(calls=_tokens(runtime.tokens.calls), admin=_tokens(runtime.tokens.admin)),
+    )
+
+
+def _tokens(holder: BearerTokens | None) -> TokensModel:
+    if holder is None:
+        return TokensModel(source="none", file=None, num_tokens=0, num_reloads=0)
+    return TokensModel(
+        source="file" if holder.path is not None else "inline",
+        file=holder.path,
+        num_tokens=holder.count,
+        num_reloads=holder.num_reloads,
     )
 
 

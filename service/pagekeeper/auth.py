@@ -1,0 +1,207 @@
+"""Bearer tokens: the credentials gRPC calls, same-node socket connections and HTTP admin
+endpoints present, given inline (``token``) or in a file (``token_file``).
+
+A token file holds one token per line (blank lines and lines starting with ``#`` are
+skipped); every token listed is accepted. That is how a token is rotated without a
+restart or a window of refused calls: add the new token as a second line, move the
+clients to it, then delete the old line. The service re-reads a changed file every
+:data:`pagekeeper.tls.RELOAD_INTERVAL_S` and at once on ``SIGHUP``; a file that no longer
+loads (missing, empty, a malformed line) leaves the tokens in force unchanged and is
+reported once per change. Every gRPC call is checked against the tokens in force when it
+arrives; a same-node socket connection, which presents its token once in its hello, is
+checked again on its next call after a reload and closed if its token was removed.
+
+Tokens in a file are printable ASCII without spaces (what an HTTP ``Authorization``
+header and gRPC metadata carry unchanged). Token values are never logged or shown.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import stat
+from dataclasses import dataclass
+
+from pagekeeper.core.errors import ConfigError
+from pagekeeper.settings import Settings
+
+log = logging.getLogger("pagekeeper")
+
+_Stamp = tuple[int, int, int, int]  # device, inode, size, mtime in ns
+
+
+def _stamp(path: str) -> _Stamp | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def read_token_file(path: str, field: str) -> tuple[str, ...]:
+    """The tokens listed in ``path``, or ConfigError naming ``field``."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(1024 * 1024 + 1)
+    except OSError as exc:
+        raise ConfigError(field, f"cannot read {path}: {exc.strerror or exc}") from None
+    if len(data) > 1024 * 1024:
+        raise ConfigError(field, f"{path} is over 1 MiB: not a token file")
+    tokens: list[str] = []
+    for number, raw in enumerate(data.splitlines(), start=1):
+        line = raw.strip()
+        if not line or line.startswith(b"#"):
+            continue
+        if not all(0x21 <= c <= 0x7E for c in line):
+            raise ConfigError(
+                field,
+                f"{path} line {number}: a token must be printable ASCII without spaces",
+            )
+        tokens.append(line.decode("ascii"))
+    if not tokens:
+        raise ConfigError(field, f"{path} lists no token (one a line; '#' starts a comment)")
+    return tuple(dict.fromkeys(tokens))  # duplicates dropped, order kept
+
+
+class BearerTokens:
+    """The tokens accepted for one purpose, fixed or followed from a file.
+
+    ``generation`` changes whenever the accepted set does, so a holder of a token checked
+    earlier (a socket connection) knows when to check it again."""
+
+    def __init__(self, tokens: tuple[str, ...], path: str | None = None, field: str = "") -> None:
+        if not tokens:
+            raise ValueError("BearerTokens needs at least one token")
+        self.path = path
+        self.field = field
+        self._set(tokens)
+        self.generation = 0
+        self.num_reloads = 0
+        self._stamp = _stamp(path) if path is not None else None
+        self._failed_stamp: _Stamp | None = None
+
+    @classmethod
+    def from_file(cls, path: str, field: str) -> BearerTokens:
+        stamp = _stamp(path)
+        tokens = read_token_file(path, field)
+        _warn_if_readable_by_others(path)
+        holder = cls(tokens, path, field)
+        holder._stamp = stamp
+        return holder
+
+    def _set(self, tokens: tuple[str, ...]) -> None:
+        self._tokens = tuple(t.encode() for t in tokens)
+        self._headers = tuple(b"Bearer " + t for t in self._tokens)
+
+    @property
+    def count(self) -> int:
+        return len(self._tokens)
+
+    @property
+    def first(self) -> str:
+        """The first token listed (what the service's own probe presents)."""
+        return self._tokens[0].decode()
+
+    def accepts(self, given: bytes) -> bool:
+        """Whether ``given`` is one of the tokens (each compared in constant time)."""
+        ok = False
+        for token in self._tokens:
+            ok |= hmac.compare_digest(given, token)
+        return ok
+
+    def accepts_header(self, given: bytes) -> bool:
+        """Whether ``given`` is ``Bearer <one of the tokens>``."""
+        ok = False
+        for header in self._headers:
+            ok |= hmac.compare_digest(given, header)
+        return ok
+
+    def reload_if_changed(self) -> bool:
+        """Re-read the file if it changed since it was read; True when the accepted tokens
+        changed. Raises ConfigError (the tokens in force stay) when the changed file does not
+        load, once per change. Fixed tokens never change."""
+        if self.path is None:
+            return False
+        stamp = _stamp(self.path)
+        if stamp == self._stamp or (stamp is not None and stamp == self._failed_stamp):
+            return False
+        try:
+            tokens = read_token_file(self.path, self.field)
+        except ConfigError:
+            # A missing file has no stamp: reported once until it comes back.
+            self._failed_stamp = stamp
+            if stamp is None:
+                self._stamp = None
+            raise
+        self._stamp = stamp
+        self._failed_stamp = None
+        before = self._tokens
+        self._set(tokens)
+        if self._tokens == before:
+            return False
+        _warn_if_readable_by_others(self.path)
+        self.generation += 1
+        self.num_reloads += 1
+        return True
+
+
+def _warn_if_readable_by_others(path: str) -> None:
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return
+    if mode & (stat.S_IRGRP | stat.S_IROTH):
+        log.warning(
+            "token file %s is readable by its group or others (mode %o); prefer 0400 or 0600",
+            path,
+            stat.S_IMODE(mode),
+        )
+
+
+@dataclass(eq=False)
+class ServerTokens:
+    """The service's credentials: ``calls`` guards gRPC and the same-node socket, ``admin``
+    the HTTP admin endpoints (the same object as ``calls`` unless an admin token is set)."""
+
+    calls: BearerTokens | None
+    admin: BearerTokens | None
+
+    def holders(self) -> tuple[BearerTokens, ...]:
+        """Each distinct file-backed holder, for the reload task."""
+        out: list[BearerTokens] = []
+        for holder in (self.calls, self.admin):
+            if holder is not None and holder.path is not None and holder not in out:
+                out.append(holder)
+        return tuple(out)
+
+
+def _holder(value: str | None, path: str | None, field: str) -> BearerTokens | None:
+    if path is not None:
+        return BearerTokens.from_file(path, field)
+    if value is not None:
+        return BearerTokens((value,))
+    return None
+
+
+def load_server_tokens(settings: Settings) -> ServerTokens:
+    """The tokens ``settings`` names, files read and checked (raises ConfigError)."""
+    calls = _holder(settings.token, settings.token_file, "server.token_file")
+    admin = _holder(settings.admin_token, settings.admin_token_file, "server.admin_token_file")
+    return ServerTokens(calls=calls, admin=admin if admin is not None else calls)
+
+
+def first_token(settings: Settings) -> str | None:
+    """The token a client of this configuration presents (the first in a token file)."""
+    if settings.token_file is not None:
+        return read_token_file(settings.token_file, "server.token_file")[0]
+    return settings.token
+
+
+__all__ = [
+    "BearerTokens",
+    "ServerTokens",
+    "first_token",
+    "load_server_tokens",
+    "read_token_file",
+]
