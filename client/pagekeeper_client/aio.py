@@ -47,7 +47,6 @@ from pagekeeper_client.client import (
     channel_setup,
     counters_from_pb,
     default_client_name,
-    default_token,
     encode_i32,
     event_batch_from_pb,
     extra_keys_to_pb,
@@ -58,8 +57,10 @@ from pagekeeper_client.client import (
     pool_from_pb,
     register_request,
     registration_from_pb,
+    reread_token_file,
     resolve_address,
     ring_from_pb,
+    token_source,
 )
 from pagekeeper_client.errors import (
     AlreadyExistsError,
@@ -69,6 +70,7 @@ from pagekeeper_client.errors import (
     NotRegisteredError,
     PagekeeperError,
     PermissionDeniedError,
+    UnauthenticatedError,
     UnavailableError,
     error_from_rpc,
 )
@@ -151,7 +153,7 @@ class AsyncPagekeeperClient:
         tls: ClientTLS | bool | None = None,
     ) -> None:
         self.address = resolve_address(address)
-        self._token = token if token is not None else default_token()
+        self._token, self._token_file = (token, None) if token is not None else token_source()
         self._metadata = auth_metadata(self._token)
         self.timeout = timeout
         self.retry_s = retry_s
@@ -233,8 +235,29 @@ class AsyncPagekeeperClient:
                 return local
         return None
 
+    async def _reread_token(self) -> bool:
+        """The service refused the token: take a changed one from the token file (the
+        same-node channel is reopened with it). True when the call is worth one more try."""
+        token = reread_token_file(self._token_file, self._token)
+        if token is None:
+            return False
+        self._token, self._metadata = token, auth_metadata(token)
+        local, self._local = self._local, None
+        if local is not None:
+            local.close()
+        self._local_retry_at = 0.0
+        return True
+
     # -- plumbing -----------------------------------------------------------------------
     async def _call(self, method: str, request: Any) -> Any:
+        try:
+            return await self._call_once(method, request)
+        except UnauthenticatedError:
+            if not await self._reread_token():
+                raise
+        return await self._call_once(method, request)
+
+    async def _call_once(self, method: str, request: Any) -> Any:
         stats = self.stats
         stats.num_rpcs += 1
         stats.by_method[method] = stats.by_method.get(method, 0) + 1
@@ -702,11 +725,18 @@ class AsyncPagekeeperClient:
                     request, metadata=self._metadata, timeout=self.timeout
                 )
                 return response
-            except (grpc.RpcError, UnavailableError, DeadlineExceededError) as exc:
+            except (
+                grpc.RpcError,
+                UnavailableError,
+                DeadlineExceededError,
+                UnauthenticatedError,
+            ) as exc:
                 if isinstance(exc, grpc.RpcError):
                     error = error_from_rpc(exc, "Step")
                 else:
-                    error = exc  # the same-node socket broke (it is closed now)
+                    error = exc  # the same-node socket broke (it is closed now), or refused
+                if isinstance(error, UnauthenticatedError) and await self._reread_token():
+                    continue  # refused before anything was applied: the same id again
                 if error.code not in _RETRY_CODES or self._is_closed:
                     raise error from None
                 if time.monotonic() + delay > deadline:

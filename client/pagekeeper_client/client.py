@@ -81,6 +81,7 @@ from pagekeeper_client.errors import (
     NotRegisteredError,
     PagekeeperError,
     PermissionDeniedError,
+    UnauthenticatedError,
     UnavailableError,
     error_from_rpc,
 )
@@ -298,18 +299,19 @@ def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),) if token else ()
 
 
-def default_token(environ: Mapping[str, str] | None = None) -> str | None:
-    """The token a client presents when given none: ``$PAGEKEEPER_TOKEN``, else the first
-    token listed in the file ``$PAGEKEEPER_TOKEN_FILE`` names (the service's token-file
-    format: one a line, ``#`` comments; read once, when the client is made). None: neither
-    is set. Raises ValueError when the file cannot be read or lists no token."""
+def token_source(environ: Mapping[str, str] | None = None) -> tuple[str | None, str | None]:
+    """The token a client presents when given none, and the file it came from:
+    ``$PAGEKEEPER_TOKEN`` (no file), else the first token listed in the file
+    ``$PAGEKEEPER_TOKEN_FILE`` names (the service's token-file format: one a line, ``#``
+    comments), else ``(None, None)``. Raises ValueError when the file cannot be read or
+    lists no token."""
     env = os.environ if environ is None else environ
     token = env.get(TOKEN_ENV)
     if token:
-        return token
+        return token, None
     path = env.get(TOKEN_FILE_ENV)
     if not path:
-        return None
+        return None, None
     try:
         with open(path, encoding="ascii") as f:
             lines = f.read(1024 * 1024).splitlines()
@@ -318,8 +320,29 @@ def default_token(environ: Mapping[str, str] | None = None) -> str | None:
     for line in lines:
         line = line.strip()
         if line and not line.startswith("#"):
-            return line
+            return line, path
     raise ValueError(f"{TOKEN_FILE_ENV}={path} lists no token")
+
+
+def default_token(environ: Mapping[str, str] | None = None) -> str | None:
+    """The token of :func:`token_source`."""
+    return token_source(environ)[0]
+
+
+def reread_token_file(path: str | None, current: str | None) -> str | None:
+    """After an UNAUTHENTICATED answer: the first token of the client's token file when it
+    differs from ``current`` (the call is then worth one more try with it), else None."""
+    if path is None:
+        return None
+    try:
+        token, _ = token_source({TOKEN_FILE_ENV: path})
+    except ValueError as exc:
+        log.warning("the service refused the token, and %s", exc)
+        return None
+    if token == current:
+        return None
+    log.info("the service refused the token; using the new first token of %s", path)
+    return token
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1677,7 +1700,8 @@ class PagekeeperClient:
 
     ``address``: ``HOST:PORT`` or ``unix:PATH`` (default ``$PAGEKEEPER_GRPC_ADDRESS`` or
     ``127.0.0.1:50051``). ``token``: the bearer token (default ``$PAGEKEEPER_TOKEN``, else the
-    first token in ``$PAGEKEEPER_TOKEN_FILE``: :func:`default_token`).
+    first token in ``$PAGEKEEPER_TOKEN_FILE``, read again when the service refuses it: a
+    call refused UNAUTHENTICATED is retried once with the file's new token).
     ``interceptors``: extra ``grpc`` client interceptors (e.g. to count calls).
     ``timeout``: per-call deadline in seconds. ``retry_s``: how long a step is retried while
     the service is UNAVAILABLE.
@@ -1722,7 +1746,7 @@ class PagekeeperClient:
         tls: ClientTLS | bool | None = None,
     ) -> None:
         self.address = resolve_address(address)
-        self._token = token if token is not None else default_token()
+        self._token, self._token_file = (token, None) if token is not None else token_source()
         self._metadata = auth_metadata(self._token)
         self.timeout = timeout
         self.retry_s = retry_s
@@ -1805,8 +1829,30 @@ class PagekeeperClient:
                 return local
         return None
 
+    def _reread_token(self) -> bool:
+        """The service refused the token: take a changed one from the token file (the same-
+        node channel, which presented the old one in its hello, is reopened). True when the
+        refused call is worth one more try."""
+        token = reread_token_file(self._token_file, self._token)
+        if token is None:
+            return False
+        self._token, self._metadata = token, auth_metadata(token)
+        local, self._local = self._local, None
+        if local is not None:
+            local.close()
+        self._local_retry_at = 0.0
+        return True
+
     # -- plumbing -----------------------------------------------------------------------
     def _call(self, method: str, request: Any, *, timeout: float | None = None) -> Any:
+        try:
+            return self._call_once(method, request, timeout)
+        except UnauthenticatedError:
+            if not self._reread_token():
+                raise
+        return self._call_once(method, request, timeout)
+
+    def _call_once(self, method: str, request: Any, timeout: float | None) -> Any:
         stats = self.stats
         stats.num_rpcs += 1
         stats.by_method[method] = stats.by_method.get(method, 0) + 1
@@ -2367,11 +2413,18 @@ class PagekeeperClient:
                     request, metadata=self._metadata, timeout=self.timeout
                 )
                 return response
-            except (grpc.RpcError, UnavailableError, DeadlineExceededError) as exc:
+            except (
+                grpc.RpcError,
+                UnavailableError,
+                DeadlineExceededError,
+                UnauthenticatedError,
+            ) as exc:
                 if isinstance(exc, grpc.RpcError):
                     error = error_from_rpc(exc, "Step")
                 else:
-                    error = exc  # the same-node socket broke (it is closed now)
+                    error = exc  # the same-node socket broke (it is closed now), or refused
+                if isinstance(error, UnauthenticatedError) and self._reread_token():
+                    continue  # refused before anything was applied: the same id again
                 if error.code not in _RETRY_CODES or self._is_closed:
                     raise error from None
                 if time.monotonic() + delay > deadline:

@@ -354,3 +354,69 @@ def test_the_probe_and_the_client_read_the_token_file(
         assert client.pool_info().config.num_pages > 0
     finally:
         client.close()
+
+
+def test_clients_follow_their_token_file_through_a_rotation(
+    server_factory: Callable[..., RunningServer],
+    tmp_path: Path,
+    sockdir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Steps over the same-node socket, lookups and heartbeats over gRPC, sync and asyncio:
+    the service drops the old token after the clients' file has the new one, and the
+    clients go on without an error (each refused call is retried once with the new token;
+    a refused step is resent with the same id, so nothing is applied twice)."""
+    import asyncio
+
+    from pagekeeper_client import AsyncPagekeeperClient, PagekeeperClient
+
+    service_file, client_file = tmp_path / "service-tokens", tmp_path / "client-token"
+    write(service_file, "old-token\n")
+    write(client_file, "old-token\n")
+    server = server_factory(
+        "--token-file", str(service_file), "--local-socket", str(sockdir / "pk.sock"),
+        "--num-pages", "256", "--max-model-len", "2048", "--durability", "none",
+    )  # fmt: skip
+    monkeypatch.delenv("PAGEKEEPER_TOKEN", raising=False)
+    monkeypatch.setenv("PAGEKEEPER_TOKEN_FILE", str(client_file))
+    client = PagekeeperClient(server.grpc_address)
+    loop = asyncio.new_event_loop()
+
+    async def make_async() -> AsyncPagekeeperClient:
+        return AsyncPagekeeperClient(server.grpc_address)  # made on the loop it runs on
+
+    aclient = loop.run_until_complete(make_async())
+    try:
+        client.register("scheduler", name="sync")
+        loop.run_until_complete(aclient.register("scheduler", name="async"))
+        client.admit("s-1", list(range(40)))
+        loop.run_until_complete(aclient.admit("a-1", list(range(40))))
+        assert client.transport == "local" and aclient.transport == "local"
+
+        _reload(server, service_file, "old-token\nnew-token\n", 1)
+        write(client_file, "new-token\n")  # the clients have not looked yet
+        _reload(server, service_file, "new-token\n", 2)
+        assert _pool_info(server, "old-token") is grpc.StatusCode.UNAUTHENTICATED
+
+        socket_before = client._local
+        client.admit("s-2", list(range(100, 140)))  # over the socket: revoked, then resent
+        assert client.has_request("s-2")
+        assert client.transport == "local" and client._local is not socket_before
+        assert client.lookup(list(range(40))).num_hit_tokens == 32
+        client.heartbeat()
+        loop.run_until_complete(aclient.admit("a-2", list(range(100, 140))))
+        assert loop.run_until_complete(aclient.lookup(list(range(40)))).num_hit_tokens == 32
+        assert client._token == "new-token" and aclient._token == "new-token"
+        held = server.http().get("/v1/requests").json()
+        ids = [r["request_id"] for r in held["items"]]
+        assert sorted(ids) == ["a-1", "a-2", "s-1", "s-2"]  # each admitted once, none lost
+
+        # A token the service does not know and the file does not fix: the error surfaces.
+        write(client_file, "new-token\n")
+        _reload(server, service_file, "newer-token\n", 3)
+        with pytest.raises(PermissionError):
+            client.lookup(list(range(40)))
+    finally:
+        client.close()
+        loop.run_until_complete(aclient.close())
+        loop.close()
