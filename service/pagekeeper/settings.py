@@ -213,14 +213,6 @@ class Settings:
         if self.publish_transport == "cuda_ipc" and not self.publish_device.startswith("cuda:"):
             raise ConfigError("publish.device", "the cuda_ipc transport needs device = 'cuda:N'")
 
-    @property
-    def has_admin_credential(self) -> bool:
-        """Whether the HTTP admin endpoints can be used at all (some token is configured)."""
-        return any(
-            v is not None
-            for v in (self.admin_token, self.admin_token_file, self.token, self.token_file)
-        )
-
     def to_dict(self, *, redact: bool = True) -> dict[str, Any]:
         """The nested form of the TOML file (``None`` values dropped: TOML has no null)."""
 

@@ -158,7 +158,6 @@ def test_settings_token_files(tmp_path: Path) -> None:
     settings = load_settings(environ={"PAGEKEEPER_TOKEN_FILE": str(calls)})
     assert settings.token_file == str(calls)
     assert settings.to_dict()["server"]["token_file"] == str(calls)  # a path, not a secret
-    assert settings.has_admin_credential and not Settings().has_admin_credential
 
     tokens = load_server_tokens(settings)
     assert tokens.admin is tokens.calls  # one holder: one reload covers both

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from pagekeeper.auth import load_server_tokens
 from pagekeeper.core.config import GroupKind
 from pagekeeper.core.errors import ConfigError
 from pagekeeper.settings import OPTIONS, Settings, load_settings, read_toml, to_json, to_toml
@@ -121,8 +122,11 @@ def test_settings_validate_on_construction():
     with pytest.raises(ConfigError) as exc:
         Settings(ring_depth=0)
     assert exc.value.field == "publish.ring_depth"
-    assert Settings(token="t").has_admin_credential
-    assert Settings(admin_token="a").has_admin_credential
+    # The admin endpoints take the service's token unless they have their own.
+    calls_only = load_server_tokens(Settings(token="t"))
+    assert calls_only.admin is calls_only.calls
+    own = load_server_tokens(Settings(token="t", admin_token="a"))
+    assert own.admin is not None and own.admin.accepts(b"a") and not own.admin.accepts(b"t")
     # The same-node socket's hello ends the token at a NUL (what follows is a client's ticket).
     for field in ("token", "admin_token"):
         with pytest.raises(ConfigError, match="NUL") as exc:
