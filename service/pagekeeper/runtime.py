@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from pagekeeper.auth import ServerTokens, load_server_tokens
 from pagekeeper.durability import Durability, RecoveryReport
+from pagekeeper.kvevents import KvEventPublisher
 from pagekeeper.metrics import Metrics
 from pagekeeper.notify import ChangeNotifier
 from pagekeeper.publication import PublicationHub, PublisherFactory, resolve_publisher_factory
@@ -38,6 +39,8 @@ class Runtime:
     """What start-up recovered from the data directory."""
     tls: ServerTLS | None = None
     """The listeners' TLS material (set by the server; None: plaintext)."""
+    kv_events: KvEventPublisher | None = None
+    """The ZeroMQ KV-event publisher (set by the server when configured)."""
     tokens: ServerTokens = field(default_factory=lambda: ServerTokens(None, None))
     """The bearer tokens calls and admin endpoints must present (none: no check)."""
     is_ready: bool = False

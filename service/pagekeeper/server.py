@@ -36,6 +36,7 @@ from pagekeeper.auth import BearerTokens
 from pagekeeper.core.errors import ConfigError, PagekeeperError
 from pagekeeper.core.hashing import native_hashing
 from pagekeeper.core.pool import native_pool
+from pagekeeper.kvevents import KvEventCollector, KvEventPublisher, run_publisher
 from pagekeeper.rest.app import create_app
 from pagekeeper.rpc.local import LocalServer
 from pagekeeper.rpc.server import GrpcServer
@@ -274,6 +275,13 @@ async def serve(
             )
         )
     try:
+        runtime.kv_events = KvEventPublisher.from_settings(settings, runtime.state, runtime.events)
+        if runtime.kv_events is not None:
+            collector = KvEventCollector(runtime.kv_events)
+            runtime.metrics.registry.register(collector)
+            housekeeping.append(
+                asyncio.create_task(run_publisher(runtime.kv_events), name="kv-events")
+            )
         while not http_server.started:
             if http_task.done():
                 http_task.result()  # re-raise the start-up failure
@@ -296,6 +304,7 @@ async def serve(
             local_server = LocalServer(grpc_server.servicer)
             await local_server.start(os.path.abspath(settings.local_socket))
         await grpc_server.set_serving(True)
+        kv = runtime.kv_events
         info = {
             "pid": os.getpid(),
             "grpc_address": grpc_address,
@@ -304,6 +313,8 @@ async def serve(
             "http_port": _port(http_address),
             "local_socket": local_server.path if local_server is not None else None,
             "tls": tls is not None,
+            "kv_events_endpoint": None if kv is None else kv.endpoint,
+            "kv_events_replay_endpoint": None if kv is None else kv.replay_endpoint,
         }
         log.info(
             "gRPC on %s, HTTP on %s%s%s; page hashing in %s, pool loops in %s",
@@ -314,7 +325,8 @@ async def serve(
             else " over TLS"
             + (", gRPC clients need a certificate" if tls.requires_client_certificates else "")
             + _valid_until(tls),
-            f", local socket {local_server.path}" if local_server is not None else "",
+            (f", local socket {local_server.path}" if local_server is not None else "")
+            + (f", KV events on {kv.endpoint}" if kv is not None else ""),
             "C (pagekeeper.core._native)" if native_hashing() else "pure Python",
             "C (pagekeeper.core._poolops)" if native_pool() else "pure Python",
         )
@@ -342,6 +354,8 @@ async def serve(
         if settings.http_address.startswith("unix:"):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(settings.http_address[len("unix:") :])  # ours: bound above
+        if runtime.kv_events is not None:
+            runtime.kv_events.close()
         runtime.close()
         if ready_file:
             with contextlib.suppress(FileNotFoundError):

@@ -38,6 +38,7 @@ PUBLISH_TRANSPORTS = ("shm", "cpu_ipc", "cuda_ipc", "none")
 DURABILITY_LEVELS = ("none", "process", "fsync")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("text", "json")
+KV_EVENT_HASH_FORMATS = ("int", "bytes")
 _REDACTED = "<redacted>"
 _MAX_UNIX_PATH = 107  # sun_path holds 108 bytes, the terminating NUL included
 
@@ -89,6 +90,23 @@ class Settings:
     event_buffer_bytes: int = 64 * 1024 * 1024
     """...and at most about this many bytes of them (a stored event holds its tokens: 65,536
     admissions of 2,000 tokens would be ~2 GB, and every snapshot would copy them)."""
+    kv_events_endpoint: str | None = None
+    """A ZeroMQ endpoint (``tcp://HOST:PORT``, port 0 picks one; ``ipc://PATH``) the
+    service binds a PUB socket on and publishes its KV events to, in vLLM's wire format
+    (``pagekeeper.kvevents``): routers built for vLLM engines subscribe unchanged. None:
+    off (WatchEvents and ``GET /v1/events`` serve them either way)."""
+    kv_events_replay_endpoint: str | None = None
+    """A ZeroMQ ROUTER endpoint answering replay requests (the batches since a sequence
+    number, from the last ``kv_events_buffer_steps``), as vLLM's publisher does."""
+    kv_events_topic: str = ""
+    """The topic frame of every published batch (vLLM's default: empty)."""
+    kv_events_hash_format: str = "int"
+    """``int`` (the low 64 bits of each page hash, big-endian: vLLM's default) or
+    ``bytes`` (the whole digest, as vLLM with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``)."""
+    kv_events_buffer_steps: int = 10_000
+    """Published batches kept for replay."""
+    kv_events_data_parallel_rank: int = 0
+    """The ``data_parallel_rank`` each batch carries (routers tell engines apart by it)."""
     debug_invariants: bool = False
     """Run the core's ``check_invariants()`` after every mutation (slow; for debugging)."""
     data_dir: str = "data"
@@ -153,6 +171,7 @@ class Settings:
                 raise ConfigError(f"server.{name}", "must not contain a NUL character")
             if getattr(self, name) is not None and getattr(self, f"{name}_file") is not None:
                 raise ConfigError(f"server.{name}_file", f"set {name} or {name}_file, not both")
+        self._validate_kv_events()
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             missing = "tls_key_file" if self.tls_key_file is None else "tls_cert_file"
             raise ConfigError(f"server.{missing}", "TLS needs both a certificate and its key")
@@ -213,6 +232,27 @@ class Settings:
         if self.publish_transport == "cuda_ipc" and not self.publish_device.startswith("cuda:"):
             raise ConfigError("publish.device", "the cuda_ipc transport needs device = 'cuda:N'")
 
+    def _validate_kv_events(self) -> None:
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_zmq_endpoint(f"server.{name}", value)
+        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
+            raise ConfigError(
+                "server.kv_events_replay_endpoint", "replay needs kv_events_endpoint set too"
+            )
+        if not isinstance(self.kv_events_topic, str):
+            raise ConfigError("server.kv_events_topic", "must be a string")
+        if self.kv_events_hash_format not in KV_EVENT_HASH_FORMATS:
+            raise ConfigError(
+                "server.kv_events_hash_format",
+                f"one of {list(KV_EVENT_HASH_FORMATS)}, got {self.kv_events_hash_format!r}",
+            )
+        for name, low in (("kv_events_buffer_steps", 1), ("kv_events_data_parallel_rank", 0)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ConfigError(f"server.{name}", f"must be an int >= {low}, got {value!r}")
+
     def to_dict(self, *, redact: bool = True) -> dict[str, Any]:
         """The nested form of the TOML file (``None`` values dropped: TOML has no null)."""
 
@@ -239,6 +279,12 @@ class Settings:
             "lease_grace_s": self.lease_grace_s,
             "event_buffer_size": self.event_buffer_size,
             "event_buffer_bytes": self.event_buffer_bytes,
+            "kv_events_endpoint": self.kv_events_endpoint,
+            "kv_events_replay_endpoint": self.kv_events_replay_endpoint,
+            "kv_events_topic": self.kv_events_topic,
+            "kv_events_hash_format": self.kv_events_hash_format,
+            "kv_events_buffer_steps": self.kv_events_buffer_steps,
+            "kv_events_data_parallel_rank": self.kv_events_data_parallel_rank,
             "debug_invariants": self.debug_invariants,
             "data_dir": self.data_dir,
             "durability": self.durability,
@@ -273,6 +319,20 @@ def _check_address(name: str, value: object) -> None:
         raise ConfigError(where, f"must be HOST:PORT or unix:PATH, got {value!r}")
     if not port.isdigit() or not 0 <= int(port) <= 65535:
         raise ConfigError(where, f"port must be an int in [0, 65535], got {port!r}")
+
+
+def _check_zmq_endpoint(where: str, value: object) -> None:
+    if not isinstance(value, str):
+        raise ConfigError(where, "must be tcp://HOST:PORT or ipc://PATH")
+    if value.startswith("ipc://"):
+        if len(value) <= len("ipc://"):
+            raise ConfigError(where, "ipc:// needs a path")
+        return
+    if not value.startswith("tcp://"):
+        raise ConfigError(where, f"must be tcp://HOST:PORT or ipc://PATH, got {value!r}")
+    host, sep, port = value[len("tcp://") :].rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(where, f"must be tcp://HOST:PORT (port 0-65535), got {value!r}")
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -341,6 +401,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("server.lease_grace_s", float, "delay before an expired scheduler's requests are freed"),
     Option("server.event_buffer_size", _parse_int, "KV events kept for resumption"),
     Option("server.event_buffer_bytes", _parse_int, "...and at most this many bytes of them"),
+    Option("server.kv_events_endpoint", str, "ZeroMQ PUB endpoint for KV events (vLLM format)"),
+    Option("server.kv_events_replay_endpoint", str, "ZeroMQ ROUTER endpoint for replays"),
+    Option("server.kv_events_topic", str, "topic frame of published KV-event batches"),
+    Option("server.kv_events_hash_format", str, "int (low 64 bits, vLLM's default) or bytes"),
+    Option("server.kv_events_buffer_steps", _parse_int, "KV-event batches kept for replay"),
+    Option("server.kv_events_data_parallel_rank", _parse_int, "data_parallel_rank of each batch"),
     Option("server.debug_invariants", _parse_bool, "check core invariants after every mutation"),
     Option("server.data_dir", str, "directory for durable state"),
     Option(

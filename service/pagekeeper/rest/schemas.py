@@ -140,6 +140,24 @@ class AuthModel(Model):
     admin: TokensModel = Field(description="The bearer token of the HTTP admin endpoints.")
 
 
+class KvEventsModel(Model):
+    endpoint: str | None = Field(
+        description="The ZeroMQ PUB endpoint KV events are published on in vLLM's format; "
+        "null: not published there (WatchEvents and /v1/events serve them either way)."
+    )
+    replay_endpoint: str | None = Field(description="The ROUTER endpoint answering replays.")
+    topic: str = Field(description="The topic frame of each batch.")
+    hash_format: Literal["int", "bytes"] = Field(
+        description="Page hashes as the low 64 bits (int, vLLM's default) or whole digests."
+    )
+    num_batches: int = Field(description="Batches published since start-up.")
+    num_events: int = Field(description="KV events in those batches.")
+    num_lost_events: int = Field(
+        description="Events the event buffer dropped before the publisher sent them."
+    )
+    num_replays: int = Field(description="Replay requests answered.")
+
+
 class PoolView(Model):
     """The pool at a glance."""
 
@@ -158,6 +176,7 @@ class PoolView(Model):
     durability: DurabilityModel = Field(description="The durable command log and snapshots.")
     tls: TlsModel = Field(description="Transport security of the two listeners.")
     auth: AuthModel = Field(description="Which bearer tokens are checked, and from where.")
+    kv_events: KvEventsModel = Field(description="KV events for routers over ZeroMQ.")
 
 
 # -- pages --------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from pagekeeper.rest.schemas import (
     AuthModel,
     DurabilityModel,
     GroupModel,
+    KvEventsModel,
     LimitsModel,
     PagesModel,
     PoolConfigModel,
@@ -100,7 +101,22 @@ async def get_pool(runtime: RuntimeDep) -> PoolView:
         padding_tokens_per_group=list(stats.padding_tokens_per_group),
         durability=_durability(runtime),
         tls=_tls(runtime),
+        kv_events=_kv_events(runtime),
         auth=AuthModel(calls=_tokens(runtime.tokens.calls), admin=_tokens(runtime.tokens.admin)),
+    )
+
+
+def _kv_events(runtime: Runtime) -> KvEventsModel:
+    kv, settings = runtime.kv_events, runtime.settings
+    return KvEventsModel(
+        endpoint=None if kv is None else kv.endpoint,
+        replay_endpoint=None if kv is None else kv.replay_endpoint,
+        topic=settings.kv_events_topic,
+        hash_format="bytes" if settings.kv_events_hash_format == "bytes" else "int",
+        num_batches=0 if kv is None else kv.next_seq,
+        num_events=0 if kv is None else kv.num_events,
+        num_lost_events=0 if kv is None else kv.num_lost_events,
+        num_replays=0 if kv is None else kv.num_replays,
     )
 
 

@@ -1,0 +1,333 @@
+"""KV events over ZeroMQ in vLLM's wire format: the encoding (checked against vLLM's own
+decoder where vLLM is installed), the publisher on a state, and the real service with a
+router-like subscriber (PUB/SUB, replay over ROUTER/DEALER)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+
+from pagekeeper.core.config import GroupConfig, GroupKind, PoolConfig
+from pagekeeper.core.errors import ConfigError
+from pagekeeper.core.events import AllCleared, PageRemoved, PageStored, TokenRun
+from pagekeeper.kvevents import (
+    END_SEQ,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    KvEventPublisher,
+    to_vllm_events,
+)
+from pagekeeper.notify import ChangeNotifier
+from pagekeeper.settings import Settings
+from pagekeeper.state import (
+    Admission,
+    ClientRole,
+    Limits,
+    RegisterCommand,
+    ResetPrefixCacheCommand,
+    ServiceState,
+    StepCommand,
+)
+from tests.helpers.server import RunningServer
+
+VLLM_PYTHON = Path("/opt/vllm-anchor/bin/python")
+DIGEST_A, DIGEST_B = bytes(range(32)), bytes(range(32, 64))
+
+EVENTS = [
+    PageStored(7, 1, (DIGEST_A, DIGEST_B), None, TokenRun(range(8)), 4, (3, 4), "adapter"),
+    PageRemoved(8, 0, (DIGEST_B,), (4,)),
+    AllCleared(9),
+]
+
+
+def decode(payload: bytes) -> KVEventBatch:
+    return msgspec.msgpack.Decoder(KVEventBatch).decode(payload)
+
+
+def test_events_become_vllm_structs() -> None:
+    stored, removed, cleared = to_vllm_events(EVENTS, "int")
+    assert isinstance(stored, BlockStored)
+    assert stored.block_hashes == [
+        int.from_bytes(DIGEST_A[-8:], "big"),
+        int.from_bytes(DIGEST_B[-8:], "big"),
+    ]
+    assert stored.parent_block_hash is None and stored.token_ids == list(range(8))
+    assert (stored.block_size, stored.medium, stored.lora_name) == (4, "GPU", "adapter")
+    assert stored.group_idx == 1 and stored.lora_id is None
+    assert isinstance(removed, BlockRemoved) and removed.group_idx == 0
+    assert removed.block_hashes == [int.from_bytes(DIGEST_B[-8:], "big")]
+    assert isinstance(cleared, AllBlocksCleared)
+    raw = to_vllm_events(EVENTS, "bytes")
+    assert raw[0].block_hashes == [DIGEST_A, DIGEST_B]  # type: ignore[union-attr]
+
+
+def test_the_wire_layout() -> None:
+    """An array ``[ts, events, rank]``; each event a map tagged ``type`` by class name."""
+    batch = KVEventBatch(ts=1.5, events=to_vllm_events(EVENTS, "int"), data_parallel_rank=2)
+    plain = msgspec.msgpack.decode(msgspec.msgpack.encode(batch))
+    assert plain[0] == 1.5 and plain[2] == 2
+    assert [e["type"] for e in plain[1]] == ["BlockStored", "BlockRemoved", "AllBlocksCleared"]
+    assert set(plain[1][0]) == {
+        "type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
+        "medium", "lora_name", "group_idx",
+    }  # fmt: skip
+    assert decode(msgspec.msgpack.encode(batch)) == batch
+
+
+@pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="vLLM's side virtualenv is not here")
+def test_vllms_own_decoder_reads_the_batches() -> None:
+    payload = msgspec.msgpack.encode(
+        KVEventBatch(ts=3.25, events=to_vllm_events(EVENTS, "int"), data_parallel_rank=0)
+    )
+    script = (
+        "import sys, msgspec\n"
+        "from vllm.distributed.kv_events import KVEventBatch, BlockStored, BlockRemoved, "
+        "AllBlocksCleared\n"
+        "b = msgspec.msgpack.Decoder(KVEventBatch).decode(sys.stdin.buffer.read())\n"
+        "s, r, c = b.events\n"
+        "assert isinstance(s, BlockStored) and isinstance(r, BlockRemoved)\n"
+        "assert isinstance(c, AllBlocksCleared)\n"
+        "print(b.ts, b.data_parallel_rank, s.block_hashes, s.parent_block_hash, s.token_ids,"
+        " s.block_size, s.lora_name, s.medium, s.group_idx, r.block_hashes, r.group_idx)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
+    env["VLLM_TARGET_DEVICE"] = "cpu"
+    result = subprocess.run(
+        [str(VLLM_PYTHON), "-c", script],
+        input=payload,
+        capture_output=True,
+        timeout=240,
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr.decode()[-2000:]
+    a, b = int.from_bytes(DIGEST_A[-8:], "big"), int.from_bytes(DIGEST_B[-8:], "big")
+    expected = f"3.25 0 [{a}, {b}] None {list(range(8))} 4 adapter GPU 1 [{b}] 0"
+    assert result.stdout.decode().strip().splitlines()[-1] == expected
+
+
+def test_settings() -> None:
+    for bad in ("tcp://nohost", "tcp://h:70000", "udp://h:1", "ipc://", 5):
+        with pytest.raises(ConfigError) as exc:
+            Settings(kv_events_endpoint=bad)  # type: ignore[arg-type]
+        assert exc.value.field == "server.kv_events_endpoint"
+    with pytest.raises(ConfigError, match="replay needs kv_events_endpoint"):
+        Settings(kv_events_replay_endpoint="tcp://127.0.0.1:0")
+    with pytest.raises(ConfigError) as exc:
+        Settings(kv_events_hash_format="hex")
+    assert exc.value.field == "server.kv_events_hash_format"
+    Settings(kv_events_endpoint="tcp://*:5557", kv_events_replay_endpoint="ipc:///tmp/r")
+
+
+# -- the publisher on a state ------------------------------------------------------------------
+
+
+def _state() -> tuple[ServiceState, str]:
+    state = ServiceState(
+        PoolConfig(
+            num_pages=64,
+            groups=(
+                GroupConfig(page_size=4),
+                GroupConfig(kind=GroupKind.SLIDING_WINDOW, page_size=4, window=8),
+            ),
+            max_model_len=256,
+        ),
+        Limits(),
+    )
+    client = state.register(RegisterCommand(now=0.0, role=ClientRole.SCHEDULER)).client_id
+    return state, client
+
+
+def _step(state: ServiceState, client: str, step_id: int, **parts: object) -> None:
+    state.step(StepCommand(now=0.0, client_id=client, generation=1, step_id=step_id, **parts))  # type: ignore[arg-type]
+
+
+def test_the_publisher_sends_what_the_state_emits_and_replays_it(tmp_path: Path) -> None:
+    state, client = _state()
+
+    # A sliding-window pool: stored and removed events in two groups.
+    async def scenario() -> None:
+        notifier = ChangeNotifier()
+        state.add_listener(notifier.notify)
+        publisher = KvEventPublisher(
+            state,
+            notifier,
+            endpoint="tcp://127.0.0.1:0",
+            replay_endpoint=f"ipc://{tmp_path}/replay",
+            topic="kv-events",
+            buffer_steps=2,
+            data_parallel_rank=3,
+        )
+        ctx = zmq.Context()
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"kv-events")
+        sub.connect(publisher.endpoint)
+        task = asyncio.create_task(publisher.run())
+        replays = asyncio.create_task(publisher.serve_replays())
+        try:
+            await asyncio.sleep(0.2)  # the subscription reaches the PUB socket
+            prompt = np.arange(1, 21, dtype=np.int32)
+            _step(state, client, 1, admissions=(Admission("a", prompt),))
+            await asyncio.sleep(0.05)
+            _step(state, client, 2, frees=("a",))
+            _step(state, client, 3, admissions=(Admission("b", prompt + 100),))
+            await asyncio.sleep(0.05)
+            _step(state, client, 4, frees=("b",))
+            state.reset_prefix_cache(ResetPrefixCacheCommand(now=0.0))
+            await asyncio.sleep(0.05)
+
+            received = []
+            while sub.poll(1000):
+                topic, seq, payload = sub.recv_multipart()
+                assert topic == b"kv-events"
+                received.append((int.from_bytes(seq, "big"), decode(payload)))
+                if isinstance(received[-1][1].events[-1], AllBlocksCleared):
+                    break
+            assert [s for s, _ in received] == list(range(len(received)))
+            assert all(b.data_parallel_rank == 3 for _, b in received)
+            events = [e for _, b in received for e in b.events]
+            expected = to_vllm_events(state.events_since(0, 10_000).events, "int")
+            assert events == expected
+            assert {e.group_idx for e in events if isinstance(e, BlockStored)} == {0, 1}
+            assert isinstance(events[-1], AllBlocksCleared)
+            assert publisher.num_events == len(events)
+
+            # Replay from seq 1: the kept batches (buffer_steps=2) from there, then the end.
+            dealer = ctx.socket(zmq.DEALER)
+            dealer.connect(publisher.replay_endpoint or "")
+            dealer.send_multipart((b"", (1).to_bytes(8, "big")))
+            replayed = []
+            while True:
+                assert await asyncio.to_thread(dealer.poll, 5000)
+                frames = dealer.recv_multipart()
+                if frames[2] == END_SEQ:
+                    assert frames[1:] == [b"", END_SEQ, b""]
+                    break
+                _, topic, seq, payload = frames
+                replayed.append(int.from_bytes(seq, "big"))
+                assert decode(payload) == dict(received)[replayed[-1]]
+            last = received[-1][0]
+            assert replayed == [s for s in (last - 1, last) if s >= 1]
+            assert publisher.num_replays == 1
+            dealer.close(linger=0)
+        finally:
+            task.cancel()
+            replays.cancel()
+            await asyncio.gather(task, replays, return_exceptions=True)
+            sub.close(linger=0)
+            ctx.term()
+            publisher.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_taken_endpoint_is_an_os_error() -> None:
+    state, _ = _state()
+    ctx = zmq.Context()
+    holder = ctx.socket(zmq.PUB)
+    port = holder.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        with pytest.raises(OSError, match=f"cannot bind KV events to tcp://127.0.0.1:{port}"):
+            KvEventPublisher(state, ChangeNotifier(), endpoint=f"tcp://127.0.0.1:{port}")
+    finally:
+        holder.close(linger=0)
+        ctx.term()
+
+
+# -- the service ---------------------------------------------------------------------------------
+
+
+def test_the_service_publishes_for_a_router(
+    server_factory: Callable[..., RunningServer], tmp_path: Path
+) -> None:
+    from pagekeeper_client import PagekeeperClient
+
+    server = server_factory(
+        "--kv-events-endpoint", "tcp://127.0.0.1:0",
+        "--kv-events-replay-endpoint", "tcp://127.0.0.1:0",
+        "--kv-events-hash-format", "bytes", "--num-pages", "64", "--page-size", "16",
+        "--durability", "none",
+    )  # fmt: skip
+    endpoint = server.info["kv_events_endpoint"]
+    assert endpoint.startswith("tcp://127.0.0.1:") and not endpoint.endswith(":0")
+    pool = server.http().get("/v1/pool").json()["kv_events"]
+    assert pool["endpoint"] == endpoint and pool["hash_format"] == "bytes"
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(endpoint)
+    time.sleep(0.3)
+    client = PagekeeperClient(server.grpc_address, local_socket=None)
+    try:
+        client.register("scheduler", name="router-test")
+        prompt = list(range(1000, 1064))
+        client.admit("a", prompt)
+        client.admit("b", prompt + [1, 2])  # a hit: no new stored pages for the shared 64
+        client.free_later("a", "b")
+        client.step()
+        # 60 of the 63 usable pages: the last fills evict a's cached pages.
+        for i in range(4):
+            client.admit(f"fill-{i}", list(range(10_000 * (i + 1), 10_000 * (i + 1) + 240)))
+        events = []
+        deadline = time.monotonic() + 10
+        rest = server.http().get("/v1/events", params={"since": 0, "limit": 1000}).json()
+        want = len(rest["events"])
+        while len(events) < want and time.monotonic() < deadline:
+            if sub.poll(200):
+                _, _, payload = sub.recv_multipart()
+                events.extend(decode(payload).events)
+        assert len(events) == want > 0
+        for mine, theirs in zip(events, rest["events"], strict=True):
+            assert type(mine).__name__ == {
+                "stored": "BlockStored", "removed": "BlockRemoved", "all_cleared":
+                "AllBlocksCleared",
+            }[theirs["type"]]  # fmt: skip
+            if isinstance(mine, BlockStored | BlockRemoved):
+                assert [h.hex() for h in mine.block_hashes] == theirs["page_hashes"]  # type: ignore[union-attr]
+                assert mine.group_idx == theirs["group_id"]
+            if isinstance(mine, BlockStored):
+                assert mine.token_ids == theirs["token_ids"] and mine.block_size == 16
+        assert any(isinstance(e, BlockRemoved) for e in events)
+        metrics = server.http().get("/metrics").text
+        assert f"pagekeeper_kv_events_zmq_events_total {float(want)}" in metrics
+    finally:
+        client.close()
+        sub.close(linger=0)
+        ctx.term()
+
+
+def test_a_bad_kv_events_endpoint_stops_start_up(tmp_path: Path) -> None:
+    from tests.helpers.server import clean_env, server_command
+
+    result = subprocess.run(
+        server_command(tmp_path / "ready.json", ["--kv-events-endpoint", "tcp://h:99999"]),
+        env=clean_env({"PAGEKEEPER_DURABILITY": "none"}),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert "server.kv_events_endpoint: must be tcp://HOST:PORT" in result.stderr
+
+
+def test_int_hashes_are_the_low_64_bits_of_any_digest() -> None:
+    from pagekeeper.kvevents import _int_hash, _int_hashes
+
+    rng = np.random.default_rng(5)
+    for size in (32, 16, 8):
+        digests = [rng.bytes(size) for _ in range(50)]
+        expected = [int.from_bytes(d, "big") & ((1 << 64) - 1) for d in digests]
+        assert _int_hashes(digests) == expected == [_int_hash(d) for d in digests]
+    mixed = [rng.bytes(32), rng.bytes(12), rng.bytes(5)]  # the per-digest fallback
+    assert _int_hashes(mixed) == [int.from_bytes(d, "big") & ((1 << 64) - 1) for d in mixed]
+    assert _int_hashes([]) == []
