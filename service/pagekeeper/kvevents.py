@@ -275,12 +275,15 @@ class KvEventPublisher:
             client, _, start = frames
             start_seq = int.from_bytes(start, "big")
             self.num_replays += 1
-            for seq, payload in list(self.buffer):
-                if seq >= start_seq:
-                    await replay.send_multipart(
-                        (client, b"", self.topic, seq.to_bytes(8, "big"), payload)
-                    )
-            await replay.send_multipart((client, b"", b"", END_SEQ, b""))
+            try:
+                for seq, payload in list(self.buffer):
+                    if seq >= start_seq:
+                        await replay.send_multipart(
+                            (client, b"", self.topic, seq.to_bytes(8, "big"), payload)
+                        )
+                await replay.send_multipart((client, b"", b"", END_SEQ, b""))
+            except zmq.ZMQError as exc:  # that subscriber went away: the next one is served
+                log.warning("a KV-event replay was cut short: %s", exc)
 
     def close(self) -> None:
         for sock in (self._pub, self._replay):
