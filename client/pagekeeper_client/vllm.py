@@ -938,7 +938,10 @@ def _check_engine(scheduler: Any, vllm_config: Any, kv_cache_config: Any) -> Non
     if getattr(vllm_config.scheduler_config, "watermark", 0.0):
         raise unsupported("the admission watermark (scheduler_config.watermark)")
     if getattr(scheduler, "enable_kv_cache_events", False):
-        raise unsupported("engine-side KV cache events (use the service's WatchEvents)")
+        raise unsupported(
+            "engine-side KV cache events (the service publishes the pool's, in the same "
+            "format: pagekeeper serve --kv-events-endpoint)"
+        )
     if getattr(scheduler, "needs_kv_cache_zeroing", False):
         raise unsupported("backends that need new KV blocks zeroed")
     if scheduler.hash_block_size != scheduler.block_size:
