@@ -235,25 +235,32 @@ class AsyncPagekeeperClient:
                 return local
         return None
 
-    async def _reread_token(self) -> bool:
-        """The service refused the token: take a changed one from the token file (the
-        same-node channel is reopened with it). True when the call is worth one more try."""
-        token = reread_token_file(self._token_file, self._token)
+    async def _reread_token(self, used: str | None) -> bool:
+        """The service refused ``used``: take a changed token from the token file (the
+        same-node channel is reopened with it). True when the call is worth one more try:
+        the token is no longer ``used`` (this call or a concurrent one changed it)."""
+        if self._token != used:
+            return True
+        token = reread_token_file(self._token_file, used)
         if token is None:
             return False
+        self._adopt_token(token)
+        return True
+
+    def _adopt_token(self, token: str) -> None:
         self._token, self._metadata = token, auth_metadata(token)
         local, self._local = self._local, None
         if local is not None:
             local.close()
         self._local_retry_at = 0.0
-        return True
 
     # -- plumbing -----------------------------------------------------------------------
     async def _call(self, method: str, request: Any) -> Any:
+        used = self._token
         try:
             return await self._call_once(method, request)
         except UnauthenticatedError:
-            if not await self._reread_token():
+            if not await self._reread_token(used):
                 raise
         return await self._call_once(method, request)
 
@@ -264,7 +271,13 @@ class AsyncPagekeeperClient:
         local = await self._local_channel(method)
         if local is not None:
             stats.num_local_calls += 1
-            return await local.call(method, request, _RESPONSES[method], self.timeout)
+            try:
+                return await local.call(method, request, _RESPONSES[method], self.timeout)
+            except UnavailableError:
+                if self._local is local:
+                    raise
+                # Swapped under this call (a new token): these reads are safe to send again.
+                return await self._call_once(method, request)
         try:
             return await getattr(self._stub, method)(
                 request, metadata=self._metadata, timeout=self.timeout
@@ -508,6 +521,12 @@ class AsyncPagekeeperClient:
         )
 
     def watch_events(self, since: int = 0, *, max_events_per_message: int = 0) -> AsyncEventStream:
+        """See :meth:`PagekeeperClient.watch_events` (the token file's current token is
+        adopted when the stream opens)."""
+        if self._token_file is not None:
+            token = reread_token_file(self._token_file, self._token)
+            if token is not None:
+                self._adopt_token(token)
         self.stats.num_rpcs += 1
         call = self._stub.WatchEvents(
             pb.WatchEventsRequest(since_seq=since, max_events_per_message=max_events_per_message),
@@ -713,9 +732,11 @@ class AsyncPagekeeperClient:
         deadline = time.monotonic() + self.retry_s
         delay = 0.02
         stats = self.stats
+        may_reread = True
         while True:
             stats.num_rpcs += 1
             stats.by_method["Step"] = stats.by_method.get("Step", 0) + 1
+            used = self._token
             try:
                 local = await self._local_channel("Step")
                 if local is not None:
@@ -735,8 +756,10 @@ class AsyncPagekeeperClient:
                     error = error_from_rpc(exc, "Step")
                 else:
                     error = exc  # the same-node socket broke (it is closed now), or refused
-                if isinstance(error, UnauthenticatedError) and await self._reread_token():
-                    continue  # refused before anything was applied: the same id again
+                if isinstance(error, UnauthenticatedError) and may_reread:
+                    may_reread = False  # once a step: a file that keeps changing ends here
+                    if await self._reread_token(used):
+                        continue  # refused before anything was applied: the same id again
                 if error.code not in _RETRY_CODES or self._is_closed:
                     raise error from None
                 if time.monotonic() + delay > deadline:

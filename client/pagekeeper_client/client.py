@@ -302,25 +302,40 @@ def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
 def token_source(environ: Mapping[str, str] | None = None) -> tuple[str | None, str | None]:
     """The token a client presents when given none, and the file it came from:
     ``$PAGEKEEPER_TOKEN`` (no file), else the first token listed in the file
-    ``$PAGEKEEPER_TOKEN_FILE`` names (the service's token-file format: one a line, ``#``
-    comments), else ``(None, None)``. Raises ValueError when the file cannot be read or
-    lists no token."""
+    ``$PAGEKEEPER_TOKEN_FILE`` names (the service's token-file format: one a line, blank
+    lines and ``#`` comments skipped, printable ASCII without spaces), else
+    ``(None, None)``. Raises ValueError when both variables are set, or the file cannot be
+    read or lists no token."""
     env = os.environ if environ is None else environ
-    token = env.get(TOKEN_ENV)
+    token, path = env.get(TOKEN_ENV), env.get(TOKEN_FILE_ENV)
+    if token and path:
+        raise ValueError(f"set {TOKEN_ENV} or {TOKEN_FILE_ENV}, not both")
     if token:
         return token, None
-    path = env.get(TOKEN_FILE_ENV)
     if not path:
         return None, None
+    return read_first_token(path), path
+
+
+def read_first_token(path: str) -> str:
+    """The first token a token file lists (ValueError naming the problem otherwise)."""
     try:
-        with open(path, encoding="ascii") as f:
-            lines = f.read(1024 * 1024).splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{TOKEN_FILE_ENV}={path}: cannot read a token ({exc})") from None
-    for line in lines:
-        line = line.strip()
-        if line and not line.startswith("#"):
-            return line, path
+        with open(path, "rb") as f:
+            data = f.read(1024 * 1024 + 1)
+    except OSError as exc:
+        raise ValueError(f"{TOKEN_FILE_ENV}={path}: cannot read it ({exc})") from None
+    if len(data) > 1024 * 1024:
+        raise ValueError(f"{TOKEN_FILE_ENV}={path} is over 1 MiB: not a token file")
+    for number, raw in enumerate(data.split(b"\n"), start=1):
+        line = raw.strip()
+        if not line or line.startswith(b"#"):
+            continue
+        if not all(0x21 <= c <= 0x7E for c in line):
+            raise ValueError(
+                f"{TOKEN_FILE_ENV}={path} line {number}: a token must be printable ASCII "
+                "without spaces"
+            )
+        return line.decode("ascii")
     raise ValueError(f"{TOKEN_FILE_ENV}={path} lists no token")
 
 
@@ -335,13 +350,13 @@ def reread_token_file(path: str | None, current: str | None) -> str | None:
     if path is None:
         return None
     try:
-        token, _ = token_source({TOKEN_FILE_ENV: path})
+        token = read_first_token(path)
     except ValueError as exc:
-        log.warning("the service refused the token, and %s", exc)
+        log.warning("cannot take a new token: %s", exc)
         return None
     if token == current:
         return None
-    log.info("the service refused the token; using the new first token of %s", path)
+    log.info("using the new first token of %s", path)
     return token
 
 
@@ -1748,6 +1763,7 @@ class PagekeeperClient:
         self.address = resolve_address(address)
         self._token, self._token_file = (token, None) if token is not None else token_source()
         self._metadata = auth_metadata(self._token)
+        self._token_lock = threading.Lock()
         self.timeout = timeout
         self.retry_s = retry_s
         self.defer_page_ids = defer_page_ids
@@ -1829,26 +1845,31 @@ class PagekeeperClient:
                 return local
         return None
 
-    def _reread_token(self) -> bool:
-        """The service refused the token: take a changed one from the token file (the same-
-        node channel, which presented the old one in its hello, is reopened). True when the
-        refused call is worth one more try."""
-        token = reread_token_file(self._token_file, self._token)
-        if token is None:
-            return False
-        self._token, self._metadata = token, auth_metadata(token)
-        local, self._local = self._local, None
-        if local is not None:
-            local.close()
-        self._local_retry_at = 0.0
-        return True
+    def _reread_token(self, used: str | None) -> bool:
+        """The service refused ``used``: take a changed token from the token file (the
+        same-node channel, which presented the old one in its hello, is reopened). True when
+        the refused call is worth one more try: the token is no longer ``used``, whether
+        this call or another thread's (a heartbeat's) changed it."""
+        with self._token_lock:
+            if self._token != used:
+                return True
+            token = reread_token_file(self._token_file, used)
+            if token is None:
+                return False
+            self._token, self._metadata = token, auth_metadata(token)
+            local, self._local = self._local, None
+            if local is not None:
+                local.close()
+            self._local_retry_at = 0.0
+            return True
 
     # -- plumbing -----------------------------------------------------------------------
     def _call(self, method: str, request: Any, *, timeout: float | None = None) -> Any:
+        used = self._token
         try:
             return self._call_once(method, request, timeout)
         except UnauthenticatedError:
-            if not self._reread_token():
+            if not self._reread_token(used):
                 raise
         return self._call_once(method, request, timeout)
 
@@ -1859,7 +1880,13 @@ class PagekeeperClient:
         local = self._local_channel(method)
         if local is not None:
             stats.num_local_calls += 1
-            return local.call(method, request, _RESPONSES[method], timeout or self.timeout)
+            try:
+                return local.call(method, request, _RESPONSES[method], timeout or self.timeout)
+            except UnavailableError:
+                if self._local is local:
+                    raise
+                # Swapped under this call (a new token): these reads are safe to send again.
+                return self._call_once(method, request, timeout)
         try:
             return getattr(self._stub, method)(
                 request, metadata=self._metadata, timeout=timeout or self.timeout
@@ -2131,8 +2158,15 @@ class PagekeeperClient:
             )
         )
 
+    def _token_for_stream(self) -> None:
+        """A stream checks its token only as it goes (a revoked one ends it with
+        UNAUTHENTICATED): opening one, adopt the token file's current first token."""
+        if self._token_file is not None:
+            self._reread_token(self._token)
+
     def watch_events(self, since: int = 0, *, max_events_per_message: int = 0) -> EventStream:
         """Subscribe to KV events with ``seq > since`` (0: from the oldest retained)."""
+        self._token_for_stream()
         self.stats.num_rpcs += 1
         call = self._stub.WatchEvents(
             pb.WatchEventsRequest(since_seq=since, max_events_per_message=max_events_per_message),
@@ -2144,6 +2178,7 @@ class PagekeeperClient:
         """Workers: the published batches over ``WatchTables`` (for a worker on another host,
         ring kind "stream"), from the step after ``since_step_seq`` (0: the next one)."""
         registration = self._require()
+        self._token_for_stream()
         self.stats.num_rpcs += 1
         call = self._stub.WatchTables(
             pb.WatchTablesRequest(
@@ -2401,9 +2436,11 @@ class PagekeeperClient:
         deadline = time.monotonic() + self.retry_s
         delay = 0.02
         stats = self.stats
+        may_reread = True
         while True:
             stats.num_rpcs += 1
             stats.by_method["Step"] = stats.by_method.get("Step", 0) + 1
+            used = self._token
             try:
                 local = self._local_channel("Step")
                 if local is not None:
@@ -2423,8 +2460,10 @@ class PagekeeperClient:
                     error = error_from_rpc(exc, "Step")
                 else:
                     error = exc  # the same-node socket broke (it is closed now), or refused
-                if isinstance(error, UnauthenticatedError) and self._reread_token():
-                    continue  # refused before anything was applied: the same id again
+                if isinstance(error, UnauthenticatedError) and may_reread:
+                    may_reread = False  # once a step: a file that keeps changing ends here
+                    if self._reread_token(used):
+                        continue  # refused before anything was applied: the same id again
                 if error.code not in _RETRY_CODES or self._is_closed:
                     raise error from None
                 if time.monotonic() + delay > deadline:

@@ -4,7 +4,8 @@
 
     from vllm import LLM
     llm = LLM(model=..., scheduler_cls="pagekeeper_client.vllm.PagekeeperScheduler")
-    # the service: $PAGEKEEPER_GRPC_ADDRESS (default 127.0.0.1:50051), token $PAGEKEEPER_TOKEN,
+    # the service: $PAGEKEEPER_GRPC_ADDRESS (default 127.0.0.1:50051), token $PAGEKEEPER_TOKEN
+    # (or the file $PAGEKEEPER_TOKEN_FILE),
     # TLS $PAGEKEEPER_TLS_CA_FILE (+ _CLIENT_CERT_FILE, _CLIENT_KEY_FILE)
 
 :class:`PagekeeperScheduler` is vLLM's own ``Scheduler`` whose ``kv_cache_manager`` is replaced
@@ -1021,8 +1022,8 @@ def make_scheduler_class(
     ``base``: the vLLM scheduler class to extend (default ``vllm.v1.core.sched.scheduler.
     Scheduler``; ``AsyncScheduler`` is not supported). ``address``: the service
     (default ``$PAGEKEEPER_GRPC_ADDRESS``, else ``127.0.0.1:50051``); ``token``: its bearer
-    token (default ``$PAGEKEEPER_TOKEN``). ``client_factory(address, token)`` builds the
-    client instead (tests count calls with it).
+    token (default ``$PAGEKEEPER_TOKEN``, else ``$PAGEKEEPER_TOKEN_FILE``).
+    ``client_factory(address, token)`` builds the client instead (tests count calls with it).
     """
     if base is None:
         from vllm.v1.core.sched.scheduler import Scheduler

@@ -28,7 +28,9 @@ from pagekeeper.settings import Settings
 
 log = logging.getLogger("pagekeeper")
 
-_Stamp = tuple[int, int, int, int]  # device, inode, size, mtime in ns
+# Device, inode, size, mtime and ctime in ns (ctime: a chmod or chown that makes an
+# unreadable file readable counts as a change).
+_Stamp = tuple[int, int, int, int, int]
 
 
 def _stamp(path: str) -> _Stamp | None:
@@ -36,7 +38,7 @@ def _stamp(path: str) -> _Stamp | None:
         st = os.stat(path)
     except OSError:
         return None
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def read_token_file(path: str, field: str) -> tuple[str, ...]:
@@ -117,14 +119,16 @@ class BearerTokens:
             ok |= hmac.compare_digest(given, header)
         return ok
 
-    def reload_if_changed(self) -> bool:
-        """Re-read the file if it changed since it was read; True when the accepted tokens
-        changed. Raises ConfigError (the tokens in force stay) when the changed file does not
-        load, once per change. Fixed tokens never change."""
+    def reload_if_changed(self, *, force: bool = False) -> bool:
+        """Re-read the file if it changed since it was read (``force``: whether or not it
+        seems to: SIGHUP); True when the accepted tokens changed. Raises ConfigError (the
+        tokens in force stay) when the file does not load, once per change unless forced.
+        Fixed tokens never change."""
         if self.path is None:
             return False
         stamp = _stamp(self.path)
-        if stamp == self._stamp or (stamp is not None and stamp == self._failed_stamp):
+        unchanged = stamp == self._stamp or (stamp is not None and stamp == self._failed_stamp)
+        if unchanged and not force:
             return False
         try:
             tokens = read_token_file(self.path, self.field)
@@ -187,6 +191,8 @@ def _holder(value: str | None, path: str | None, field: str) -> BearerTokens | N
 def load_server_tokens(settings: Settings) -> ServerTokens:
     """The tokens ``settings`` names, files read and checked (raises ConfigError)."""
     calls = _holder(settings.token, settings.token_file, "server.token_file")
+    if settings.admin_token_file is not None and settings.admin_token_file == settings.token_file:
+        return ServerTokens(calls=calls, admin=calls)  # one file: one holder, one reload
     admin = _holder(settings.admin_token, settings.admin_token_file, "server.admin_token_file")
     return ServerTokens(calls=calls, admin=admin if admin is not None else calls)
 

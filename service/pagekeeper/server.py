@@ -162,7 +162,11 @@ def _reload(
         log.error(failed, exc.field, exc.reason)
 
 
-def _tokens_loaded(holder: BearerTokens) -> str:
+def _tokens_loaded(runtime: Runtime, holder: BearerTokens) -> str:
+    # Streams re-check their token when woken: a revoked one ends them now, not at the
+    # next event.
+    runtime.events.notify()
+    runtime.hub.notifier.notify()
     return f"bearer tokens reloaded from {holder.path}: {holder.count} accepted now"
 
 
@@ -188,6 +192,7 @@ async def _watch_files(
     while True:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(wake.wait(), RELOAD_INTERVAL_S)
+        forced = wake.is_set()  # SIGHUP: token files are read even if they seem unchanged
         wake.clear()
         if tls is not None:
             _reload(
@@ -200,8 +205,8 @@ async def _watch_files(
         for holder in token_holders:
             _reload(
                 runtime.metrics.token_reloads,
-                holder.reload_if_changed,
-                functools.partial(_tokens_loaded, holder),
+                functools.partial(holder.reload_if_changed, force=forced),
+                functools.partial(_tokens_loaded, runtime, holder),
                 "token file changed but does not load (%s: %s); the tokens in force stay",
             )
 

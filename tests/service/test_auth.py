@@ -11,6 +11,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -21,6 +22,7 @@ from pagekeeper.core.errors import ConfigError
 from pagekeeper.settings import OPTIONS_BY_PATH, Settings, load_settings
 from pagekeeper_client._proto.pagekeeper.v1 import pagekeeper_pb2 as pb
 from pagekeeper_client.client import default_token
+from pagekeeper_client.errors import UnauthenticatedError
 from tests.helpers.frames import FrameConnection
 from tests.helpers.server import RunningServer, clean_env, server_command
 
@@ -123,6 +125,32 @@ def test_reload_follows_the_file_and_keeps_the_tokens_when_it_breaks(tmp_path: P
     assert (tokens.generation, tokens.num_reloads) == (2, 2)
 
 
+def test_sighup_reads_even_a_file_that_seems_unchanged(tmp_path: Path) -> None:
+    path = tmp_path / "tokens"
+    write(path, "aaaa\n")
+    tokens = BearerTokens.from_file(str(path), FIELD)
+    before = os.stat(path)
+    with open(path, "w") as f:  # same size, same mtime: only the ctime moves
+        f.write("bbbb\n")
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert tokens.reload_if_changed()  # the ctime is part of the stamp
+    assert tokens.accepts(b"bbbb") and not tokens.accepts(b"aaaa")
+    # A change no stamp shows (a filesystem with coarse times): a forced read finds it.
+    tokens._stamp = _stamp_of(path)
+    with open(path, "w") as f:
+        f.write("cccc\n")
+    tokens._stamp = _stamp_of(path)  # as if the stamp had not moved
+    assert not tokens.reload_if_changed()
+    assert tokens.reload_if_changed(force=True)
+    assert tokens.accepts(b"cccc")
+
+
+def _stamp_of(path: Path) -> object:
+    from pagekeeper.auth import _stamp
+
+    return _stamp(str(path))
+
+
 def test_a_readable_token_file_is_warned_about(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -167,6 +195,8 @@ def test_settings_token_files(tmp_path: Path) -> None:
     assert both.admin is not None and both.admin.accepts(b"a1")
     assert both.calls is not None and not both.calls.accepts(b"a1")
     assert len(both.holders()) == 2
+    same = load_server_tokens(Settings(token_file=str(calls), admin_token_file=str(calls)))
+    assert same.admin is same.calls and len(same.holders()) == 1  # one reload, one log
     inline = load_server_tokens(Settings(token="t"))
     assert inline.calls is not None and inline.holders() == ()
     assert load_server_tokens(Settings()).calls is None
@@ -177,11 +207,17 @@ def test_settings_token_files(tmp_path: Path) -> None:
 
 def test_client_default_token(tmp_path: Path) -> None:
     path = tmp_path / "tokens"
-    write(path, "# comment\nfirst\nsecond\n")
+    write(path, "# comment\r\n\n  first  \r\nsecond\n")
     assert default_token({}) is None
     assert default_token({"PAGEKEEPER_TOKEN_FILE": str(path)}) == "first"
+    assert read_token_file(str(path), FIELD)[0] == "first"  # the service reads it alike
+    assert default_token({"PAGEKEEPER_TOKEN": "inline"}) == "inline"
     env = {"PAGEKEEPER_TOKEN": "inline", "PAGEKEEPER_TOKEN_FILE": str(path)}
-    assert default_token(env) == "inline"
+    with pytest.raises(ValueError, match="not both"):
+        default_token(env)
+    write(path, "bad token\n")
+    with pytest.raises(ValueError, match="line 1: a token must be printable ASCII"):
+        default_token({"PAGEKEEPER_TOKEN_FILE": str(path)})
     with pytest.raises(ValueError, match="cannot read"):
         default_token({"PAGEKEEPER_TOKEN_FILE": str(tmp_path / "absent")})
     write(path, "# nothing\n")
@@ -411,11 +447,63 @@ def test_clients_follow_their_token_file_through_a_rotation(
         assert sorted(ids) == ["a-1", "a-2", "s-1", "s-2"]  # each admitted once, none lost
 
         # A token the service does not know and the file does not fix: the error surfaces.
-        write(client_file, "new-token\n")
         _reload(server, service_file, "newer-token\n", 3)
-        with pytest.raises(PermissionError):
+        with pytest.raises(UnauthenticatedError):
             client.lookup(list(range(40)))
+        # The file catches up: whatever call goes out next (a heartbeat here) takes it.
+        write(client_file, "newer-token\n")
+        client.heartbeat()
+        assert client._token == "newer-token"
+
+        # Calls refused at once in several threads and tasks all go on: the first re-read
+        # serves the others (each sees the token is no longer the one it sent).
+        write(client_file, "newest-token\n")
+        _reload(server, service_file, "newest-token\n", 4)
+        with ThreadPoolExecutor(4) as pool:
+            hits = list(pool.map(lambda _: client.lookup(list(range(40))).num_hit_tokens, range(8)))
+        assert hits == [32] * 8
+
+        async def together() -> list[int]:
+            found = await asyncio.gather(*(aclient.lookup(list(range(40))) for _ in range(6)))
+            return [f.num_hit_tokens for f in found]
+
+        assert loop.run_until_complete(together()) == [32] * 6
     finally:
         client.close()
         loop.run_until_complete(aclient.close())
         loop.close()
+
+
+def test_a_stream_ends_when_its_token_is_revoked(
+    server_factory: Callable[..., RunningServer], tmp_path: Path
+) -> None:
+    """A stream passed the call-time check when it opened: a reload that removes its token
+    ends it with UNAUTHENTICATED at once, events pending or not; one whose token stays
+    listed goes on."""
+    path = tmp_path / "tokens"
+    write(path, "old-token\nkept-token\n")
+    server = server_factory("--token-file", str(path), "--durability", "none")
+    stub = server.stub()
+    revoked = stub.WatchEvents(
+        pb.WatchEventsRequest(), metadata=(("authorization", "Bearer old-token"),)
+    )
+    kept = stub.WatchEvents(
+        pb.WatchEventsRequest(), metadata=(("authorization", "Bearer kept-token"),)
+    )
+    next(revoked)  # the first message: the stream is open
+    next(kept)
+    _reload(server, path, "kept-token\n", 1)
+    with pytest.raises(grpc.RpcError) as exc:
+        next(revoked)
+    assert exc.value.code() is grpc.StatusCode.UNAUTHENTICATED
+    assert "revoked" in (exc.value.details() or "")
+    # The kept stream still delivers: an event after the reload reaches it.
+    assert (
+        server.http()
+        .post("/v1/admin/reset-prefix-cache", headers={"Authorization": "Bearer kept-token"})
+        .status_code
+        == 200
+    )
+    message = next(kept)
+    assert [e.WhichOneof("event") for e in message.events] == ["all_cleared"]
+    kept.cancel()
