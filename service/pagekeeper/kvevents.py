@@ -4,7 +4,8 @@ vLLM's engines publish their prefix-cache changes with a ZeroMQ PUB socket: each
 three frames — the topic, the batch's sequence number (8 bytes, big-endian, from 0), and a
 msgpack-encoded ``KVEventBatch`` ``[ts, events, data_parallel_rank]`` whose events are
 maps tagged by ``type``: ``BlockStored`` (``block_hashes``, ``parent_block_hash``,
-``token_ids``, ``block_size``, ``lora_id``, ``medium``, ``lora_name``, ``group_idx``),
+``token_ids``, ``block_size``, ``lora_id``, ``medium``, ``lora_name``, ``group_idx``,
+``kv_cache_spec_kind``, ``kv_cache_spec_sliding_window``),
 ``BlockRemoved`` (``block_hashes``, ``medium``, ``group_idx``) and ``AllBlocksCleared``.
 An optional ROUTER socket answers a replay request (an 8-byte big-endian start sequence)
 with every kept batch from there on, each as ``[topic, seq, payload]``, then an end marker
@@ -12,12 +13,24 @@ with every kept batch from there on, each as ``[topic, seq, payload]``, then an 
 
 :class:`KvEventPublisher` publishes the service's own KV events the same way, so such a
 router subscribes to a pagekeeper pool as it would to the engine that owns it. The structs
-below encode to the same bytes as vLLM 0.33's (``tests/service/test_kvevents.py`` decodes
-them with vLLM's own decoder where vLLM is installed). Hashes are the low 64 bits of each
-page hash as an int (vLLM's default) or the whole digest (``hash_format="bytes"``). A batch
-holds the events that arrived since the previous one: those of one step, or of several
-when steps come faster than the loop gets round to publishing. ``extra_keys`` (vLLM's
-per-block LoRA / multimodal / salt keys) are not sent: pagekeeper's events do not keep them.
+below have vLLM 0.33's names, order and types, and decode alike with its own decoder
+(``tests/service/test_kvevents.py`` runs it where vLLM is installed; the bytes differ
+only where msgspec picks a shorter map header for the fields left out). Hashes are the low
+64 bits of each page hash as an int (vLLM's default) or the whole digest
+(``hash_format="bytes"``). A batch holds the events that arrived since the previous one:
+those of one step, or of several when steps come faster than the loop gets round to
+publishing. ``extra_keys`` (vLLM's
+per-block LoRA / multimodal / salt keys) are not sent: pagekeeper's events do not keep them;
+``lora_id`` is always null (pagekeeper knows adapters by name: ``lora_name``).
+
+A subscriber's view must never hold pages the pool no longer has. So the first batch after
+start-up opens with an ``AllBlocksCleared`` (whatever a router learned from an earlier run
+is void: the events of that run's last moments may not have gone out, and sequence numbers
+restart at 0 as vLLM's do), and so does the first batch after events the publisher could
+not send (the service's event buffer dropped them: a single step past
+``event_buffer_bytes``): the view then only lacks pages, which costs a router some hits,
+never a wrong route. A pool recovered from its data directory keeps its cache, but a
+router learns of it again only as pages are stored anew.
 
 The sockets are bound (never connected): routers connect to the service. PUB drops
 batches for a subscriber that falls more than ``hwm`` behind, as vLLM's does; a subscriber
@@ -27,7 +40,10 @@ tells from the sequence numbers, and replays.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
+import socket
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -40,6 +56,7 @@ import zmq.asyncio
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from pagekeeper.core.config import GroupKind, PoolConfig
 from pagekeeper.core.events import AllCleared, PageRemoved, PageStored, TokenRun
 from pagekeeper.notify import ChangeNotifier
 from pagekeeper.settings import Settings
@@ -72,6 +89,8 @@ class BlockStored(KVCacheEvent):
     medium: str | None
     lora_name: str | None
     group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
 
 
 class BlockRemoved(KVCacheEvent):
@@ -96,7 +115,7 @@ def _int_hash(digest: bytes) -> int:
     return int.from_bytes(digest, "big") & _LOW_64
 
 
-def _int_hashes(digests: Sequence[bytes]) -> list[int]:
+def _int_hashes(digests: Sequence[bytes]) -> list[int | bytes]:
     """Each digest's low 64 bits (its last 8 bytes, big-endian), in one numpy pass when all
     are one length that is a multiple of 8 (every page hash algorithm's are)."""
     if not digests:
@@ -105,15 +124,34 @@ def _int_hashes(digests: Sequence[bytes]) -> list[int]:
     joined = b"".join(digests)
     if size % 8 == 0 and len(joined) == size * len(digests):
         words = size // 8
-        ints: list[int] = np.frombuffer(joined, dtype=">u8")[words - 1 :: words].tolist()
+        ints: list[int | bytes] = np.frombuffer(joined, dtype=">u8")[words - 1 :: words].tolist()
         return ints
     return [_int_hash(h) for h in digests]
 
 
+# vLLM's KVCacheSpecKind values for pagekeeper's group kinds.
+_SPEC_KINDS = {
+    GroupKind.FULL: "full_attention",
+    GroupKind.SLIDING_WINDOW: "sliding_window",
+    GroupKind.CHUNKED_LOCAL: "chunked_local_attention",
+    GroupKind.MAMBA: "mamba",
+}
+
+
+def group_specs(pool: PoolConfig) -> tuple[tuple[str, int | None], ...]:
+    """Per group, what vLLM puts in ``kv_cache_spec_kind`` and ``..._sliding_window``."""
+    return tuple(
+        (_SPEC_KINDS[g.kind], g.window if g.kind is GroupKind.SLIDING_WINDOW else None)
+        for g in pool.groups
+    )
+
+
 def to_vllm_events(
-    events: Sequence[PageStored | PageRemoved | AllCleared], hash_format: str = "int"
+    events: Sequence[PageStored | PageRemoved | AllCleared],
+    hash_format: str = "int",
+    specs: Sequence[tuple[str, int | None]] = (),
 ) -> list[BlockStored | BlockRemoved | AllBlocksCleared]:
-    """pagekeeper's events as vLLM's event structs."""
+    """pagekeeper's events as vLLM's event structs (``specs``: :func:`group_specs`)."""
     as_int = hash_format == "int"
     out: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
     for event in events:
@@ -133,6 +171,8 @@ def to_vllm_events(
                     medium=MEDIUM_GPU,
                     lora_name=event.lora_name,
                     group_idx=event.group_id,
+                    kv_cache_spec_kind=specs[event.group_id][0] if specs else None,
+                    kv_cache_spec_sliding_window=specs[event.group_id][1] if specs else None,
                 )
             )
         elif isinstance(event, PageRemoved):
@@ -170,31 +210,46 @@ class KvEventPublisher:
         buffer_steps: int = 10_000,
         data_parallel_rank: int = 0,
         hwm: int = 100_000,
+        buffer_bytes: int = 64 * 1024 * 1024,
     ) -> None:
         self.state = state
         self.notifier = notifier
         self.topic = topic.encode()
         self.hash_format = hash_format
         self.data_parallel_rank = data_parallel_rank
-        self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        if replay_endpoint == endpoint and not endpoint.endswith(":0"):
+            raise ValueError("the KV-event replay endpoint must differ from the publish one")
+        self.specs = group_specs(state.pool_config)
+        # Kept for replays only (none without a replay socket): the last buffer_steps
+        # batches, and at most buffer_bytes of them.
+        self.buffer: deque[tuple[int, bytes]] = deque()
+        self.buffer_steps = buffer_steps if replay_endpoint is not None else 0
+        self.buffer_bytes = buffer_bytes
+        self.buffered_bytes = 0
         self.next_seq = 0
         self.num_events = 0
         self.num_lost_events = 0
         self.num_replays = 0
         self._since = state.last_event_seq
+        self._needs_clear = True  # the first batch voids what routers knew of an earlier run
         self._encoder = msgspec.msgpack.Encoder()
-        self._ctx = zmq.asyncio.Context()
+        self._ipc_paths: list[str] = []
+        # PUB is a plain socket (its sends never wait, and need no loop); the ROUTER one
+        # awaits requests on the loop, through an asyncio view of the same context.
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._pub = self._ctx.socket(zmq.PUB)
         self._replay: zmq.asyncio.Socket | None = None
         try:
             self._pub.set_hwm(hwm)
-            self.endpoint = _bind(self._pub, endpoint)
+            self.endpoint = self._bind(self._pub, endpoint)
             self.replay_endpoint: str | None = None
             if replay_endpoint is not None:
-                self._replay = self._ctx.socket(zmq.ROUTER)
-                # A whole replay plus its end marker fits in the queue of a slow reader.
+                self._replay = zmq.asyncio.Context.shadow(self._ctx).socket(zmq.ROUTER)
+                # A whole replay plus its end marker fits in the queue of a slow reader, and
+                # a reader gone mid-replay is an error (EHOSTUNREACH), not silent drops.
                 self._replay.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))
-                self.replay_endpoint = _bind(self._replay, replay_endpoint)
+                self._replay.setsockopt(zmq.ROUTER_MANDATORY, 1)
+                self.replay_endpoint = self._bind(self._replay, replay_endpoint)
         except BaseException:
             self.close()
             raise
@@ -214,44 +269,61 @@ class KvEventPublisher:
             hash_format=settings.kv_events_hash_format,
             buffer_steps=settings.kv_events_buffer_steps,
             data_parallel_rank=settings.kv_events_data_parallel_rank,
+            buffer_bytes=settings.event_buffer_bytes,
         )
 
     # -- publishing -------------------------------------------------------------------------
     def publish_pending(self) -> int:
-        """Publish every event since the last batch as one batch; returns how many."""
+        """Publish the events since the last batch (one batch per 4,096); returns how many
+        of the service's events went out."""
         state = self.state
         count = 0
-        while True:
+        while state.last_event_seq != self._since:
             page = state.events_since(self._since, _EVENTS_PER_READ)
             if page.fell_behind:
-                # The buffer dropped events this publisher had not sent (only when the loop
-                # was held past event_buffer_size events): counted, logged, skipped.
+                # The buffer dropped events this publisher had not sent: a router's view
+                # would keep pages the pool no longer has. It is cleared instead.
                 lost = page.first_retained_seq - 1 - self._since
                 self.num_lost_events += lost
-                log.warning("KV-event publisher fell behind: %d events not published", lost)
+                log.warning(
+                    "KV-event publisher fell behind by %d events: subscribers are told to "
+                    "clear their view (AllBlocksCleared)",
+                    lost,
+                )
                 self._since = page.first_retained_seq - 1
+                self._needs_clear = True
                 continue
             if not page.events:
-                return count
-            self._send(page.events)
+                break
+            events = to_vllm_events(page.events, self.hash_format, self.specs)
+            if self._needs_clear:
+                # In the batch with the events that follow it: a subscriber that connects
+                # (or reconnects) after start-up gets it with its first batch.
+                self._needs_clear = False
+                events.insert(0, AllBlocksCleared())
+            self._send(events, len(page.events))
             self._since = page.events[-1].seq
             count += len(page.events)
-            if len(page.events) < _EVENTS_PER_READ:
-                return count
+        return count
 
-    def _send(self, events: Sequence[PageStored | PageRemoved | AllCleared]) -> None:
+    def _send(self, events: list[BlockStored | BlockRemoved | AllBlocksCleared], n: int) -> None:
         batch = KVEventBatch(
-            ts=time.time(),
-            events=to_vllm_events(events, self.hash_format),
-            data_parallel_rank=self.data_parallel_rank,
+            ts=time.time(), events=list(events), data_parallel_rank=self.data_parallel_rank
         )
         payload = self._encoder.encode(batch)
         seq = self.next_seq
         # PUB never blocks: past its high-water mark a slow subscriber's copy is dropped.
         self._pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload), zmq.NOBLOCK)
-        self.buffer.append((seq, payload))
         self.next_seq = seq + 1
-        self.num_events += len(events)
+        self.num_events += n
+        if self.buffer_steps:
+            buffer = self.buffer
+            buffer.append((seq, payload))
+            self.buffered_bytes += len(payload)
+            while len(buffer) > self.buffer_steps or (
+                self.buffered_bytes > self.buffer_bytes and len(buffer) > 1
+            ):
+                self.buffered_bytes -= len(buffer.popleft()[1])
 
     async def run(self) -> None:
         """Publish as events arrive, until cancelled."""
@@ -276,11 +348,13 @@ class KvEventPublisher:
             start_seq = int.from_bytes(start, "big")
             self.num_replays += 1
             try:
-                for seq, payload in list(self.buffer):
+                for k, (seq, payload) in enumerate(list(self.buffer)):
                     if seq >= start_seq:
                         await replay.send_multipart(
                             (client, b"", self.topic, seq.to_bytes(8, "big"), payload)
                         )
+                    if k % 64 == 63:
+                        await asyncio.sleep(0)  # a long replay leaves the loop to the steps
                 await replay.send_multipart((client, b"", b"", END_SEQ, b""))
             except zmq.ZMQError as exc:  # that subscriber went away: the next one is served
                 log.warning("a KV-event replay was cut short: %s", exc)
@@ -290,20 +364,40 @@ class KvEventPublisher:
             if sock is not None:
                 sock.close(linger=0)
         self._ctx.term()
+        for path in self._ipc_paths:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+    def _bind(self, sock: zmq.Socket[Any], endpoint: str) -> str:
+        """Bind ``endpoint``; the bound one comes back (a tcp port of 0 resolved). An ipc
+        path a live socket answers on is refused (zmq would silently take it over)."""
+        if endpoint.startswith("tcp://"):
+            host = endpoint[len("tcp://") :].rpartition(":")[0]
+            if ":" in host.strip("[]"):
+                sock.setsockopt(zmq.IPV6, 1)
+        else:
+            path = endpoint[len("ipc://") :]
+            if _is_live_socket(path):
+                raise OSError(f"cannot bind KV events to {endpoint}: a live socket is there")
+        try:
+            sock.bind(endpoint)
+        except zmq.ZMQError as exc:
+            raise OSError(f"cannot bind KV events to {endpoint}: {exc}") from None
+        if not endpoint.startswith("tcp://"):
+            self._ipc_paths.append(endpoint[len("ipc://") :])
+            return endpoint
+        return sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
 
-def _bind(sock: zmq.Socket[Any], endpoint: str) -> str:
-    """Bind ``endpoint``; the bound one comes back (a tcp port of 0 resolved)."""
-    if endpoint.startswith("tcp://"):
-        host = endpoint[len("tcp://") :].rpartition(":")[0]
-        if ":" in host.strip("[]"):
-            sock.setsockopt(zmq.IPV6, 1)
+def _is_live_socket(path: str) -> bool:
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        sock.bind(endpoint)
-    except zmq.ZMQError as exc:
-        raise OSError(f"cannot bind KV events to {endpoint}: {exc}") from None
-    bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-    return bound if endpoint.startswith("tcp://") else endpoint
+        probe.connect(path)
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return True
 
 
 class KvEventCollector(Collector):

@@ -279,14 +279,14 @@ async def serve(
                 _watch_files(runtime, tls, token_holders, reload_now), name="file-reload"
             )
         )
+    kv_task: asyncio.Task[None] | None = None
     try:
         runtime.kv_events = KvEventPublisher.from_settings(settings, runtime.state, runtime.events)
         if runtime.kv_events is not None:
-            collector = KvEventCollector(runtime.kv_events)
-            runtime.metrics.registry.register(collector)
-            housekeeping.append(
-                asyncio.create_task(run_publisher(runtime.kv_events), name="kv-events")
-            )
+            runtime.metrics.registry.register(KvEventCollector(runtime.kv_events))
+            # Stopped after the drain (steps finishing then are published too).
+            kv_task = asyncio.create_task(run_publisher(runtime.kv_events), name="kv-events")
+            kv_task.add_done_callback(_report_publisher_end)
         while not http_server.started:
             if http_task.done():
                 http_task.result()  # re-raise the start-up failure
@@ -359,13 +359,28 @@ async def serve(
         if settings.http_address.startswith("unix:"):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(settings.http_address[len("unix:") :])  # ours: bound above
+        if kv_task is not None:
+            kv_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await kv_task
         if runtime.kv_events is not None:
+            runtime.kv_events.publish_pending()  # the drained steps' events
             runtime.kv_events.close()
         runtime.close()
         if ready_file:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(ready_file)
         log.info("stopped")
+
+
+def _report_publisher_end(task: asyncio.Task[None]) -> None:
+    """The KV-event publisher runs until shutdown cancels it: any other end is logged (the
+    service goes on; WatchEvents and /v1/events still serve the events)."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error(
+            "the KV-event publisher stopped: %r; no more events go out over ZeroMQ",
+            task.exception(),
+        )
 
 
 def _port(address: str) -> int | None:

@@ -241,6 +241,14 @@ class Settings:
             raise ConfigError(
                 "server.kv_events_replay_endpoint", "replay needs kv_events_endpoint set too"
             )
+        if (
+            self.kv_events_replay_endpoint is not None
+            and self.kv_events_replay_endpoint == self.kv_events_endpoint
+            and not self.kv_events_endpoint.endswith(":0")  # port 0: two free ports
+        ):
+            raise ConfigError(
+                "server.kv_events_replay_endpoint", "must differ from kv_events_endpoint"
+            )
         if not isinstance(self.kv_events_topic, str):
             raise ConfigError("server.kv_events_topic", "must be a string")
         if self.kv_events_hash_format not in KV_EVENT_HASH_FORMATS:
@@ -327,6 +335,11 @@ def _check_zmq_endpoint(where: str, value: object) -> None:
     if value.startswith("ipc://"):
         if len(value) <= len("ipc://"):
             raise ConfigError(where, "ipc:// needs a path")
+        size = len(os.fsencode(os.path.abspath(value[len("ipc://") :])))
+        if size > _MAX_UNIX_PATH:
+            raise ConfigError(
+                where, f"the ipc path must be at most {_MAX_UNIX_PATH} bytes, got {size}"
+            )
         return
     if not value.startswith("tcp://"):
         raise ConfigError(where, f"must be tcp://HOST:PORT or ipc://PATH, got {value!r}")

@@ -26,6 +26,7 @@ from pagekeeper.kvevents import (
     BlockStored,
     KVEventBatch,
     KvEventPublisher,
+    group_specs,
     to_vllm_events,
 )
 from pagekeeper.notify import ChangeNotifier
@@ -187,20 +188,27 @@ def test_the_publisher_sends_what_the_state_emits_and_replays_it(tmp_path: Path)
             await asyncio.sleep(0.05)
 
             received = []
-            while sub.poll(1000):
+            while await asyncio.to_thread(sub.poll, 1000):
                 topic, seq, payload = sub.recv_multipart()
                 assert topic == b"kv-events"
                 received.append((int.from_bytes(seq, "big"), decode(payload)))
-                if isinstance(received[-1][1].events[-1], AllBlocksCleared):
+                if len(received) > 1 and isinstance(received[-1][1].events[-1], AllBlocksCleared):
                     break
             assert [s for s, _ in received] == list(range(len(received)))
             assert all(b.data_parallel_rank == 3 for _, b in received)
             events = [e for _, b in received for e in b.events]
-            expected = to_vllm_events(state.events_since(0, 10_000).events, "int")
-            assert events == expected
-            assert {e.group_idx for e in events if isinstance(e, BlockStored)} == {0, 1}
+            # The first batch opens with a clear (void what routers knew of an earlier run).
+            expected = to_vllm_events(
+                state.events_since(0, 10_000).events, "int", group_specs(state.pool_config)
+            )
+            assert events == [AllBlocksCleared(), *expected]
+            stored = [e for e in events if isinstance(e, BlockStored)]
+            kinds = {
+                (e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window) for e in stored
+            }
+            assert kinds == {(0, "full_attention", None), (1, "sliding_window", 8)}
             assert isinstance(events[-1], AllBlocksCleared)
-            assert publisher.num_events == len(events)
+            assert publisher.num_events == len(expected)
 
             # Replay from seq 1: the kept batches (buffer_steps=2) from there, then the end.
             dealer = ctx.socket(zmq.DEALER)
@@ -282,12 +290,13 @@ def test_the_service_publishes_for_a_router(
         deadline = time.monotonic() + 10
         rest = server.http().get("/v1/events", params={"since": 0, "limit": 1000}).json()
         want = len(rest["events"])
-        while len(events) < want and time.monotonic() < deadline:
+        while len(events) < want + 1 and time.monotonic() < deadline:
             if sub.poll(200):
                 _, _, payload = sub.recv_multipart()
                 events.extend(decode(payload).events)
-        assert len(events) == want > 0
-        for mine, theirs in zip(events, rest["events"], strict=True):
+        assert len(events) == want + 1 and want > 0
+        assert isinstance(events[0], AllBlocksCleared)  # opens the first batch
+        for mine, theirs in zip(events[1:], rest["events"], strict=True):
             assert type(mine).__name__ == {
                 "stored": "BlockStored", "removed": "BlockRemoved", "all_cleared":
                 "AllBlocksCleared",
@@ -331,3 +340,108 @@ def test_int_hashes_are_the_low_64_bits_of_any_digest() -> None:
     mixed = [rng.bytes(32), rng.bytes(12), rng.bytes(5)]  # the per-digest fallback
     assert _int_hashes(mixed) == [int.from_bytes(d, "big") & ((1 << 64) - 1) for d in mixed]
     assert _int_hashes([]) == []
+
+
+def _subscribe(
+    publisher: KvEventPublisher,
+) -> tuple[zmq.Context[zmq.Socket[bytes]], zmq.Socket[bytes]]:
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(publisher.endpoint)
+    time.sleep(0.2)
+    return ctx, sub
+
+
+def _drain(sub: zmq.Socket[bytes]) -> list[tuple[int, KVEventBatch]]:
+    out = []
+    while sub.poll(300):
+        _, seq, payload = sub.recv_multipart()
+        out.append((int.from_bytes(seq, "big"), decode(payload)))
+    return out
+
+
+def test_events_the_buffer_dropped_clear_the_view() -> None:
+    """Events trimmed from the service's buffer before they went out: the next batch opens
+    with AllBlocksCleared, so no subscriber keeps pages the pool may no longer have."""
+    state = ServiceState(
+        PoolConfig(num_pages=256, groups=(GroupConfig(page_size=4),), max_model_len=64),
+        Limits(event_buffer_size=4),
+    )
+    client = state.register(RegisterCommand(now=0.0, role=ClientRole.SCHEDULER)).client_id
+    publisher = KvEventPublisher(state, ChangeNotifier(), endpoint="tcp://127.0.0.1:0")
+    ctx, sub = _subscribe(publisher)
+    try:
+        prompt = np.arange(1, 9, dtype=np.int32)
+        _step(state, client, 1, admissions=(Admission("r0", prompt),))
+        assert publisher.publish_pending() == 1
+        admissions = tuple(Admission(f"r{i}", prompt + 100 * i) for i in range(1, 11))
+        _step(state, client, 2, admissions=admissions)  # 10 events: 6 trimmed unsent
+        assert publisher.publish_pending() == 4
+        assert publisher.num_lost_events == 6
+        batches = _drain(sub)
+        assert [s for s, _ in batches] == [0, 1]
+        first, second = batches[0][1].events, batches[1][1].events
+        assert isinstance(first[0], AllBlocksCleared) and len(first) == 2  # start-up clear
+        assert isinstance(second[0], AllBlocksCleared) and len(second) == 5
+        assert all(isinstance(e, BlockStored) for e in second[1:])
+    finally:
+        sub.close(linger=0)
+        ctx.term()
+        publisher.close()
+
+
+def test_large_backlogs_go_out_in_batches_and_replay_keeps_a_bounded_buffer(
+    tmp_path: Path,
+) -> None:
+    state = ServiceState(
+        PoolConfig(num_pages=8192, groups=(GroupConfig(page_size=4),), max_model_len=64),
+        Limits(max_requests_per_step=1024),
+    )
+    client = state.register(RegisterCommand(now=0.0, role=ClientRole.SCHEDULER)).client_id
+    publisher = KvEventPublisher(
+        state,
+        ChangeNotifier(),
+        endpoint="tcp://127.0.0.1:0",
+        replay_endpoint=f"ipc://{tmp_path}/replay",
+        buffer_bytes=100_000,
+    )
+    no_replay = KvEventPublisher(state, ChangeNotifier(), endpoint="tcp://127.0.0.1:0")
+    ctx, sub = _subscribe(publisher)
+    try:
+        for step in range(5):  # 5,000 admissions of one page: 5,000 stored events
+            admissions = tuple(
+                Admission(f"s{step}-{i}", np.array([step, i, 7, 7], dtype=np.int32))
+                for i in range(1000)
+            )
+            _step(state, client, step + 1, admissions=admissions)
+        assert publisher.publish_pending() == 5000
+        batches = _drain(sub)
+        assert [s for s, _ in batches] == [0, 1]  # 4,096 events a batch at most
+        assert [len(b.events) for _, b in batches] == [4097, 904]  # + the start-up clear
+        # The replay buffer holds at most buffer_bytes (the newest batch always stays).
+        assert publisher.buffered_bytes == sum(len(p) for _, p in publisher.buffer)
+        assert [s for s, _ in publisher.buffer] == [1]
+        assert no_replay.publish_pending() == 5000 and not no_replay.buffer
+    finally:
+        sub.close(linger=0)
+        ctx.term()
+        publisher.close()
+        no_replay.close()
+    assert not (tmp_path / "replay").exists()  # the ipc socket file is removed on close
+
+
+def test_endpoint_rules(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="must differ"):
+        Settings(
+            kv_events_endpoint="tcp://127.0.0.1:5", kv_events_replay_endpoint="tcp://127.0.0.1:5"
+        )
+    with pytest.raises(ConfigError, match="at most 107 bytes"):
+        Settings(kv_events_endpoint="ipc:///" + "x" * 120)
+    state, _ = _state()
+    live = KvEventPublisher(state, ChangeNotifier(), endpoint=f"ipc://{tmp_path}/pub")
+    try:
+        with pytest.raises(OSError, match="a live socket is there"):
+            KvEventPublisher(state, ChangeNotifier(), endpoint=f"ipc://{tmp_path}/pub")
+    finally:
+        live.close()
