@@ -20,8 +20,10 @@ every op the two sides are compared on
 * every live request's table per group (null page 0 where vLLM has its null block);
 * the free page count, the whole free queue in order, every page's ref count and
   whether it is cached;
-* the KV events (stored: group, hashes, parent hash, token ids, page size, LoRA name;
-  removed: group, hash; all-cleared), in order.
+* the KV events (stored: group, hashes, parent hash, token ids, page size, LoRA name, and
+  the group's ``kv_cache_spec_kind`` / sliding window; removed: group, hash; all-cleared),
+  in order — pagekeeper's read back through its ZeroMQ encoding (``pagekeeper.kvevents``)
+  with vLLM's own ``KVEventBatch`` decoder, every field checked.
 
 On a mismatch the sequence is shrunk (greedy op removal) to a minimal reproducer, which
 is printed and written as JSON (``--repro-dir``); ``--replay FILE`` runs one again.
@@ -395,6 +397,8 @@ class VllmBackend:
                         tuple(ev.token_ids),
                         ev.block_size,
                         ev.lora_name,
+                        ev.kv_cache_spec_kind,
+                        ev.kv_cache_spec_sliding_window,
                     )
                 )
             elif isinstance(ev, BlockRemoved):
@@ -483,6 +487,42 @@ class PagekeeperBackend:
         self.tokens: dict[str, list[int]] = {}
         self.extra: dict[str, Any] = {}
         self.cfg = cfg
+
+    def _wire_events(self, raw: list[Any]) -> list[tuple[Any, Any]]:
+        """Each event through pagekeeper's ZeroMQ encoding (``pagekeeper.kvevents``) and
+        vLLM's ``KVEventBatch`` decoder; checks every field the decoder returns against
+        the event, and gives back each stored event's spec kind and window (else Nones)."""
+        import msgspec
+        from vllm.distributed.kv_events import BlockRemoved, BlockStored
+        from vllm.distributed.kv_events import KVEventBatch as VllmBatch
+
+        from pagekeeper.core.events import PageRemoved, PageStored
+        from pagekeeper.kvevents import KVEventBatch, group_specs, to_vllm_events
+
+        if not raw:
+            return []
+        specs = group_specs(self.pm.config)
+        payload = msgspec.msgpack.encode(
+            KVEventBatch(ts=0.0, events=to_vllm_events(raw, "bytes", specs), data_parallel_rank=0)
+        )
+        decoded = msgspec.msgpack.Decoder(VllmBatch).decode(payload).events
+        out: list[tuple[Any, Any]] = []
+        for ev, got in zip(raw, decoded, strict=True):
+            if isinstance(ev, PageStored):
+                assert isinstance(got, BlockStored), got
+                assert [bytes(h) for h in got.block_hashes] == list(ev.page_hashes)
+                assert got.parent_block_hash == ev.parent_page_hash
+                assert list(got.token_ids) == [int(t) for t in ev.token_ids]
+                assert (got.block_size, got.group_idx) == (ev.page_size, ev.group_id)
+                assert got.lora_name == ev.lora_name and got.medium == "GPU"
+                out.append((got.kv_cache_spec_kind, got.kv_cache_spec_sliding_window))
+                continue
+            if isinstance(ev, PageRemoved):
+                assert isinstance(got, BlockRemoved), got
+                assert [bytes(h) for h in got.block_hashes] == list(ev.page_hashes)
+                assert got.group_idx == ev.group_id
+            out.append((None, None))
+        return out
 
     @staticmethod
     def _extra(lora: list[Any] | None, salt: str | None) -> Any:
@@ -583,7 +623,11 @@ class PagekeeperBackend:
         from pagekeeper.core.events import AllCleared, PageRemoved, PageStored
 
         events: list[Event] = []
-        for ev in self.pm.take_events():
+        raw = self.pm.take_events()
+        # The events as pagekeeper's ZeroMQ publisher sends them to routers, read back with
+        # vLLM's own decoder: what a router built for vLLM would see.
+        wire = self._wire_events(raw)
+        for ev, (kind, window) in zip(raw, wire, strict=True):
             if isinstance(ev, PageStored):
                 if not ev.page_hashes:
                     continue
@@ -596,6 +640,8 @@ class PagekeeperBackend:
                         tuple(int(t) for t in ev.token_ids),
                         ev.page_size,
                         ev.lora_name,
+                        kind,
+                        window,
                     )
                 )
             elif isinstance(ev, PageRemoved):
