@@ -150,11 +150,15 @@ return out;
 # The header's chips once the pool was read (null before).
 OPS_JS = """
 const j = document.getElementById('ops-journal'), t = document.getElementById('ops-tls');
+const a = document.getElementById('ops-auth'), k = document.getElementById('ops-kv');
 if (!j.dataset.level || !t.dataset.tls) return null;
 return {
   journal: {level: j.dataset.level, tone: j.dataset.tone, text: j.textContent, title: j.title},
   tls: {tls: t.dataset.tls, tone: t.dataset.tone, text: t.textContent, title: t.title,
         expiresAt: t.dataset.expiresAt},
+  auth: {auth: a.dataset.auth, tone: a.dataset.tone, text: a.textContent, title: a.title},
+  kv: {kv: k.dataset.kv, hidden: k.hidden, tone: k.dataset.tone, text: k.textContent,
+       title: k.title},
 };
 """
 
@@ -278,6 +282,8 @@ def test_dashboard_in_a_browser(driver: Any, server: RunningServer) -> None:
     assert ops["journal"]["text"] == "journal: process"
     assert str(server.workdir / "data") in ops["journal"]["title"]
     assert ops["tls"] == {**ops["tls"], "tls": "off", "text": "plaintext", "tone": "muted"}
+    assert ops["auth"] == {**ops["auth"], "auth": "none", "text": "no token", "tone": "muted"}
+    assert ops["kv"]["kv"] == "off" and ops["kv"]["hidden"]
 
     # -- tables: clients with kernel block sizes, the largest requests ---------------------
     wait_until(
@@ -368,7 +374,15 @@ def test_the_dashboard_shows_mutual_tls_and_certificate_bindings(
 
     (tmp_path / "pki").mkdir()
     pki = make_pki(tmp_path / "pki")
-    server = launch(tmp_path / "srv", *tls_args(pki, client_ca=True), "--num-pages", "64")
+    tokens = tmp_path / "tokens"
+    tokens.write_text("t1\nt2\n")
+    tokens.chmod(0o600)
+    server = launch(
+        tmp_path / "srv",
+        *tls_args(pki, client_ca=True),
+        "--num-pages", "64", "--token-file", str(tokens),
+        "--kv-events-endpoint", "tcp://127.0.0.1:0",
+    )  # fmt: skip
     try:
         creds = grpc.ssl_channel_credentials(
             (pki / "ca.pem").read_bytes(),
@@ -377,7 +391,10 @@ def test_the_dashboard_shows_mutual_tls_and_certificate_bindings(
         )
         with grpc.secure_channel(server.grpc_address, creds) as channel:
             stub = pb_grpc.PagekeeperServiceStub(channel)
-            reg = stub.RegisterClient(pb.RegisterClientRequest(role=pb.CLIENT_ROLE_SCHEDULER))
+            reg = stub.RegisterClient(
+                pb.RegisterClientRequest(role=pb.CLIENT_ROLE_SCHEDULER),
+                metadata=(("authorization", "Bearer t2"),),
+            )
         driver.get(f"https://{server.http_address}/")
         ops = wait_until(lambda: driver.execute_script(OPS_JS), "the journal and TLS chips")
         expires = certificate_not_after((pki / "server.pem").read_bytes())
@@ -385,6 +402,13 @@ def test_the_dashboard_shows_mutual_tls_and_certificate_bindings(
         assert ops["tls"]["tone"] == "warn", ops["tls"]  # two days left
         assert ops["tls"]["text"].startswith("mutual TLS · cert "), ops["tls"]
         assert str(pki / "server.pem") in ops["tls"]["title"]
+        assert ops["auth"]["auth"] == "file" and ops["auth"]["text"] == "token file · 2"
+        assert str(tokens) in ops["auth"]["title"] and "t1" not in ops["auth"]["title"]
+        endpoint = server.info["kv_events_endpoint"]
+        assert ops["kv"] == {
+            **ops["kv"], "kv": "on", "hidden": False, "tone": "ok",
+            "text": f"KV events → {endpoint}",
+        }  # fmt: skip
         row = wait_until(
             lambda: driver.execute_script(
                 'const r = document.querySelector(`#clients tr[data-client="${arguments[0]}"]`);'

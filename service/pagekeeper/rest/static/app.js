@@ -171,6 +171,8 @@
           `the last snapshot · ${fmtInt(d.journal_segments)} segment file(s), ${fmtCompact(d.journal_bytes)} B`,
       );
     }
+    renderAuth(pool.auth);
+    renderKvEvents(pool.kv_events);
     const t = pool.tls;
     const tls = $("ops-tls");
     tls.dataset.tls = !t.enabled ? "off" : t.client_certificates ? "mutual" : "on";
@@ -191,6 +193,45 @@
       left <= 0 ? `${name} · certificate expired` : `${name} · cert ${fmtDays(left)} left`,
       left <= 0 ? "bad" : left < CERT_WARN_DAYS * 86400 ? "warn" : "ok",
       `${t.cert_file} · valid until ${until} · ${fmtInt(t.num_reloads)} reload(s) since start-up`,
+    );
+  }
+
+  // Which bearer tokens calls must present: none, one given inline, or a file's (rotated
+  // without a restart). Never the tokens themselves: the API does not have them.
+  function describeTokens(a) {
+    if (a.source === "none") return "none";
+    if (a.source === "inline") return "an inline token";
+    return `${fmtInt(a.num_tokens)} token(s) from ${a.file}, ${fmtInt(a.num_reloads)} reload(s)`;
+  }
+
+  function renderAuth(auth) {
+    const chip = $("ops-auth");
+    const calls = auth.calls;
+    chip.dataset.auth = calls.source;
+    const title = `calls: ${describeTokens(calls)} · admin: ${describeTokens(auth.admin)}`;
+    if (calls.source === "none") {
+      setChip(chip, "no token", "muted", `${title} (gRPC calls need no bearer token)`);
+    } else if (calls.source === "inline") {
+      setChip(chip, "token", "ok", title);
+    } else {
+      setChip(chip, `token file · ${fmtInt(calls.num_tokens)}`, "ok", title);
+    }
+  }
+
+  // The ZeroMQ publisher for routers, when one is configured.
+  function renderKvEvents(kv) {
+    const chip = $("ops-kv");
+    chip.hidden = kv.endpoint === null;
+    chip.dataset.kv = kv.endpoint === null ? "off" : "on";
+    if (kv.endpoint === null) return;
+    const replay = kv.replay_endpoint === null ? "no replay" : `replay on ${kv.replay_endpoint}`;
+    setChip(
+      chip,
+      `KV events → ${kv.endpoint}`,
+      kv.num_lost_events > 0 ? "warn" : "ok",
+      `ZeroMQ, vLLM's format (hashes as ${kv.hash_format}) · ${replay} · ` +
+        `${fmtInt(kv.num_batches)} batch(es), ${fmtInt(kv.num_events)} event(s), ` +
+        `${fmtInt(kv.num_lost_events)} lost, ${fmtInt(kv.num_replays)} replay(s)`,
     );
   }
 
