@@ -116,10 +116,10 @@ def _int_hash(digest: bytes) -> int:
 
 
 def _int_hashes(digests: Sequence[bytes]) -> list[int | bytes]:
-    """Each digest's low 64 bits (its last 8 bytes, big-endian), in one numpy pass when all
-    are one length that is a multiple of 8 (every page hash algorithm's are)."""
-    if not digests:
-        return []
+    """Each digest's low 64 bits (its last 8 bytes, big-endian); a long list in one numpy
+    pass when all are one length that is a multiple of 8 (every page hash algorithm's are)."""
+    if len(digests) < 16:  # a decode's one page: numpy's fixed cost would dominate
+        return [_int_hash(h) for h in digests]
     size = len(digests[0])
     joined = b"".join(digests)
     if size % 8 == 0 and len(joined) == size * len(digests):
