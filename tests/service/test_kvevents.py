@@ -445,3 +445,59 @@ def test_endpoint_rules(tmp_path: Path) -> None:
             KvEventPublisher(state, ChangeNotifier(), endpoint=f"ipc://{tmp_path}/pub")
     finally:
         live.close()
+
+
+def test_malformed_replay_requests_change_nothing(tmp_path: Path) -> None:
+    """Whatever a peer sends the ROUTER socket, the publisher goes on publishing and answers
+    the next well-formed replay."""
+    state, client = _state()
+
+    async def scenario() -> None:
+        notifier = ChangeNotifier()
+        state.add_listener(notifier.notify)
+        publisher = KvEventPublisher(
+            state, notifier, endpoint="tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0"
+        )
+        task = asyncio.create_task(publisher.run())
+        replays = asyncio.create_task(publisher.serve_replays())
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.connect(publisher.replay_endpoint or "")
+        try:
+            _step(state, client, 1, admissions=(Admission("a", np.arange(1, 21, dtype=np.int32)),))
+            await asyncio.sleep(0.05)
+            for frames in (
+                [b""],
+                [b"", b"1234567"],  # 7 bytes
+                [b"", b"12345678", b"extra"],
+                [b"x" * 100_000],
+                [b"", b"\xff" * 8],  # a start past every batch
+            ):
+                dealer.send_multipart(frames)
+            await asyncio.sleep(0.2)
+            # The start past every batch was well-formed: just the end marker came back.
+            assert await asyncio.to_thread(dealer.poll, 2000)
+            assert dealer.recv_multipart() == [b"", b"", END_SEQ, b""]
+            assert not await asyncio.to_thread(dealer.poll, 200)
+            _step(state, client, 2, frees=("a",))
+            await asyncio.sleep(0.05)
+            dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+            seqs = []
+            while True:
+                assert await asyncio.to_thread(dealer.poll, 2000)
+                frames = dealer.recv_multipart()
+                if frames[2] == END_SEQ:
+                    break
+                seqs.append(int.from_bytes(frames[2], "big"))
+            assert seqs == list(range(publisher.next_seq)) and seqs
+            assert not task.done() and not replays.done()
+            assert publisher.num_replays == 2
+        finally:
+            task.cancel()
+            replays.cancel()
+            await asyncio.gather(task, replays, return_exceptions=True)
+            dealer.close(linger=0)
+            ctx.term()
+            publisher.close()
+
+    asyncio.run(scenario())
