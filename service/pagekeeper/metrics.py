@@ -168,6 +168,13 @@ class Metrics:
             ["result"],
             registry=self.registry,
         )
+        self.lease_resumes = Counter(
+            "pagekeeper_lease_resumes",
+            "Times the lease reaper renewed every lease before expiring any, by reason: stall "
+            "(the service was held past a tick) or clock_jump (the wall clock leapt ahead).",
+            ["reason"],
+            registry=self.registry,
+        )
         self.token_reloads = Counter(
             "pagekeeper_token_reloads",
             "Changed bearer-token files seen, by result: loaded (the tokens listed are the "

@@ -24,6 +24,7 @@ import logging
 import os
 import signal
 import socket
+import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -42,7 +43,7 @@ from pagekeeper.rpc.local import LocalServer
 from pagekeeper.rpc.server import GrpcServer
 from pagekeeper.runtime import Runtime, build_runtime
 from pagekeeper.settings import Settings, split_address
-from pagekeeper.state import ExpireLeasesCommand
+from pagekeeper.state import ExpireLeasesCommand, ResumeLeasesCommand
 from pagekeeper.tls import RELOAD_INTERVAL_S, ServerTLS, load_server_tls
 
 log = logging.getLogger("pagekeeper")
@@ -101,11 +102,42 @@ def write_ready_file(path: str, info: dict[str, object]) -> None:
     os.replace(tmp, path)
 
 
-async def _reap_leases(runtime: Runtime, period: float) -> None:
+LEASE_HOLD_S = 1.0
+"""A reaper tick this much later than due, or a wall clock that moved this much more than
+the monotonic one between two ticks, makes the reaper renew every lease first."""
+
+
+async def _reap_leases(
+    runtime: Runtime, period: float, monotonic: Callable[[], float] = time.monotonic
+) -> None:
+    """Expire leases every ``period``. Leases run on the wall clock (they are journaled and
+    survive restarts); two things would expire healthy clients, so each renews every lease
+    first (a ResumeLeasesCommand, as after a restart): the service itself held past the
+    tick (a stall, a stopped process: heartbeats could not be answered), and the wall clock
+    jumping forward (no time passed for the clients)."""
+    resumes = runtime.metrics.lease_resumes
+    for reason in ("stall", "clock_jump"):
+        resumes.labels(reason)  # both series exist from the start (at 0)
+    last_wall, last_mono = runtime.now(), monotonic()
     while True:
         await asyncio.sleep(period)
+        wall, mono = runtime.now(), monotonic()
+        late = mono - last_mono - period
+        jumped = (wall - last_wall) - (mono - last_mono)
+        last_wall, last_mono = wall, mono
         try:
-            result = runtime.state.expire_leases(ExpireLeasesCommand(runtime.now()))
+            if late > LEASE_HOLD_S or jumped > LEASE_HOLD_S:
+                reason = "stall" if late > LEASE_HOLD_S else "clock_jump"
+                renewed = runtime.state.resume_leases(ResumeLeasesCommand(wall))
+                resumes.labels(reason).inc()
+                log.warning(
+                    "%s: every lease renewed before expiring any (%d client(s))",
+                    f"the service was held {late:.1f}s past a lease tick"
+                    if reason == "stall"
+                    else f"the wall clock jumped {jumped:.1f}s ahead",
+                    renewed,
+                )
+            result = runtime.state.expire_leases(ExpireLeasesCommand(wall))
         except PagekeeperError as exc:
             # Only a fenced state refuses this (its log failed; the process is stopping).
             log.error("lease reaper: %s", exc.message)

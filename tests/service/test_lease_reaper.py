@@ -1,0 +1,83 @@
+"""The lease reaper renews every lease before expiring any when the service itself was held
+past a tick, or the wall clock jumped ahead: neither is the clients' fault."""
+
+from __future__ import annotations
+
+import asyncio
+
+from pagekeeper.runtime import build_runtime
+from pagekeeper.server import _reap_leases
+from pagekeeper.settings import Settings
+from pagekeeper.state import ClientRole, RegisterCommand
+
+TTL = 10.0
+
+
+class Clocks:
+    """A wall clock and a monotonic one the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.wall = 1_000.0
+        self.mono = 0.0
+
+    def advance(self, seconds: float, *, wall_only: bool = False) -> None:
+        self.wall += seconds
+        if not wall_only:
+            self.mono += seconds
+
+
+def _run(moves: list[tuple[float, bool]]) -> tuple[bool, dict[str, float]]:
+    """Register a client, then apply each ``(seconds, wall_only)`` move between reaper ticks;
+    returns whether the client is still registered and the resume counters."""
+    clocks = Clocks()
+    runtime = build_runtime(
+        Settings(durability="none", publish_transport="none", lease_ttl_s=TTL),
+        clock=lambda: clocks.wall,
+        publisher_factory=None,
+    )
+    client_id = runtime.state.register(
+        RegisterCommand(now=clocks.wall, role=ClientRole.WORKER)
+    ).client_id
+
+    async def scenario() -> None:
+        reaper = asyncio.create_task(_reap_leases(runtime, 0.005, lambda: clocks.mono))
+        try:
+            await asyncio.sleep(0.02)
+            for seconds, wall_only in moves:
+                clocks.advance(seconds, wall_only=wall_only)
+                await asyncio.sleep(0.03)  # a few ticks see it
+        finally:
+            reaper.cancel()
+            await asyncio.gather(reaper, return_exceptions=True)
+
+    asyncio.run(scenario())
+    alive = any(c.client_id == client_id for c in runtime.state.clients())
+    counters = {
+        reason: runtime.metrics.lease_resumes.labels(reason)._value.get()
+        for reason in ("stall", "clock_jump")
+    }
+    return alive, counters
+
+
+def test_time_passing_tick_by_tick_expires_the_lease() -> None:
+    alive, counters = _run([(0.5, False)] * 30)  # 15 s in half-second ticks
+    assert not alive
+    assert counters == {"stall": 0, "clock_jump": 0}
+
+
+def test_a_wall_clock_jump_renews_every_lease() -> None:
+    alive, counters = _run([(0.5, False), (3_600.0, True), (0.5, False)])
+    assert alive
+    assert counters == {"stall": 0, "clock_jump": 1}
+
+
+def test_a_stalled_service_renews_every_lease() -> None:
+    # 60 s between two ticks on both clocks: the process was held (stopped, starved).
+    alive, counters = _run([(0.5, False), (60.0, False), (0.5, False)])
+    assert alive
+    assert counters == {"stall": 1, "clock_jump": 0}
+
+
+def test_the_renewal_is_one_lease_not_forever() -> None:
+    alive, _ = _run([(3_600.0, True)] + [(0.5, False)] * 30)  # then 15 s pass normally
+    assert not alive
