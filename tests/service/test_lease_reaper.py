@@ -4,6 +4,10 @@ past a tick, or the wall clock jumped ahead: neither is the clients' fault."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import time
+from pathlib import Path
 
 from pagekeeper.runtime import build_runtime
 from pagekeeper.server import _reap_leases
@@ -81,3 +85,40 @@ def test_a_stalled_service_renews_every_lease() -> None:
 def test_the_renewal_is_one_lease_not_forever() -> None:
     alive, _ = _run([(3_600.0, True)] + [(0.5, False)] * 30)  # then 15 s pass normally
     assert not alive
+
+
+def test_a_stopped_service_keeps_its_clients_and_recovers_the_renewal(tmp_path: Path) -> None:
+    """The real process, SIGSTOPped for longer than a lease: on SIGCONT the reaper sees its
+    late tick and renews every lease before expiring any; the renewal is journaled, so a
+    restart (after kill -9) replays it and keeps the client."""
+    from pagekeeper_client._proto.pagekeeper.v1 import pagekeeper_pb2 as pb
+    from tests.helpers.server import launch
+
+    server = launch(tmp_path, "--lease-ttl-s", "1", "--durability", "process")
+    try:
+        worker = server.stub().RegisterClient(
+            pb.RegisterClientRequest(role=pb.CLIENT_ROLE_WORKER, name="stopped"), timeout=10
+        )
+        os.kill(server.pid, signal.SIGSTOP)
+        time.sleep(2.5)  # over two leases' worth
+        os.kill(server.pid, signal.SIGCONT)
+        time.sleep(0.5)  # a few reaper ticks (every 0.25 s)
+        ids = [c["client_id"] for c in server.http().get("/v1/clients").json()]
+        assert worker.client_id in ids, server.logs()
+        metrics = server.http().get("/metrics").text
+        assert 'pagekeeper_lease_resumes_total{reason="stall"} 1.0' in metrics
+        assert "every lease renewed before expiring any" in server.logs()
+        # Not forever: with no heartbeat the lease now runs out as usual.
+        deadline = time.monotonic() + 10
+        while worker.client_id in [c["client_id"] for c in server.http().get("/v1/clients").json()]:
+            assert time.monotonic() < deadline, "the renewed lease never ran out"
+            time.sleep(0.1)
+    finally:
+        os.kill(server.pid, signal.SIGKILL)
+        server.process.wait(10)
+    # The journal holds the renewal and the expiry: a restart replays both.
+    again = launch(tmp_path, "--lease-ttl-s", "1", "--durability", "process")
+    try:
+        assert again.http().get("/readyz").status_code == 200
+    finally:
+        again.stop()
