@@ -24,21 +24,10 @@ import stat
 from dataclasses import dataclass
 
 from pagekeeper.core.errors import ConfigError
+from pagekeeper.files import FileStamp, file_stamp
 from pagekeeper.settings import Settings
 
 log = logging.getLogger("pagekeeper")
-
-# Device, inode, size, mtime and ctime in ns (ctime: a chmod or chown that makes an
-# unreadable file readable counts as a change).
-_Stamp = tuple[int, int, int, int, int]
-
-
-def _stamp(path: str) -> _Stamp | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def read_token_file(path: str, field: str) -> tuple[str, ...]:
@@ -72,7 +61,13 @@ class BearerTokens:
     ``generation`` changes whenever the accepted set does, so a holder of a token checked
     earlier (a socket connection) knows when to check it again."""
 
-    def __init__(self, tokens: tuple[str, ...], path: str | None = None, field: str = "") -> None:
+    def __init__(
+        self,
+        tokens: tuple[str, ...],
+        path: str | None = None,
+        field: str = "",
+        stamp: FileStamp | None = None,
+    ) -> None:
         if not tokens:
             raise ValueError("BearerTokens needs at least one token")
         self.path = path
@@ -80,17 +75,15 @@ class BearerTokens:
         self._set(tokens)
         self.generation = 0
         self.num_reloads = 0
-        self._stamp = _stamp(path) if path is not None else None
-        self._failed_stamp: _Stamp | None = None
+        self._stamp = stamp  # the file's when it was read (taken before the read)
+        self._failed_stamp: FileStamp | None = None
 
     @classmethod
     def from_file(cls, path: str, field: str) -> BearerTokens:
-        stamp = _stamp(path)
+        stamp = file_stamp(path)
         tokens = read_token_file(path, field)
         _warn_if_readable_by_others(path)
-        holder = cls(tokens, path, field)
-        holder._stamp = stamp
-        return holder
+        return cls(tokens, path, field, stamp)
 
     def _set(self, tokens: tuple[str, ...]) -> None:
         self._tokens = tuple(t.encode() for t in tokens)
@@ -126,7 +119,7 @@ class BearerTokens:
         Fixed tokens never change."""
         if self.path is None:
             return False
-        stamp = _stamp(self.path)
+        stamp = file_stamp(self.path)
         unchanged = stamp == self._stamp or (stamp is not None and stamp == self._failed_stamp)
         if unchanged and not force:
             return False

@@ -43,7 +43,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import socket
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -58,6 +57,7 @@ from prometheus_client.registry import Collector
 
 from pagekeeper.core.config import GroupKind, PoolConfig
 from pagekeeper.core.events import AllCleared, PageRemoved, PageStored, TokenRun
+from pagekeeper.files import clear_stale_socket
 from pagekeeper.notify import ChangeNotifier
 from pagekeeper.settings import Settings
 from pagekeeper.state import ServiceState
@@ -217,8 +217,6 @@ class KvEventPublisher:
         self.topic = topic.encode()
         self.hash_format = hash_format
         self.data_parallel_rank = data_parallel_rank
-        if replay_endpoint == endpoint and not endpoint.endswith(":0"):
-            raise ValueError("the KV-event replay endpoint must differ from the publish one")
         self.specs = group_specs(state.pool_config)
         # Kept for replays only (none without a replay socket): the last buffer_steps
         # batches, and at most buffer_bytes of them.
@@ -370,14 +368,14 @@ class KvEventPublisher:
 
     def _bind(self, sock: zmq.Socket[Any], endpoint: str) -> str:
         """Bind ``endpoint``; the bound one comes back (a tcp port of 0 resolved). An ipc
-        path a live socket answers on is refused (zmq would silently take it over)."""
+        path a live socket answers on is refused (zmq would silently take it over), and one
+        a dead process left is cleared."""
         if endpoint.startswith("tcp://"):
             host = endpoint[len("tcp://") :].rpartition(":")[0]
             if ":" in host.strip("[]"):
                 sock.setsockopt(zmq.IPV6, 1)
         else:
-            path = endpoint[len("ipc://") :]
-            if _is_live_socket(path):
+            if clear_stale_socket(endpoint[len("ipc://") :], "the KV-event ipc path"):
                 raise OSError(f"cannot bind KV events to {endpoint}: a live socket is there")
         try:
             sock.bind(endpoint)
@@ -387,17 +385,6 @@ class KvEventPublisher:
             self._ipc_paths.append(endpoint[len("ipc://") :])
             return endpoint
         return sock.getsockopt_string(zmq.LAST_ENDPOINT)
-
-
-def _is_live_socket(path: str) -> bool:
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.connect(path)
-    except OSError:
-        return False
-    finally:
-        probe.close()
-    return True
 
 
 class KvEventCollector(Collector):

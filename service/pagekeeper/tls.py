@@ -21,7 +21,6 @@ and are tried again once they change.
 
 from __future__ import annotations
 
-import os
 import ssl
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -30,28 +29,19 @@ from typing import Any
 import grpc
 
 from pagekeeper.core.errors import ConfigError
+from pagekeeper.files import FileStamp, file_stamp
 from pagekeeper.settings import Settings
 
 RELOAD_INTERVAL_S = 10.0
 """How often the server looks for rotated certificate files (SIGHUP: at once)."""
 
-_Stamp = tuple[tuple[int, int, int] | None, ...]
+_Stamp = tuple[FileStamp | None, ...]
 
 
 def _stamp(paths: tuple[str | None, ...]) -> _Stamp:
-    """(size, mtime, inode) of each file (None where it cannot be stat'ed)."""
-    out: list[tuple[int, int, int] | None] = []
-    for path in paths:
-        if path is None:
-            out.append(None)
-            continue
-        try:
-            st = os.stat(path)
-        except OSError:
-            out.append(None)
-        else:
-            out.append((st.st_size, st.st_mtime_ns, st.st_ino))
-    return tuple(out)
+    """Each file's :func:`~pagekeeper.files.file_stamp` (None where it is not configured or
+    cannot be stat'ed)."""
+    return tuple(None if path is None else file_stamp(path) for path in paths)
 
 
 def _der_item(der: bytes, at: int) -> tuple[int, int, int]:

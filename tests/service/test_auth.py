@@ -146,9 +146,9 @@ def test_sighup_reads_even_a_file_that_seems_unchanged(tmp_path: Path) -> None:
 
 
 def _stamp_of(path: Path) -> object:
-    from pagekeeper.auth import _stamp
+    from pagekeeper.files import file_stamp
 
-    return _stamp(str(path))
+    return file_stamp(str(path))
 
 
 def test_a_readable_token_file_is_warned_about(

@@ -24,6 +24,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from pagekeeper import __version__
+from pagekeeper.files import clear_stale_socket
 from pagekeeper.rpc.servicer import LocalCaller, PagekeeperServicer, run_unary
 from pagekeeper_client._proto.pagekeeper.v1 import pagekeeper_pb2 as pb
 from pagekeeper_client.local import HEADER, HELLO, MAGIC, METHODS
@@ -212,7 +213,8 @@ class LocalServer:
                 "can write",
                 directory,
             )
-        _clear_stale(path)
+        if clear_stale_socket(path, "local socket path"):
+            raise OSError(f"another service listens on the local socket {path}")
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.bind(path)
@@ -245,21 +247,3 @@ class LocalServer:
                 conn.transport.close()
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(server.wait_closed(), 2.0)
-
-
-def _clear_stale(path: str) -> None:
-    try:
-        mode = os.stat(path).st_mode
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(mode):
-        raise OSError(f"local socket path {path} exists and is not a socket")
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.connect(path)
-    except (ConnectionRefusedError, FileNotFoundError):
-        os.unlink(path)  # nobody listens: left behind by a service that died
-        return
-    finally:
-        probe.close()
-    raise OSError(f"another service listens on the local socket {path}")
