@@ -393,10 +393,13 @@ async def serve(
                 os.unlink(settings.http_address[len("unix:") :])  # ours: bound above
         if kv_task is not None:
             kv_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await kv_task
+            # Its own failure, if it had one, was reported when it ended.
+            await asyncio.gather(kv_task, return_exceptions=True)
         if runtime.kv_events is not None:
-            runtime.kv_events.publish_pending()  # the drained steps' events
+            try:
+                runtime.kv_events.publish_pending()  # the drained steps' events
+            except Exception:  # the snapshot below matters more than routers' last batch
+                log.exception("the KV-event publisher could not send the drained steps' events")
             runtime.kv_events.close()
         runtime.close()
         if ready_file:
