@@ -143,6 +143,27 @@ class BearerTokens:
         return True
 
 
+class PresentedToken:
+    """A token accepted once, where it is not presented again (a same-node socket
+    connection's hello, a stream's opening call): :meth:`is_revoked` says whether it has
+    since been removed. It looks again only when the accepted tokens changed, so a call
+    pays one int compare."""
+
+    __slots__ = ("generation", "token", "tokens")
+
+    def __init__(self, tokens: BearerTokens, token: bytes) -> None:
+        self.tokens = tokens
+        self.token = token
+        self.generation = tokens.generation
+
+    def is_revoked(self) -> bool:
+        tokens = self.tokens
+        if tokens.generation == self.generation:
+            return False
+        self.generation = tokens.generation
+        return not tokens.accepts(self.token)
+
+
 def _warn_if_readable_by_others(path: str) -> None:
     try:
         mode = os.stat(path).st_mode
@@ -199,6 +220,7 @@ def first_token(settings: Settings) -> str | None:
 
 __all__ = [
     "BearerTokens",
+    "PresentedToken",
     "ServerTokens",
     "first_token",
     "load_server_tokens",

@@ -24,6 +24,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from pagekeeper import __version__
+from pagekeeper.auth import PresentedToken
 from pagekeeper.files import clear_stale_socket
 from pagekeeper.rpc.servicer import LocalCaller, PagekeeperServicer, run_unary
 from pagekeeper_client._proto.pagekeeper.v1 import pagekeeper_pb2 as pb
@@ -60,8 +61,7 @@ class _Connection(asyncio.Protocol):
         self.greeted = False
         self.closing = False
         self.caller = LocalCaller()
-        self.token = b""  # what the hello presented, checked again after a token reload
-        self.token_generation = 0
+        self.presented: PresentedToken | None = None  # the hello's token, when one is asked
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -117,13 +117,10 @@ class _Connection(asyncio.Protocol):
         if not self.greeted:
             self._fail(_UNAUTHENTICATED, "the connection must open with a hello")
             return
-        tokens = server.tokens
-        if tokens is not None and tokens.generation != self.token_generation:
-            # The token file was reloaded since the hello: the token must still be listed.
-            if not tokens.accepts(self.token):
-                self._fail(_UNAUTHENTICATED, "the connection's bearer token was revoked")
-                return
-            self.token_generation = tokens.generation
+        presented = self.presented
+        if presented is not None and presented.is_revoked():
+            self._fail(_UNAUTHENTICATED, "the connection's bearer token was revoked")
+            return
         if server.runtime.is_stopping:
             self._answer(_UNAVAILABLE, b"the service is shutting down")
             return
@@ -158,8 +155,7 @@ class _Connection(asyncio.Protocol):
             if not tokens.accepts(given):
                 self._fail(_UNAUTHENTICATED, "missing or wrong bearer token")
                 return
-            self.token = given
-            self.token_generation = tokens.generation
+            self.presented = PresentedToken(tokens, given)
         if binding:
             client_id, _, ticket = binding.partition(b"\0")
             try:

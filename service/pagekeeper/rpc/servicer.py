@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import grpc
 
 from pagekeeper import __version__
-from pagekeeper.auth import BearerTokens
+from pagekeeper.auth import BearerTokens, PresentedToken
 from pagekeeper.core.errors import PagekeeperError, PermissionDenied
 from pagekeeper.errors_map import grpc_status
 from pagekeeper.rpc import convert
@@ -45,27 +45,16 @@ MAX_EVENTS_PER_MESSAGE = 16384
 _STREAM_RECHECK_S = 1.0
 
 
-class StreamAuth:
-    """The bearer token a stream opened with, checked again whenever the accepted tokens
-    change: a stream outlives the call-time check, and a revoked token must stop it."""
-
-    __slots__ = ("generation", "presented", "tokens")
-
-    def __init__(self, tokens: BearerTokens | None, context: Any) -> None:
-        self.tokens = tokens
-        self.presented = b""
-        self.generation = 0 if tokens is None else tokens.generation
-        if tokens is not None:
-            for key, value in context.invocation_metadata() or ():
-                if key == "authorization":
-                    self.presented = value.encode() if isinstance(value, str) else value
-
-    def revoked(self) -> bool:
-        tokens = self.tokens
-        if tokens is None or tokens.generation == self.generation:
-            return False
-        self.generation = tokens.generation
-        return not tokens.accepts_header(self.presented)
+def _stream_token(tokens: BearerTokens | None, context: Any) -> PresentedToken | None:
+    """The token a stream opened with (the interceptor accepted it then), to stop the stream
+    once it is revoked; None when the service asks for none."""
+    if tokens is None:
+        return None
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization":
+            header = value.encode() if isinstance(value, str) else value
+            return PresentedToken(tokens, header.removeprefix(b"Bearer "))
+    return PresentedToken(tokens, b"")
 
 
 _REVOKED = "the stream's bearer token was revoked"
@@ -357,11 +346,11 @@ class PagekeeperServicer(pb_grpc.PagekeeperServiceServicer):  # type: ignore[mis
                 f"max_events_per_message must lie in [1, {MAX_EVENTS_PER_MESSAGE}]",
             )
         runtime = self.runtime
-        auth = StreamAuth(runtime.tokens.calls, context)
+        presented = _stream_token(runtime.tokens.calls, context)
         since = request.since_seq
         is_first = True
         while not runtime.is_stopping:
-            if auth.revoked():
+            if presented is not None and presented.is_revoked():
                 await context.abort(grpc.StatusCode.UNAUTHENTICATED, _REVOKED)
             version = runtime.events.version
             page = self.state.events_since(since, limit)
@@ -393,10 +382,10 @@ class PagekeeperServicer(pb_grpc.PagekeeperServiceServicer):  # type: ignore[mis
             await context.abort(
                 grpc.StatusCode.PERMISSION_DENIED, "WatchTables is for registered workers"
             )
-        auth = StreamAuth(runtime.tokens.calls, context)
+        presented = _stream_token(runtime.tokens.calls, context)
         since = request.since_step_seq or hub.last_step_seq
         while not runtime.is_stopping:
-            if auth.revoked():
+            if presented is not None and presented.is_revoked():
                 await context.abort(grpc.StatusCode.UNAUTHENTICATED, _REVOKED)
             version = hub.notifier.version
             batches, fell_behind = hub.batches_after(since)
