@@ -235,7 +235,7 @@ class AsyncPagekeeperClient:
                 return local
         return None
 
-    async def _reread_token(self, used: str | None) -> bool:
+    def _reread_token(self, used: str | None) -> bool:
         """The service refused ``used``: take a changed token from the token file (the
         same-node channel is reopened with it). True when the call is worth one more try:
         the token is no longer ``used`` (this call or a concurrent one changed it)."""
@@ -251,7 +251,7 @@ class AsyncPagekeeperClient:
         self._token, self._metadata = token, auth_metadata(token)
         local, self._local = self._local, None
         if local is not None:
-            local.close()
+            local.close()  # it presented the old token in its hello
         self._local_retry_at = 0.0
 
     # -- plumbing -----------------------------------------------------------------------
@@ -260,7 +260,7 @@ class AsyncPagekeeperClient:
         try:
             return await self._call_once(method, request)
         except UnauthenticatedError:
-            if not await self._reread_token(used):
+            if not self._reread_token(used):
                 raise
         return await self._call_once(method, request)
 
@@ -524,9 +524,7 @@ class AsyncPagekeeperClient:
         """See :meth:`PagekeeperClient.watch_events` (the token file's current token is
         adopted when the stream opens)."""
         if self._token_file is not None:
-            token = reread_token_file(self._token_file, self._token)
-            if token is not None:
-                self._adopt_token(token)
+            self._reread_token(self._token)
         self.stats.num_rpcs += 1
         call = self._stub.WatchEvents(
             pb.WatchEventsRequest(since_seq=since, max_events_per_message=max_events_per_message),
@@ -758,7 +756,7 @@ class AsyncPagekeeperClient:
                     error = exc  # the same-node socket broke (it is closed now), or refused
                 if isinstance(error, UnauthenticatedError) and may_reread:
                     may_reread = False  # once a step: a file that keeps changing ends here
-                    if await self._reread_token(used):
+                    if self._reread_token(used):
                         continue  # refused before anything was applied: the same id again
                 if error.code not in _RETRY_CODES or self._is_closed:
                     raise error from None

@@ -87,6 +87,7 @@ from pagekeeper_client.errors import (
 )
 from pagekeeper_client.local import LocalChannel
 from pagekeeper_client.ring import RingDescriptor, RingGeometry, StepTables, TableArrays
+from pagekeeper_client.token_file import read_tokens
 from pagekeeper_client.types import (
     EMPTY_PAGES,
     INT32_MAX,
@@ -302,8 +303,8 @@ def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
 def token_source(environ: Mapping[str, str] | None = None) -> tuple[str | None, str | None]:
     """The token a client presents when given none, and the file it came from:
     ``$PAGEKEEPER_TOKEN`` (no file), else the first token listed in the file
-    ``$PAGEKEEPER_TOKEN_FILE`` names (the service's token-file format: one a line, blank
-    lines and ``#`` comments skipped, printable ASCII without spaces), else
+    ``$PAGEKEEPER_TOKEN_FILE`` names (the service's format:
+    :mod:`pagekeeper_client.token_file`), else
     ``(None, None)``. Raises ValueError when both variables are set, or the file cannot be
     read or lists no token."""
     env = os.environ if environ is None else environ
@@ -318,25 +319,12 @@ def token_source(environ: Mapping[str, str] | None = None) -> tuple[str | None, 
 
 
 def read_first_token(path: str) -> str:
-    """The first token a token file lists (ValueError naming the problem otherwise)."""
+    """The first token a token file lists (ValueError naming the variable, the file and the
+    problem otherwise)."""
     try:
-        with open(path, "rb") as f:
-            data = f.read(1024 * 1024 + 1)
-    except OSError as exc:
-        raise ValueError(f"{TOKEN_FILE_ENV}={path}: cannot read it ({exc})") from None
-    if len(data) > 1024 * 1024:
-        raise ValueError(f"{TOKEN_FILE_ENV}={path} is over 1 MiB: not a token file")
-    for number, raw in enumerate(data.split(b"\n"), start=1):
-        line = raw.strip()
-        if not line or line.startswith(b"#"):
-            continue
-        if not all(0x21 <= c <= 0x7E for c in line):
-            raise ValueError(
-                f"{TOKEN_FILE_ENV}={path} line {number}: a token must be printable ASCII "
-                "without spaces"
-            )
-        return line.decode("ascii")
-    raise ValueError(f"{TOKEN_FILE_ENV}={path} lists no token")
+        return read_tokens(path)[0]
+    except ValueError as exc:
+        raise ValueError(f"{TOKEN_FILE_ENV}: {exc}") from None
 
 
 def default_token(environ: Mapping[str, str] | None = None) -> str | None:
@@ -1856,12 +1844,15 @@ class PagekeeperClient:
             token = reread_token_file(self._token_file, used)
             if token is None:
                 return False
-            self._token, self._metadata = token, auth_metadata(token)
-            local, self._local = self._local, None
-            if local is not None:
-                local.close()
-            self._local_retry_at = 0.0
+            self._adopt_token(token)
             return True
+
+    def _adopt_token(self, token: str) -> None:
+        self._token, self._metadata = token, auth_metadata(token)
+        local, self._local = self._local, None
+        if local is not None:
+            local.close()  # it presented the old token in its hello
+        self._local_retry_at = 0.0
 
     # -- plumbing -----------------------------------------------------------------------
     def _call(self, method: str, request: Any, *, timeout: float | None = None) -> Any:

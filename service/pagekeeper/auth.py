@@ -26,33 +26,18 @@ from dataclasses import dataclass
 from pagekeeper.core.errors import ConfigError
 from pagekeeper.files import FileStamp, file_stamp
 from pagekeeper.settings import Settings
+from pagekeeper_client.token_file import read_tokens
 
 log = logging.getLogger("pagekeeper")
 
 
 def read_token_file(path: str, field: str) -> tuple[str, ...]:
-    """The tokens listed in ``path``, or ConfigError naming ``field``."""
+    """The tokens listed in ``path`` (:mod:`pagekeeper_client.token_file`'s format), or
+    ConfigError naming ``field``."""
     try:
-        with open(path, "rb") as f:
-            data = f.read(1024 * 1024 + 1)
-    except OSError as exc:
-        raise ConfigError(field, f"cannot read {path}: {exc.strerror or exc}") from None
-    if len(data) > 1024 * 1024:
-        raise ConfigError(field, f"{path} is over 1 MiB: not a token file")
-    tokens: list[str] = []
-    for number, raw in enumerate(data.splitlines(), start=1):
-        line = raw.strip()
-        if not line or line.startswith(b"#"):
-            continue
-        if not all(0x21 <= c <= 0x7E for c in line):
-            raise ConfigError(
-                field,
-                f"{path} line {number}: a token must be printable ASCII without spaces",
-            )
-        tokens.append(line.decode("ascii"))
-    if not tokens:
-        raise ConfigError(field, f"{path} lists no token (one a line; '#' starts a comment)")
-    return tuple(dict.fromkeys(tokens))  # duplicates dropped, order kept
+        return read_tokens(path)
+    except ValueError as exc:
+        raise ConfigError(field, str(exc)) from None
 
 
 class BearerTokens:
