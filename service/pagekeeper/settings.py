@@ -147,13 +147,7 @@ class Settings:
             path = self.local_socket
             if not isinstance(path, str) or not path.strip():
                 raise ConfigError("server.local_socket", "must be a socket path when set")
-            size = len(os.fsencode(os.path.abspath(path)))
-            if size > _MAX_UNIX_PATH:
-                raise ConfigError(
-                    "server.local_socket",
-                    f"the absolute path must be at most {_MAX_UNIX_PATH} bytes (a unix socket "
-                    f"address), got {size}",
-                )
+            _check_unix_path("server.local_socket", path)
         for name in (
             "token",
             "admin_token",
@@ -329,17 +323,23 @@ def _check_address(name: str, value: object) -> None:
         raise ConfigError(where, f"port must be an int in [0, 65535], got {port!r}")
 
 
+def _check_unix_path(where: str, path: str) -> None:
+    size = len(os.fsencode(os.path.abspath(path)))
+    if size > _MAX_UNIX_PATH:
+        raise ConfigError(
+            where,
+            f"the absolute path must be at most {_MAX_UNIX_PATH} bytes (a unix socket "
+            f"address), got {size}",
+        )
+
+
 def _check_zmq_endpoint(where: str, value: object) -> None:
     if not isinstance(value, str):
         raise ConfigError(where, "must be tcp://HOST:PORT or ipc://PATH")
     if value.startswith("ipc://"):
         if len(value) <= len("ipc://"):
             raise ConfigError(where, "ipc:// needs a path")
-        size = len(os.fsencode(os.path.abspath(value[len("ipc://") :])))
-        if size > _MAX_UNIX_PATH:
-            raise ConfigError(
-                where, f"the ipc path must be at most {_MAX_UNIX_PATH} bytes, got {size}"
-            )
+        _check_unix_path(where, value[len("ipc://") :])
         return
     if not value.startswith("tcp://"):
         raise ConfigError(where, f"must be tcp://HOST:PORT or ipc://PATH, got {value!r}")
