@@ -108,6 +108,7 @@ from pagekeeper_client.types import (
     KVEvent,
     Limits,
     LookupResult,
+    MultiModalKey,
     PageRemoved,
     PageStored,
     PoolConfig,
@@ -560,6 +561,18 @@ def extra_keys_to_pb(extra: ExtraKeys) -> pb.ExtraKeys:
     return msg
 
 
+def extra_keys_from_pb(msg: pb.ExtraKeys) -> ExtraKeys:
+    return ExtraKeys(
+        lora_name=msg.lora_name if msg.HasField("lora_name") else None,
+        lora_path=msg.lora_path if msg.HasField("lora_path") else None,
+        mm_inputs=tuple(
+            MultiModalKey(identifier=m.identifier, offset=m.offset, length=m.length)
+            for m in msg.mm_inputs
+        ),
+        cache_salt=msg.cache_salt if msg.HasField("cache_salt") else None,
+    )
+
+
 def kernel_support_to_pb(
     backends_per_group: Mapping[int, Sequence[BackendSpec]] | Sequence[Sequence[BackendSpec]],
 ) -> list[pb.GroupKernelSupport]:
@@ -624,6 +637,8 @@ def event_from_pb(msg: pb.KVEvent) -> KVEvent:
             page_size=s.page_size,
             page_ids=decode_i32(s.page_ids),
             lora_name=s.lora_name if s.HasField("lora_name") else None,
+            extra_keys=extra_keys_from_pb(s.extra_keys) if s.HasField("extra_keys") else None,
+            first_page_index=s.first_page_index,
         )
     if which == "removed":
         r = msg.removed

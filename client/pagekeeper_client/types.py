@@ -437,6 +437,11 @@ class PageStored:
     page_size: int
     page_ids: Int32Array
     lora_name: str | None = None
+    extra_keys: ExtraKeys | None = None
+    """The storing request's extra keys, when it has any."""
+    first_page_index: int = 0
+    """With ``extra_keys``: page ``i`` of the event is page ``first_page_index + i`` of its
+    request's table (which keys fall on it)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,8 +4,8 @@ vLLM's engines publish their prefix-cache changes with a ZeroMQ PUB socket: each
 three frames — the topic, the batch's sequence number (8 bytes, big-endian, from 0), and a
 msgpack-encoded ``KVEventBatch`` ``[ts, events, data_parallel_rank]`` whose events are
 maps tagged by ``type``: ``BlockStored`` (``block_hashes``, ``parent_block_hash``,
-``token_ids``, ``block_size``, ``lora_id``, ``medium``, ``lora_name``, ``group_idx``,
-``kv_cache_spec_kind``, ``kv_cache_spec_sliding_window``),
+``token_ids``, ``block_size``, ``lora_id``, ``medium``, ``lora_name``, ``extra_keys``,
+``group_idx``, ``kv_cache_spec_kind``, ``kv_cache_spec_sliding_window``),
 ``BlockRemoved`` (``block_hashes``, ``medium``, ``group_idx``) and ``AllBlocksCleared``.
 An optional ROUTER socket answers a replay request (an 8-byte big-endian start sequence)
 with every kept batch from there on, each as ``[topic, seq, payload]``, then an end marker
@@ -19,8 +19,8 @@ only where msgspec picks a shorter map header for the fields left out). Hashes a
 64 bits of each page hash as an int (vLLM's default) or the whole digest
 (``hash_format="bytes"``). A batch holds the events that arrived since the previous one:
 those of one step, or of several when steps come faster than the loop gets round to
-publishing. ``extra_keys`` (vLLM's
-per-block LoRA / multimodal / salt keys) are not sent: pagekeeper's events do not keep them;
+publishing. ``extra_keys`` is vLLM's per-page list (LoRA name, ``(mm identifier,
+offset)`` pairs, cache salt, untagged as vLLM publishes them; None for a page without);
 ``lora_id`` is always null (pagekeeper knows adapters by name: ``lora_name``).
 
 A subscriber's view must never hold pages the pool no longer has. So the first batch after
@@ -57,6 +57,7 @@ from prometheus_client.registry import Collector
 
 from pagekeeper.core.config import GroupKind, PoolConfig
 from pagekeeper.core.events import AllCleared, PageRemoved, PageStored, TokenRun
+from pagekeeper.core.hashing import run_extra_keys
 from pagekeeper.files import clear_stale_socket
 from pagekeeper.notify import ChangeNotifier
 from pagekeeper.settings import Settings
@@ -88,6 +89,7 @@ class BlockStored(KVCacheEvent):
     lora_id: int | None
     medium: str | None
     lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
@@ -146,6 +148,22 @@ def group_specs(pool: PoolConfig) -> tuple[tuple[str, int | None], ...]:
     )
 
 
+def vllm_extra_keys(event: PageStored) -> list[tuple[Any, ...] | None]:
+    """The event's pages' extra keys as vLLM publishes them (``to_event_extra_keys``): per
+    page, None or a tuple, untagged — a LoRA as its name, a multimodal input as
+    ``(identifier, offset in the page)``, a salt as itself (a page without any: None, so a
+    request without keys sends a list of Nones, as vLLM does)."""
+    if event.extra_keys is None:
+        return [None] * len(event.page_hashes)
+    per_page = run_extra_keys(
+        event.extra_keys, event.first_page, len(event.page_hashes), event.page_size
+    )
+    return [
+        None if keys is None else tuple(key[1:] if key[0] == "mm" else key[1] for key in keys)
+        for keys in per_page
+    ]
+
+
 def to_vllm_events(
     events: Sequence[PageStored | PageRemoved | AllCleared],
     hash_format: str = "int",
@@ -170,6 +188,7 @@ def to_vllm_events(
                     lora_id=None,
                     medium=MEDIUM_GPU,
                     lora_name=event.lora_name,
+                    extra_keys=vllm_extra_keys(event),
                     group_idx=event.group_id,
                     kv_cache_spec_kind=specs[event.group_id][0] if specs else None,
                     kv_cache_spec_sliding_window=specs[event.group_id][1] if specs else None,

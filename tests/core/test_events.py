@@ -9,11 +9,13 @@ from array import array
 import pytest
 
 from pagekeeper.core.events import PageRemoved, PageStored, TokenRun, new_removed, new_stored
+from pagekeeper.core.types import ExtraKeys, MultiModalKey
 
 
 def test_new_stored_is_the_constructed_event() -> None:
     run = TokenRun.adopt(array("Q", range(32)))
-    values = (7, 1, (b"h1", b"h2"), b"parent", run, 16, (3, 9), "lora-a")
+    keys = ExtraKeys(lora_name="lora-a", mm_inputs=(MultiModalKey("img", 3, 40),))
+    values = (7, 1, (b"h1", b"h2"), b"parent", run, 16, (3, 9), "lora-a", keys, 4)
     built, made = new_stored(*values), PageStored(*values)
     assert type(built) is PageStored
     assert built == made and hash(built) == hash(made) and repr(built) == repr(made)
@@ -24,10 +26,12 @@ def test_new_stored_is_the_constructed_event() -> None:
     # Every field is filled: a field the builder did not know would be missing here.
     assert [f.name for f in dataclasses.fields(PageStored)] == [
         "seq", "group_id", "page_hashes", "parent_page_hash", "token_ids", "page_size",
-        "page_ids", "lora_name",
+        "page_ids", "lora_name", "extra_keys", "first_page",
     ]  # fmt: skip
     assert all(hasattr(built, f.name) for f in dataclasses.fields(PageStored))
-    assert new_stored(1, 0, (b"h",), None, run, 16, (2,), None).parent_page_hash is None
+    plain = new_stored(1, 0, (b"h",), None, run, 16, (2,), None)
+    assert plain.parent_page_hash is None
+    assert (plain.extra_keys, plain.first_page) == (None, 0)
 
 
 def test_new_removed_is_the_constructed_event() -> None:

@@ -5,6 +5,7 @@ router-like subscriber (PUB/SUB, replay over ROUTER/DEALER)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import subprocess
 import time
@@ -19,6 +20,7 @@ import zmq
 from pagekeeper.core.config import GroupConfig, GroupKind, PoolConfig
 from pagekeeper.core.errors import ConfigError
 from pagekeeper.core.events import AllCleared, PageRemoved, PageStored, TokenRun
+from pagekeeper.core.types import ExtraKeys, MultiModalKey
 from pagekeeper.kvevents import (
     END_SEQ,
     AllBlocksCleared,
@@ -50,6 +52,15 @@ EVENTS = [
     PageRemoved(8, 0, (DIGEST_B,), (4,)),
     AllCleared(9),
 ]
+# Pages 0-3 of a LoRA request with a salt and an image over tokens [20, 40) (pages of 16).
+KEYS = ExtraKeys(
+    lora_name="adapter", lora_path="/a", mm_inputs=(MultiModalKey("img", 20, 20),), cache_salt="s"
+)
+KEYED = PageStored(
+    10, 0, (DIGEST_A,) * 4, None, TokenRun(range(64)), 16, (5, 6, 7, 8), "adapter", KEYS, 0
+)
+# What vLLM 0.33 publishes for them (``to_event_extra_keys`` of its per-block keys).
+KEYED_WIRE = [("adapter", "s"), ("adapter", ("img", 4)), ("adapter", ("img", -12)), ("adapter",)]
 
 
 def decode(payload: bytes) -> KVEventBatch:
@@ -73,6 +84,37 @@ def test_events_become_vllm_structs() -> None:
     assert raw[0].block_hashes == [DIGEST_A, DIGEST_B]  # type: ignore[union-attr]
 
 
+def test_extra_keys_go_out_per_page_as_vllm_publishes_them() -> None:
+    (stored,) = to_vllm_events([KEYED], "int")
+    assert isinstance(stored, BlockStored) and stored.extra_keys == KEYED_WIRE
+    # The same request's pages 4 and 5 (a later event): the LoRA alone; page 0 alone: the
+    # salt too. The event says where its pages sit in the request.
+    later = dataclasses.replace(KEYED, page_hashes=(DIGEST_B,) * 2, first_page=4)
+    assert to_vllm_events([later])[0].extra_keys == [("adapter",), ("adapter",)]  # type: ignore[union-attr]
+
+
+def test_the_core_says_which_pages_an_event_holds() -> None:
+    """Events carry their request's keys and first page, whichever path cached the pages:
+    an admission, a decode filling a page (the C loop for a request without keys, Python
+    with keys), a chunk growing by several pages."""
+    from pagekeeper.core.manager import PageManager
+
+    pm = PageManager(PoolConfig(num_pages=64, groups=(GroupConfig(page_size=16),)))
+    pm.admit("k", list(range(64)), extra_keys=KEYS)
+    pm.admit("plain", list(range(100, 120)))
+    pm.take_events()
+    for t in range(12):  # plain: 20 + 12 tokens fill its page 1
+        assert None not in pm.allocate_decodes(["plain"], [500 + t]).values()
+    for t in range(16):  # k: 64 + 16 tokens fill its page 4
+        assert None not in pm.allocate_decodes(["k"], [600 + t]).values()
+    assert pm.allocate("k", 40, new_token_ids=list(range(700, 740))) is not None  # pages 5, 6
+    events = [e for e in pm.take_events() if isinstance(e, PageStored)]
+    got = [(e.first_page, e.extra_keys, len(e.page_hashes)) for e in events]
+    assert got == [(1, None, 1), (4, KEYS, 1), (5, KEYS, 2)]
+    wire = to_vllm_events(events)
+    assert [e.extra_keys for e in wire] == [[None], [("adapter",)], [("adapter",)] * 2]  # type: ignore[union-attr]
+
+
 def test_the_wire_layout() -> None:
     """An array ``[ts, events, rank]``; each event a map tagged ``type`` by class name."""
     batch = KVEventBatch(ts=1.5, events=to_vllm_events(EVENTS, "int"), data_parallel_rank=2)
@@ -81,26 +123,28 @@ def test_the_wire_layout() -> None:
     assert [e["type"] for e in plain[1]] == ["BlockStored", "BlockRemoved", "AllBlocksCleared"]
     assert set(plain[1][0]) == {
         "type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
-        "medium", "lora_name", "group_idx",
+        "medium", "lora_name", "extra_keys", "group_idx",
     }  # fmt: skip
+    assert plain[1][0]["extra_keys"] == [None, None]  # a request without keys: a None a page
     assert decode(msgspec.msgpack.encode(batch)) == batch
 
 
 @pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="vLLM's side virtualenv is not here")
 def test_vllms_own_decoder_reads_the_batches() -> None:
     payload = msgspec.msgpack.encode(
-        KVEventBatch(ts=3.25, events=to_vllm_events(EVENTS, "int"), data_parallel_rank=0)
+        KVEventBatch(ts=3.25, events=to_vllm_events([*EVENTS, KEYED], "int"), data_parallel_rank=0)
     )
     script = (
         "import sys, msgspec\n"
         "from vllm.distributed.kv_events import KVEventBatch, BlockStored, BlockRemoved, "
         "AllBlocksCleared\n"
         "b = msgspec.msgpack.Decoder(KVEventBatch).decode(sys.stdin.buffer.read())\n"
-        "s, r, c = b.events\n"
+        "s, r, c, k = b.events\n"
         "assert isinstance(s, BlockStored) and isinstance(r, BlockRemoved)\n"
         "assert isinstance(c, AllBlocksCleared)\n"
         "print(b.ts, b.data_parallel_rank, s.block_hashes, s.parent_block_hash, s.token_ids,"
         " s.block_size, s.lora_name, s.medium, s.group_idx, r.block_hashes, r.group_idx)\n"
+        "print(s.extra_keys, k.extra_keys)\n"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
     env["VLLM_TARGET_DEVICE"] = "cpu"
@@ -114,7 +158,13 @@ def test_vllms_own_decoder_reads_the_batches() -> None:
     assert result.returncode == 0, result.stderr.decode()[-2000:]
     a, b = int.from_bytes(DIGEST_A[-8:], "big"), int.from_bytes(DIGEST_B[-8:], "big")
     expected = f"3.25 0 [{a}, {b}] None {list(range(8))} 4 adapter GPU 1 [{b}] 0"
-    assert result.stdout.decode().strip().splitlines()[-1] == expected
+    *_, line, keys = result.stdout.decode().strip().splitlines()
+    assert line == expected
+    # Its struct types each page's keys as a tuple; the (identifier, offset) pairs inside
+    # come back as lists (msgpack has only arrays).
+    assert keys == "[None, None] [('adapter', 's'), ('adapter', ['img', 4]), " + (
+        "('adapter', ['img', -12]), ('adapter',)]"
+    )
 
 
 def test_settings() -> None:
@@ -309,6 +359,64 @@ def test_the_service_publishes_for_a_router(
         assert any(isinstance(e, BlockRemoved) for e in events)
         metrics = server.http().get("/metrics").text
         assert f"pagekeeper_kv_events_zmq_events_total {float(want)}" in metrics
+    finally:
+        client.close()
+        sub.close(linger=0)
+        ctx.term()
+
+
+def test_extra_keys_reach_routers_watchers_and_rest(
+    server_factory: Callable[..., RunningServer],
+) -> None:
+    """A LoRA request with a salt and an image: its stored pages' keys go out over ZeroMQ
+    (vLLM's per-page form), ``WatchEvents`` and ``/v1/events`` (the request's keys and the
+    event's first page)."""
+    from pagekeeper_client import PagekeeperClient
+    from pagekeeper_client.types import ExtraKeys as ClientKeys
+    from pagekeeper_client.types import MultiModalKey as ClientMM
+
+    server = server_factory(
+        "--kv-events-endpoint", "tcp://127.0.0.1:0", "--num-pages", "64", "--page-size", "16",
+        "--durability", "none",
+    )  # fmt: skip
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(server.info["kv_events_endpoint"])
+    time.sleep(0.3)
+    client = PagekeeperClient(server.grpc_address, local_socket=None)
+    try:
+        client.register("scheduler", name="keys-test")
+        keys = ClientKeys(
+            lora_name="adapter",
+            lora_path="/a",
+            mm_inputs=(ClientMM("img", 20, 20),),
+            cache_salt="s",
+        )
+        client.admit("k", list(range(64)), extra_keys=keys)
+        client.admit("plain", list(range(100, 132)))
+        client.step()
+        stored: list[BlockStored] = []
+        deadline = time.monotonic() + 10
+        while len(stored) < 2 and time.monotonic() < deadline:
+            if sub.poll(200):
+                _, _, payload = sub.recv_multipart()
+                stored += [e for e in decode(payload).events if isinstance(e, BlockStored)]
+        # Decoded, the (identifier, offset) pairs are lists (msgpack has only arrays).
+        decoded = [("adapter", "s"), ("adapter", ["img", 4]), ("adapter", ["img", -12])]
+        assert [e.extra_keys for e in stored] == [[*decoded, ("adapter",)], [None, None]]
+        rest = server.http().get("/v1/events", params={"since": 0}).json()["events"]
+        assert rest[0]["extra_keys"] == {
+            "lora_name": "adapter", "lora_path": "/a", "cache_salt": "s",
+            "mm_inputs": [{"identifier": "img", "offset": 20, "length": 20}],
+        }  # fmt: skip
+        assert rest[0]["first_page_index"] == 0
+        assert rest[1]["extra_keys"] is None and rest[1]["first_page_index"] is None
+        with client.watch_events(0) as stream:
+            batch = next(iter(stream))
+        first, second = batch.events[:2]
+        assert first.extra_keys == keys and first.first_page_index == 0  # type: ignore[union-attr]
+        assert second.extra_keys is None  # type: ignore[union-attr]
     finally:
         client.close()
         sub.close(linger=0)

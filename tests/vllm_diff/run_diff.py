@@ -192,6 +192,16 @@ def _norm_hash(h: Any) -> str | None:
     return bytes(h).hex()
 
 
+def _norm_keys(keys: Any) -> Any:
+    """A BlockStored's ``extra_keys`` (per page: None or a tuple, lists after decoding)."""
+    if keys is None:
+        return None
+    return tuple(
+        None if k is None else tuple(tuple(x) if isinstance(x, list | tuple) else x for x in k)
+        for k in keys
+    )
+
+
 # ---------------------------------------------------------------------------------------
 # vLLM backend
 # ---------------------------------------------------------------------------------------
@@ -262,18 +272,34 @@ class VllmBackend:
         self.partial_keys: Counter[tuple[int, bytes]] = Counter()
 
     def _make_request(
-        self, rid: str, tokens: Sequence[int], lora: list[Any] | None, salt: str | None
+        self,
+        rid: str,
+        tokens: Sequence[int],
+        lora: list[Any] | None,
+        salt: str | None,
+        mm: list[Any] | None = None,
     ) -> Any:
         from vllm.lora.request import LoRARequest
+        from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
         from vllm.sampling_params import SamplingParams
         from vllm.v1.request import Request
 
         lora_req = LoRARequest(lora[0], lora[1], lora[2]) if lora else None
+        features = [
+            MultiModalFeatureSpec(
+                data=None,
+                modality="image",
+                identifier=ident,
+                mm_position=PlaceholderRange(offset=offset, length=length),
+            )
+            for ident, offset, length in mm or ()
+        ]
         return Request(
             rid,
             list(tokens),
             SamplingParams(max_tokens=1 << 20),
             None,
+            mm_features=features or None,
             lora_request=lora_req,
             cache_salt=salt,
             block_hasher=self.hasher,
@@ -288,9 +314,10 @@ class VllmBackend:
         lookahead: int,
         lora: list[Any] | None,
         salt: str | None,
+        mm: list[Any] | None = None,
     ) -> tuple[OpResult, int]:
         """New request. Returns (result, num_new_tokens actually scheduled)."""
-        req = self._make_request(rid, tokens, lora, salt)
+        req = self._make_request(rid, tokens, lora, salt, mm)
         return self._admit_request(req, budget, lookahead)
 
     def _admit_request(self, req: Any, budget: int | None, lookahead: int) -> tuple[OpResult, int]:
@@ -353,8 +380,14 @@ class VllmBackend:
     def reset(self) -> OpResult:
         return OpResult(value=bool(self.mgr.reset_prefix_cache()))
 
-    def lookup(self, tokens: Sequence[int], lora: list[Any] | None, salt: str | None) -> OpResult:
-        req = self._make_request("__lookup__", tokens, lora, salt)
+    def lookup(
+        self,
+        tokens: Sequence[int],
+        lora: list[Any] | None,
+        salt: str | None,
+        mm: list[Any] | None = None,
+    ) -> OpResult:
+        req = self._make_request("__lookup__", tokens, lora, salt, mm)
         # A router's lookup may cover every token (pagekeeper's ``lookup``); admission
         # stops one short (``get_computed_blocks``' default).
         blocks, num_hit, _ = self.mgr.get_computed_blocks(req, req.num_tokens)
@@ -399,6 +432,7 @@ class VllmBackend:
                         ev.lora_name,
                         ev.kv_cache_spec_kind,
                         ev.kv_cache_spec_sliding_window,
+                        _norm_keys(ev.extra_keys),
                     )
                 )
             elif isinstance(ev, BlockRemoved):
@@ -488,7 +522,7 @@ class PagekeeperBackend:
         self.extra: dict[str, Any] = {}
         self.cfg = cfg
 
-    def _wire_events(self, raw: list[Any]) -> list[tuple[Any, Any]]:
+    def _wire_events(self, raw: list[Any]) -> list[tuple[Any, Any, Any]]:
         """Each event through pagekeeper's ZeroMQ encoding (``pagekeeper.kvevents``) and
         vLLM's ``KVEventBatch`` decoder; checks every field the decoder returns against
         the event, and gives back each stored event's spec kind and window (else Nones)."""
@@ -506,7 +540,7 @@ class PagekeeperBackend:
             KVEventBatch(ts=0.0, events=to_vllm_events(raw, "bytes", specs), data_parallel_rank=0)
         )
         decoded = msgspec.msgpack.Decoder(VllmBatch).decode(payload).events
-        out: list[tuple[Any, Any]] = []
+        out: list[tuple[Any, Any, Any]] = []
         for ev, got in zip(raw, decoded, strict=True):
             if isinstance(ev, PageStored):
                 assert isinstance(got, BlockStored), got
@@ -515,22 +549,29 @@ class PagekeeperBackend:
                 assert list(got.token_ids) == [int(t) for t in ev.token_ids]
                 assert (got.block_size, got.group_idx) == (ev.page_size, ev.group_id)
                 assert got.lora_name == ev.lora_name and got.medium == "GPU"
-                out.append((got.kv_cache_spec_kind, got.kv_cache_spec_sliding_window))
+                out.append(
+                    (
+                        got.kv_cache_spec_kind,
+                        got.kv_cache_spec_sliding_window,
+                        _norm_keys(got.extra_keys),
+                    )
+                )
                 continue
             if isinstance(ev, PageRemoved):
                 assert isinstance(got, BlockRemoved), got
                 assert [bytes(h) for h in got.block_hashes] == list(ev.page_hashes)
                 assert got.group_idx == ev.group_id
-            out.append((None, None))
+            out.append((None, None, None))
         return out
 
     @staticmethod
-    def _extra(lora: list[Any] | None, salt: str | None) -> Any:
-        from pagekeeper.core.types import ExtraKeys
+    def _extra(lora: list[Any] | None, salt: str | None, mm: list[Any] | None = None) -> Any:
+        from pagekeeper.core.types import ExtraKeys, MultiModalKey
 
         return ExtraKeys(
             lora_name=lora[0] if lora else None,
             lora_path=lora[2] if lora else None,
+            mm_inputs=tuple(MultiModalKey(i, o, n) for i, o, n in mm or ()),
             cache_salt=salt,
         )
 
@@ -568,9 +609,10 @@ class PagekeeperBackend:
         lookahead: int,
         lora: list[Any] | None,
         salt: str | None,
+        mm: list[Any] | None = None,
     ) -> OpResult:
         self.tokens[rid] = list(tokens)
-        self.extra[rid] = self._extra(lora, salt)
+        self.extra[rid] = self._extra(lora, salt, mm)
         return self._admit(rid, tokens, num_new, lookahead, self.extra[rid])
 
     def resume(self, rid: str, num_new: int | None, lookahead: int) -> OpResult:
@@ -607,8 +649,14 @@ class PagekeeperBackend:
     def reset(self) -> OpResult:
         return OpResult(value=bool(self.pm.reset_prefix_cache()))
 
-    def lookup(self, tokens: Sequence[int], lora: list[Any] | None, salt: str | None) -> OpResult:
-        res = self.pm.lookup(list(tokens), extra_keys=self._extra(lora, salt))
+    def lookup(
+        self,
+        tokens: Sequence[int],
+        lora: list[Any] | None,
+        salt: str | None,
+        mm: list[Any] | None = None,
+    ) -> OpResult:
+        res = self.pm.lookup(list(tokens), extra_keys=self._extra(lora, salt, mm))
         hit = tuple(tuple(int(p) for p in g) for g in res.page_ids)
         return OpResult(value=[int(res.num_hit_tokens), hit])
 
@@ -627,7 +675,7 @@ class PagekeeperBackend:
         # The events as pagekeeper's ZeroMQ publisher sends them to routers, read back with
         # vLLM's own decoder: what a router built for vLLM would see.
         wire = self._wire_events(raw)
-        for ev, (kind, window) in zip(raw, wire, strict=True):
+        for ev, (kind, window, keys) in zip(raw, wire, strict=True):
             if isinstance(ev, PageStored):
                 if not ev.page_hashes:
                     continue
@@ -642,6 +690,7 @@ class PagekeeperBackend:
                         ev.lora_name,
                         kind,
                         window,
+                        keys,
                     )
                 )
             elif isinstance(ev, PageRemoved):
@@ -748,14 +797,17 @@ def apply_op(
     kind = op[0]
     stats.by_kind[kind] = stats.by_kind.get(kind, 0) + 1
     if kind == "admit":
-        _, rid, tokens, budget, lookahead, lora, salt = op
-        r, num_new = ref.admit(rid, tokens, budget, lookahead, lora, salt)
+        _, rid, tokens, budget, lookahead, lora, salt, *rest = op
+        mm = rest[0] if rest else None
+        r, num_new = ref.admit(rid, tokens, budget, lookahead, lora, salt, mm)
         if r.num_cached_tokens:
             stats.hits += 1
         if other is not None:
             # pagekeeper schedules `num_new_tokens` after its own hit; the default (None)
             # means "all the rest", like the unchunked reference.
-            g = other.admit(rid, tokens, None if budget is None else num_new, lookahead, lora, salt)
+            g = other.admit(
+                rid, tokens, None if budget is None else num_new, lookahead, lora, salt, mm
+            )
             _cmp_alloc(i, op, r, g, admission=True)
         if not r.ok:
             stats.none_answers += 1
@@ -788,10 +840,11 @@ def apply_op(
         if other is not None:
             _cmp(i, op, "reset_prefix_cache answer", r.value, other.reset().value)
     elif kind == "lookup":
-        _, tokens, lora, salt = op
-        r = ref.lookup(tokens, lora, salt)
+        _, tokens, lora, salt, *rest = op
+        mm = rest[0] if rest else None
+        r = ref.lookup(tokens, lora, salt, mm)
         if other is not None:
-            g = other.lookup(tokens, lora, salt)
+            g = other.lookup(tokens, lora, salt, mm)
             _cmp(i, op, "lookup (hit tokens, page ids)", r.value, g.value)
     else:
         raise ValueError(f"unknown op {kind!r}")
@@ -871,7 +924,8 @@ class Generator:
             self.pending = [["free", rid] for rid in running] + [["reset"]]
             return self.pending.pop(0)
         if kind == "lookup":
-            return ["lookup", self.prompt(), self.lora(), self.salt()]
+            prompt = self.prompt()
+            return ["lookup", prompt, self.lora(), self.salt(), self.mm(len(prompt))]
         if kind == "resume":
             rid = self.preempted.pop(rng.randrange(len(self.preempted)))
             budget = None if rng.random() < 0.7 else rng.randint(1, 96)
@@ -879,7 +933,10 @@ class Generator:
         rid = f"r{self.next_id}"
         self.next_id += 1
         budget = None if rng.random() < 0.7 else rng.randint(1, 96)
-        return ["admit", rid, self.prompt(), budget, lookahead, self.lora(), self.salt()]
+        prompt = self.prompt()
+        return [
+            "admit", rid, prompt, budget, lookahead, self.lora(), self.salt(), self.mm(len(prompt))
+        ]  # fmt: skip
 
     def lora(self) -> list[Any] | None:
         r = self.rng.random()
@@ -893,6 +950,18 @@ class Generator:
 
     def salt(self) -> str | None:
         return "salt-x" if self.rng.random() < 0.08 else None
+
+    def mm(self, num_tokens: int) -> list[Any] | None:
+        """Now and then one or two images' placeholders, from a few fixed positions (so
+        that prompts sharing a prefix share them, and hit)."""
+        rng = self.rng
+        if rng.random() >= 0.1:
+            return None
+        spots = [(5, 20), (30, 16), (60, 40)]  # not overlapping: sorted, as vLLM keeps them
+        chosen = sorted(rng.sample(spots, rng.choice([1, 1, 2])))
+        ident = rng.choice(["img-a", "img-b"])
+        placed = [[f"{ident}-{o}", o, n] for o, n in chosen if o + n <= num_tokens]
+        return placed or None
 
     def observe(self, op: list[Any], ref: VllmBackend) -> None:
         """Track preempted requests (resumable) from the reference's state after an op."""
@@ -912,8 +981,8 @@ class VllmAsOther(VllmBackend):
 
     name = "vllm-self"
 
-    def admit(self, rid, tokens, num_new, lookahead, lora, salt):  # type: ignore[override]
-        return super().admit(rid, tokens, num_new, lookahead, lora, salt)[0]
+    def admit(self, rid, tokens, num_new, lookahead, lora, salt, mm=None):  # type: ignore[override]
+        return super().admit(rid, tokens, num_new, lookahead, lora, salt, mm)[0]
 
     def resume(self, rid, num_new, lookahead):  # type: ignore[override]
         return super().resume(rid, num_new, lookahead)[0]

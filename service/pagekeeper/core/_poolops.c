@@ -1371,9 +1371,14 @@ fill_page(DecodeStep *d, PyObject *req, PyObject *rid, PyObject *token, PyObject
         goto fail;
     }
     {
-        PyObject *args[8] = {next_seq, f[F_GROUP_ID], hash_tuple, k ? parent : Py_None, run,
-                             ps_o, page_tuple, Py_None};
-        event = PyObject_Vectorcall(f[F_NEW_STORED], args, 8, NULL);
+        /* lora_name and extra_keys None (a request without keys), first_page k. */
+        PyObject *first_o = PyLong_FromSsize_t(k);
+        if (first_o != NULL) {
+            PyObject *args[10] = {next_seq, f[F_GROUP_ID], hash_tuple, k ? parent : Py_None,
+                                  run, ps_o, page_tuple, Py_None, Py_None, first_o};
+            event = PyObject_Vectorcall(f[F_NEW_STORED], args, 10, NULL);
+            Py_DECREF(first_o);
+        }
     }
     Py_DECREF(ps_o);
     if (event == NULL) {

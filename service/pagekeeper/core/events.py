@@ -13,6 +13,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, fields
 from typing import overload
 
+from pagekeeper.core.types import ExtraKeys
+
 
 class TokenRun(Sequence[int]):
     """The token ids of a ``stored`` event: an immutable sequence of ints kept packed, 8
@@ -90,6 +92,12 @@ class PageStored:
     page_size: int
     page_ids: tuple[int, ...]
     lora_name: str | None = None
+    extra_keys: ExtraKeys | None = None
+    """The request's extra keys when it has any (the same object for all its events): page
+    ``first_page + i`` of the run hashed :func:`pagekeeper.core.hashing.page_extra_keys`
+    of them. None for a request without extra keys."""
+    first_page: int = 0
+    """Index of the run's first page in its request's table (of this group's page size)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +137,8 @@ _REMOVED_SLOTS = [getattr(PageRemoved, f.name).__set__ for f in fields(PageRemov
     _set_page_size,
     _set_pages,
     _set_lora,
+    _set_extra_keys,
+    _set_first_page,
 ) = _STORED_SLOTS
 _set_r_seq, _set_r_group, _set_r_hashes, _set_r_pages = _REMOVED_SLOTS
 
@@ -142,6 +152,8 @@ def new_stored(
     page_size: int,
     page_ids: tuple[int, ...],
     lora_name: str | None,
+    extra_keys: ExtraKeys | None = None,
+    first_page: int = 0,
 ) -> PageStored:
     """``PageStored(...)`` with the same fields, built faster (the core's hot path)."""
     event: PageStored = _new(PageStored)
@@ -153,6 +165,8 @@ def new_stored(
     _set_page_size(event, page_size)
     _set_pages(event, page_ids)
     _set_lora(event, lora_name)
+    _set_extra_keys(event, extra_keys)
+    _set_first_page(event, first_page)
     return event
 
 

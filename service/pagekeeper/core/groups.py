@@ -24,6 +24,7 @@ from operator import is_not
 from pagekeeper.core.config import GroupConfig, GroupKind
 from pagekeeper.core.pool import NULL_PAGE, PagePool
 from pagekeeper.core.tables import PageRows
+from pagekeeper.core.types import ExtraKeys
 
 _is_not_none = partial(is_not, None)
 
@@ -176,9 +177,10 @@ class GroupManager:
         num_tokens: int,
         hashes: Sequence[bytes],
         token_ids: Sequence[int],
-        lora_name: str | None,
+        extra_keys: ExtraKeys | None,
     ) -> None:
-        """Enter the request's newly full pages (up to ``num_tokens``) into the index."""
+        """Enter the request's newly full pages (up to ``num_tokens``) into the index
+        (``extra_keys``: the request's, None when it has none)."""
         if not self.is_cacheable:
             return
         num_cached = self.num_cached_pages.get(request_id, 0)
@@ -195,7 +197,9 @@ class GroupManager:
             parent_hash=hashes[num_cached - 1] if num_cached else None,
             token_ids=token_ids[num_cached * ps : num_full * ps],
             page_size=ps,
-            lora_name=lora_name,
+            lora_name=None if extra_keys is None else extra_keys.lora_name,
+            extra_keys=extra_keys,
+            first_page=num_cached,
         )
         self.num_cached_pages[request_id] = num_full
 
@@ -204,7 +208,7 @@ class GroupManager:
         request_id: str,
         hashes: Sequence[bytes],
         token_ids: Sequence[int],
-        lora_name: str | None,
+        extra_keys: ExtraKeys | None,
     ) -> None:
         """Enter the request's next full page into the index (``cache`` for the one page a
         decode fills; the hashes already cover it)."""
@@ -217,7 +221,9 @@ class GroupManager:
             parent_hash=hashes[k - 1] if k else None,
             token_ids=token_ids[k * ps : (k + 1) * ps],
             page_size=ps,
-            lora_name=lora_name,
+            lora_name=None if extra_keys is None else extra_keys.lora_name,
+            extra_keys=extra_keys,
+            first_page=k,
         )
         self.num_cached_pages[request_id] = k + 1
 

@@ -208,17 +208,33 @@ def page_extra_keys(
     if extra_keys is None:
         return None
     _validate_extra_keys(extra_keys)
-    start = page_index * page_size
-    end = start + page_size
-    keys: list[tuple[str | int | None, ...]] = []
-    if extra_keys.lora_name is not None:
-        keys.append(("lora", extra_keys.lora_name, extra_keys.lora_path))
-    for mm in extra_keys.mm_inputs:
-        if mm.offset < end and mm.offset + mm.length > start:
-            keys.append(("mm", mm.identifier, mm.offset - start))
-    if page_index == 0 and extra_keys.cache_salt:
-        keys.append(("cache_salt", extra_keys.cache_salt))
-    return tuple(keys) if keys else None
+    return run_extra_keys(extra_keys, page_index, 1, page_size)[0]
+
+
+def run_extra_keys(
+    extra_keys: ExtraKeys, first_page: int, num_pages: int, page_size: int
+) -> list[ExtraKeyTuple | None]:
+    """:func:`page_extra_keys` of pages ``first_page .. first_page + num_pages - 1`` of a
+    request whose keys were validated (on admission)."""
+    lora = (
+        (("lora", extra_keys.lora_name, extra_keys.lora_path),)
+        if extra_keys.lora_name is not None
+        else ()
+    )
+    mm_inputs = extra_keys.mm_inputs
+    salt = extra_keys.cache_salt
+    out: list[ExtraKeyTuple | None] = []
+    for page in range(first_page, first_page + num_pages):
+        start = page * page_size
+        end = start + page_size
+        keys: list[tuple[str | int | None, ...]] = [*lora]
+        for mm in mm_inputs:
+            if mm.offset < end and mm.offset + mm.length > start:
+                keys.append(("mm", mm.identifier, mm.offset - start))
+        if page == 0 and salt:
+            keys.append(("cache_salt", salt))
+        out.append(tuple(keys) if keys else None)
+    return out
 
 
 class _CompiledKeys:

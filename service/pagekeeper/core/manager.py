@@ -78,6 +78,11 @@ class _Request:
     num_scheduled: int = 0
 
 
+def _event_keys(extra_keys: ExtraKeys) -> ExtraKeys | None:
+    """What a request's ``stored`` events carry: its extra keys, None when it has none."""
+    return None if extra_keys.is_empty else extra_keys
+
+
 def _check_token_ndarray(token_ids: np.ndarray, what: str) -> None:
     if token_ids.ndim != 1 or token_ids.dtype.kind not in "iu":
         raise InvalidArgument(f"{what} must be a 1-D integer array")
@@ -762,7 +767,7 @@ class PageManager:
                         take_crossing_pages()
                     if num_full == num_done + 1:
                         # The page this token filled (ids checked, hashes already extended).
-                        group.cache_next(rid, req.hashes, ids, req.extra_keys.lora_name)
+                        group.cache_next(rid, req.hashes, ids, _event_keys(req.extra_keys))
                     else:
                         self._cache(req, end)
             req.num_computed_tokens = end
@@ -833,7 +838,7 @@ class PageManager:
                     num_tokens,
                     self._group_hashes(g.group_id, req.hashes),
                     req.token_ids,
-                    req.extra_keys.lora_name,
+                    _event_keys(req.extra_keys),
                 )
 
     def free(self, request_id: str) -> None:

@@ -63,6 +63,7 @@ from pagekeeper.core.events import (
     new_stored,
 )
 from pagekeeper.core.extensions import load_extension
+from pagekeeper.core.types import ExtraKeys
 
 NULL_PAGE = 0
 # Below this many pages, plain scalar loops beat numpy's per-call overhead.
@@ -675,8 +676,11 @@ class PagePool:
         token_ids: Sequence[int],
         page_size: int,
         lora_name: str | None,
+        extra_keys: ExtraKeys | None = None,
+        first_page: int = 0,
     ) -> None:
-        """Enter full pages into the index (one ``stored`` event for the run)."""
+        """Enter full pages into the index (one ``stored`` event for the run). ``extra_keys``
+        and ``first_page`` (the run's place in its request's table) go into the event."""
         index, cached, hash_of = self._index[group_id], self._cached, self._page_hash
         if len(pages) != len(hashes):
             raise InvalidArgument(f"{len(pages)} pages but {len(hashes)} hashes")
@@ -686,7 +690,15 @@ class PagePool:
             # (it changes nothing and says False otherwise: the general path below).
             if self._ops.cache(index, hash_of, self._state, cached, pages, hashes, group_id + 1):
                 self._stored_event(
-                    group_id, pages, hashes, parent_hash, token_ids, page_size, lora_name
+                    group_id,
+                    pages,
+                    hashes,
+                    parent_hash,
+                    token_ids,
+                    page_size,
+                    lora_name,
+                    extra_keys,
+                    first_page,
                 )
                 return
         elif (
@@ -708,7 +720,15 @@ class PagePool:
                 state[page] = s + 1
                 hash_of[page] = page_hash
             self._stored_event(
-                group_id, pages, hashes, parent_hash, token_ids, page_size, lora_name
+                group_id,
+                pages,
+                hashes,
+                parent_hash,
+                token_ids,
+                page_size,
+                lora_name,
+                extra_keys,
+                first_page,
             )
             return
         state = self._state
@@ -720,15 +740,51 @@ class PagePool:
             seen.add(page)
         stored_pages: list[int] = []
         stored_hashes: list[bytes] = []
-        for page, page_hash in zip(pages, hashes, strict=True):
+        positions: list[int] = []
+        for i, (page, page_hash) in enumerate(zip(pages, hashes, strict=True)):
             if page == NULL_PAGE:
                 continue
             self._index_page(group_id, page, page_hash)
             stored_pages.append(page)
             stored_hashes.append(page_hash)
-        if stored_pages:
+            positions.append(i)
+        if (
+            extra_keys is not None
+            and positions
+            and positions[-1] - positions[0] + 1 != len(positions)
+        ):
+            # Null pages between stored ones: an event per contiguous run, so that each
+            # event's pages are its request's pages first_page, first_page + 1, ...
+            start = 0
+            for k in range(1, len(positions) + 1):
+                if k < len(positions) and positions[k] == positions[k - 1] + 1:
+                    continue
+                first = positions[start]
+                self._stored_event(
+                    group_id,
+                    stored_pages[start:k],
+                    stored_hashes[start:k],
+                    hashes[first - 1] if first else parent_hash,
+                    token_ids[first * page_size : (positions[k - 1] + 1) * page_size],
+                    page_size,
+                    lora_name,
+                    extra_keys,
+                    first_page + first,
+                )
+                start = k
+            return
+        if positions:
+            first_page += positions[0]  # leading null pages (a window's) are not stored
             self._stored_event(
-                group_id, stored_pages, stored_hashes, parent_hash, token_ids, page_size, lora_name
+                group_id,
+                stored_pages,
+                stored_hashes,
+                parent_hash,
+                token_ids,
+                page_size,
+                lora_name,
+                extra_keys,
+                first_page,
             )
 
     def cache_one(
@@ -741,13 +797,23 @@ class PagePool:
         token_ids: Sequence[int],
         page_size: int,
         lora_name: str | None,
+        extra_keys: ExtraKeys | None = None,
+        first_page: int = 0,
     ) -> None:
         """``cache`` for the one page a decode just filled (the shortest path)."""
         if self._cached[page] or self._state[page] < 2 or page == NULL_PAGE:
             raise InvariantViolation(f"page {page} is already cached, free or the null page")
         self._index_page(group_id, page, page_hash)
         self._stored_event(
-            group_id, (page,), (page_hash,), parent_hash, token_ids, page_size, lora_name
+            group_id,
+            (page,),
+            (page_hash,),
+            parent_hash,
+            token_ids,
+            page_size,
+            lora_name,
+            extra_keys,
+            first_page,
         )
 
     def _index_page(self, group_id: int, page: int, page_hash: bytes) -> None:
@@ -784,6 +850,8 @@ class PagePool:
         token_ids: Sequence[int],
         page_size: int,
         lora_name: str | None,
+        extra_keys: ExtraKeys | None,
+        first_page: int,
     ) -> None:
         self._event_seq += 1
         # The caller's slice of a request's ``array('Q')`` is a fresh copy: adopted.
@@ -804,6 +872,8 @@ class PagePool:
             page_size,
             _event_tuple(pages),
             lora_name,
+            extra_keys,
+            first_page,
         )
         _untrack(event)
         self._events.append(event)

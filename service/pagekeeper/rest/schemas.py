@@ -254,28 +254,7 @@ class ClientModel(Model):
 
 
 # -- events -------------------------------------------------------------------------------
-
-
-class EventModel(Model):
-    seq: int = Field(description="Sequence number, increasing from 1.")
-    type: Literal["stored", "removed", "all_cleared"] = Field(description="Event kind.")
-    group_id: int | None = Field(default=None, description="KV-cache group (stored/removed).")
-    page_hashes: list[HexHash] = Field(default_factory=list, description="Hashes, hex.")
-    parent_page_hash: HexHash | None = Field(default=None, description="stored: the chain parent.")
-    token_ids: list[int] = Field(default_factory=list, description="stored: the pages' tokens.")
-    page_size: int | None = Field(default=None, description="stored: tokens per page.")
-    page_ids: list[int] = Field(default_factory=list, description="Pages concerned.")
-    lora_name: str | None = Field(default=None, description="stored: the LoRA adapter, if any.")
-
-
-class EventList(Model):
-    events: list[EventModel] = Field(description="Events with seq > since, oldest first.")
-    fell_behind: bool = Field(description="Events after `since` were already dropped.")
-    first_retained_seq: int = Field(description="Oldest seq still held.")
-    last_event_seq: int = Field(description="Latest seq.")
-
-
-# -- lookup and admin ---------------------------------------------------------------------
+# (the extra keys' models first: lookups take them, stored events carry them)
 
 
 class MultiModalKeyModel(Model):
@@ -291,6 +270,39 @@ class ExtraKeysModel(Model):
         default_factory=list, description="Multimodal inputs."
     )
     cache_salt: str | None = Field(default=None, description="Cache salt (first page only).")
+
+
+class EventModel(Model):
+    seq: int = Field(description="Sequence number, increasing from 1.")
+    type: Literal["stored", "removed", "all_cleared"] = Field(description="Event kind.")
+    group_id: int | None = Field(default=None, description="KV-cache group (stored/removed).")
+    page_hashes: list[HexHash] = Field(default_factory=list, description="Hashes, hex.")
+    parent_page_hash: HexHash | None = Field(default=None, description="stored: the chain parent.")
+    token_ids: list[int] = Field(default_factory=list, description="stored: the pages' tokens.")
+    page_size: int | None = Field(default=None, description="stored: tokens per page.")
+    page_ids: list[int] = Field(default_factory=list, description="Pages concerned.")
+    lora_name: str | None = Field(default=None, description="stored: the LoRA adapter, if any.")
+    extra_keys: ExtraKeysModel | None = Field(
+        default=None,
+        description="stored: the storing request's extra keys, when it has any (each page "
+        "hashed those that fall on it: the LoRA on every page, multimodal inputs overlapping "
+        "it, the salt on page 0).",
+    )
+    first_page_index: int | None = Field(
+        default=None,
+        description="stored, with extra_keys: page i of the event is page "
+        "first_page_index + i of its request's table.",
+    )
+
+
+class EventList(Model):
+    events: list[EventModel] = Field(description="Events with seq > since, oldest first.")
+    fell_behind: bool = Field(description="Events after `since` were already dropped.")
+    first_retained_seq: int = Field(description="Oldest seq still held.")
+    last_event_seq: int = Field(description="Latest seq.")
+
+
+# -- lookup and admin ---------------------------------------------------------------------
 
 
 class LookupBody(Model):

@@ -220,6 +220,22 @@ def ring_to_pb(ring: RingDescriptor) -> pb.RingDescriptor:
 # -- step -----------------------------------------------------------------------------------
 
 
+def extra_keys_to_pb(extra: ExtraKeys) -> pb.ExtraKeys:
+    msg = pb.ExtraKeys(
+        mm_inputs=[
+            pb.MultiModalKey(identifier=m.identifier, offset=m.offset, length=m.length)
+            for m in extra.mm_inputs
+        ]
+    )
+    if extra.lora_name is not None:
+        msg.lora_name = extra.lora_name
+    if extra.lora_path is not None:
+        msg.lora_path = extra.lora_path
+    if extra.cache_salt is not None:
+        msg.cache_salt = extra.cache_salt
+    return msg
+
+
 def extra_keys_from_pb(msg: pb.ExtraKeys) -> ExtraKeys | None:
     lora_name = msg.lora_name if msg.HasField("lora_name") else None
     lora_path = msg.lora_path if msg.HasField("lora_path") else None
@@ -473,6 +489,9 @@ def event_to_pb(event: KVEvent) -> pb.KVEvent:
             stored.parent_page_hash = event.parent_page_hash
         if event.lora_name is not None:
             stored.lora_name = event.lora_name
+        if event.extra_keys is not None:
+            stored.extra_keys.CopyFrom(extra_keys_to_pb(event.extra_keys))
+            stored.first_page_index = event.first_page
         return pb.KVEvent(seq=event.seq, stored=stored)
     if isinstance(event, PageRemoved):
         return pb.KVEvent(

@@ -7,12 +7,25 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 
 from pagekeeper.core.events import AllCleared, KVEvent, PageRemoved, PageStored
+from pagekeeper.core.types import ExtraKeys
 from pagekeeper.rest.deps import StateDep
-from pagekeeper.rest.schemas import EventList, EventModel
+from pagekeeper.rest.schemas import EventList, EventModel, ExtraKeysModel, MultiModalKeyModel
 
 router = APIRouter(tags=["events"])
 
 MAX_LIMIT = 10000
+
+
+def extra_keys_model(extra: ExtraKeys) -> ExtraKeysModel:
+    return ExtraKeysModel(
+        lora_name=extra.lora_name,
+        lora_path=extra.lora_path,
+        mm_inputs=[
+            MultiModalKeyModel(identifier=m.identifier, offset=m.offset, length=m.length)
+            for m in extra.mm_inputs
+        ],
+        cache_salt=extra.cache_salt,
+    )
 
 
 def event_model(event: KVEvent) -> EventModel:
@@ -27,6 +40,8 @@ def event_model(event: KVEvent) -> EventModel:
             page_size=event.page_size,
             page_ids=list(event.page_ids),
             lora_name=event.lora_name,
+            extra_keys=None if event.extra_keys is None else extra_keys_model(event.extra_keys),
+            first_page_index=None if event.extra_keys is None else event.first_page,
         )
     if isinstance(event, PageRemoved):
         return EventModel(

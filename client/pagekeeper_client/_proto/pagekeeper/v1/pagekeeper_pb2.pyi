@@ -520,7 +520,7 @@ class GetBlockTableResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., group_id: _Optional[int] = ..., page_size: _Optional[int] = ..., kernel_block_size: _Optional[int] = ..., page_ids: _Optional[bytes] = ..., kernel_block_ids: _Optional[bytes] = ..., num_tokens: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class PageStored(_message.Message):
-    __slots__ = ("group_id", "page_hashes", "parent_page_hash", "token_ids", "page_size", "page_ids", "lora_name")
+    __slots__ = ("group_id", "page_hashes", "parent_page_hash", "token_ids", "page_size", "page_ids", "lora_name", "extra_keys", "first_page_index")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     PAGE_HASHES_FIELD_NUMBER: _ClassVar[int]
     PARENT_PAGE_HASH_FIELD_NUMBER: _ClassVar[int]
@@ -528,6 +528,8 @@ class PageStored(_message.Message):
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_KEYS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_PAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
     group_id: int
     page_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     parent_page_hash: bytes
@@ -535,7 +537,9 @@ class PageStored(_message.Message):
     page_size: int
     page_ids: bytes
     lora_name: str
-    def __init__(self, group_id: _Optional[int] = ..., page_hashes: _Optional[_Iterable[bytes]] = ..., parent_page_hash: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., page_size: _Optional[int] = ..., page_ids: _Optional[bytes] = ..., lora_name: _Optional[str] = ...) -> None: ...
+    extra_keys: ExtraKeys
+    first_page_index: int
+    def __init__(self, group_id: _Optional[int] = ..., page_hashes: _Optional[_Iterable[bytes]] = ..., parent_page_hash: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., page_size: _Optional[int] = ..., page_ids: _Optional[bytes] = ..., lora_name: _Optional[str] = ..., extra_keys: _Optional[_Union[ExtraKeys, _Mapping]] = ..., first_page_index: _Optional[int] = ...) -> None: ...
 
 class PageRemoved(_message.Message):
     __slots__ = ("group_id", "page_hashes", "page_ids")
