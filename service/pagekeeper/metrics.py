@@ -171,7 +171,8 @@ class Metrics:
         self.lease_resumes = Counter(
             "pagekeeper_lease_resumes",
             "Times the lease reaper renewed every lease before expiring any, by reason: stall "
-            "(the service was held past a tick) or clock_jump (the wall clock leapt ahead).",
+            "(the service was held past a tick) or clock_jump (the wall clock leapt ahead); "
+            "clock_back: the wall clock went back and every lease was capped at one full lease.",
             ["reason"],
             registry=self.registry,
         )

@@ -104,7 +104,8 @@ def write_ready_file(path: str, info: dict[str, object]) -> None:
 
 LEASE_HOLD_S = 1.0
 """A reaper tick this much later than due, or a wall clock that moved this much more than
-the monotonic one between two ticks, makes the reaper renew every lease first."""
+the monotonic one between two ticks, makes the reaper renew every lease first; a wall clock
+that moved this much less caps every lease at one full lease."""
 
 
 async def _reap_leases(
@@ -114,9 +115,11 @@ async def _reap_leases(
     survive restarts); two things would expire healthy clients, so each renews every lease
     first (a ResumeLeasesCommand, as after a restart): the service itself held past the
     tick (a stall, a stopped process: heartbeats could not be answered), and the wall clock
-    jumping forward (no time passed for the clients)."""
+    jumping forward (no time passed for the clients). The wall clock going back would keep
+    a dead client's pages for as long as it went back: every lease is capped at one full
+    lease from now instead (a live client heartbeats within that)."""
     resumes = runtime.metrics.lease_resumes
-    for reason in ("stall", "clock_jump"):
+    for reason in ("stall", "clock_jump", "clock_back"):
         resumes.labels(reason)  # both series exist from the start (at 0)
     last_wall, last_mono = runtime.now(), monotonic()
     while True:
@@ -136,6 +139,15 @@ async def _reap_leases(
                     if reason == "stall"
                     else f"the wall clock jumped {jumped:.1f}s ahead",
                     renewed,
+                )
+            elif jumped < -LEASE_HOLD_S:
+                capped = runtime.state.resume_leases(ResumeLeasesCommand(wall, cap=True))
+                resumes.labels("clock_back").inc()
+                log.warning(
+                    "the wall clock went back %.1fs: every lease capped at one full lease "
+                    "(%d client(s))",
+                    -jumped,
+                    capped,
                 )
             result = runtime.state.expire_leases(ExpireLeasesCommand(wall))
         except PagekeeperError as exc:

@@ -323,9 +323,12 @@ class ForceFreeCommand:
 @dataclass(frozen=True, slots=True)
 class ResumeLeasesCommand:
     """After a restart: every registered client gets at least one full lease from ``now``
-    (the service being down is not the client's fault)."""
+    (the service being down is not the client's fault). With ``cap`` (the wall clock went
+    back): every lease ends at most one full lease from ``now`` instead, so a client that
+    stopped heartbeating is not kept for as long as the clock went back."""
 
     now: float
+    cap: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -1479,13 +1482,17 @@ class ServiceState:
 
     # -- recovery ----------------------------------------------------------------------
     def resume_leases(self, cmd: ResumeLeasesCommand) -> int:
-        """Give every client at least one full lease from ``cmd.now``; returns how many
-        clients there are (nothing is logged when there are none)."""
+        """Give every client at least one full lease from ``cmd.now`` (at most one, with
+        ``cmd.cap``); returns how many clients there are (nothing is logged when there are
+        none)."""
         self._check_writable()
         if not self._clients:
             return 0
         for client in self._clients.values():
-            client.expires_at = max(client.expires_at, cmd.now + client.lease_ttl_s)
+            full = cmd.now + client.lease_ttl_s
+            client.expires_at = (
+                min(client.expires_at, full) if cmd.cap else max(client.expires_at, full)
+            )
         self._after_mutation(cmd)
         return len(self._clients)
 

@@ -125,6 +125,7 @@ COMMANDS = [
     ResetPrefixCacheCommand(5.0),
     ForceFreeCommand(6.0, "r\x00é"),
     ResumeLeasesCommand(7.0),
+    ResumeLeasesCommand(7.5, cap=True),
     ConfigureLimitsCommand(8.0, Limits(max_clients=3, lease_grace_s=1.25)),
 ]
 
@@ -297,6 +298,12 @@ def test_snapshot_knows_every_attribute():
         "expires_at", "kernel_support", "kernel_block_sizes", "request_ids", "last_step_id",
         "last_step_result", "num_steps", "identity",
     }  # fmt: skip
+
+
+def test_a_lease_resume_without_the_cap_encodes_as_before():
+    plain = encode_command(ResumeLeasesCommand(7.0))
+    assert len(encode_command(ResumeLeasesCommand(7.0, cap=True))) > len(plain)
+    assert decode_command(plain)[0] == ResumeLeasesCommand(7.0, cap=False)
 
 
 def test_a_registration_without_identity_encodes_as_before_one_with_it_adds_a_field():

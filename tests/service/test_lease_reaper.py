@@ -1,5 +1,6 @@
 """The lease reaper renews every lease before expiring any when the service itself was held
-past a tick, or the wall clock jumped ahead: neither is the clients' fault."""
+past a tick, or the wall clock jumped ahead: neither is the clients' fault. A wall clock that
+went back caps every lease at one full lease instead."""
 
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ def _run(moves: list[tuple[float, bool]]) -> tuple[bool, dict[str, float]]:
     alive = any(c.client_id == client_id for c in runtime.state.clients())
     counters = {
         reason: runtime.metrics.lease_resumes.labels(reason)._value.get()
-        for reason in ("stall", "clock_jump")
+        for reason in ("stall", "clock_jump", "clock_back")
     }
     return alive, counters
 
@@ -66,25 +67,41 @@ def _run(moves: list[tuple[float, bool]]) -> tuple[bool, dict[str, float]]:
 def test_time_passing_tick_by_tick_expires_the_lease() -> None:
     alive, counters = _run([(0.5, False)] * 30)  # 15 s in half-second ticks
     assert not alive
-    assert counters == {"stall": 0, "clock_jump": 0}
+    assert counters == {"stall": 0, "clock_jump": 0, "clock_back": 0}
 
 
 def test_a_wall_clock_jump_renews_every_lease() -> None:
     alive, counters = _run([(0.5, False), (3_600.0, True), (0.5, False)])
     assert alive
-    assert counters == {"stall": 0, "clock_jump": 1}
+    assert counters == {"stall": 0, "clock_jump": 1, "clock_back": 0}
 
 
 def test_a_stalled_service_renews_every_lease() -> None:
     # 60 s between two ticks on both clocks: the process was held (stopped, starved).
     alive, counters = _run([(0.5, False), (60.0, False), (0.5, False)])
     assert alive
-    assert counters == {"stall": 1, "clock_jump": 0}
+    assert counters == {"stall": 1, "clock_jump": 0, "clock_back": 0}
 
 
 def test_the_renewal_is_one_lease_not_forever() -> None:
     alive, _ = _run([(3_600.0, True)] + [(0.5, False)] * 30)  # then 15 s pass normally
     assert not alive
+
+
+def test_a_wall_clock_going_back_caps_every_lease_at_one() -> None:
+    # Without the cap the lease would run 3,600 s longer: the dead client's pages held.
+    alive, counters = _run([(0.5, False), (-3_600.0, True)] + [(0.5, False)] * 30)
+    assert not alive
+    assert counters == {"stall": 0, "clock_jump": 0, "clock_back": 1}
+
+
+def test_the_cap_never_ends_a_lease_sooner_than_without_the_jump() -> None:
+    # 9.5 s were left at the jump; 8 s later the client is still registered.
+    alive, _ = _run([(0.5, False), (-3_600.0, True)] + [(0.5, False)] * 16)
+    assert alive
+    # A small step back (under a second) is ordinary clock discipline: nothing is done.
+    alive, counters = _run([(0.5, False), (-0.5, True), (0.5, False)])
+    assert alive and counters["clock_back"] == 0
 
 
 def test_a_stopped_service_keeps_its_clients_and_recovers_the_renewal(tmp_path: Path) -> None:

@@ -152,7 +152,9 @@ def encode_command(command: Command, result: Any = None) -> bytes:
     elif isinstance(command, ForceFreeCommand):
         kind, tree = KIND_FORCE_FREE, [command.now, command.request_id]
     elif isinstance(command, ResumeLeasesCommand):
-        kind, tree = KIND_RESUME_LEASES, [command.now]
+        # The cap only when set: a pagekeeper from before it reads [now] (and would read
+        # [now, 1] as a plain resume, which keeps every client).
+        kind, tree = KIND_RESUME_LEASES, [command.now, 1] if command.cap else [command.now]
     elif isinstance(command, ConfigureLimitsCommand):
         kind, tree = KIND_CONFIGURE_LIMITS, [command.now, limits_to_tree(command.limits)]
     else:
@@ -228,7 +230,7 @@ def _from_tree(kind: int, tree: Any) -> tuple[Command, Publication | None]:
     if kind == KIND_FORCE_FREE:
         return ForceFreeCommand(float(tree[0]), str(tree[1])), None
     if kind == KIND_RESUME_LEASES:
-        return ResumeLeasesCommand(float(tree[0])), None
+        return ResumeLeasesCommand(float(tree[0]), cap=len(tree) > 1 and bool(tree[1])), None
     if kind == KIND_CONFIGURE_LIMITS:
         return ConfigureLimitsCommand(float(tree[0]), limits_from_tree(tree[1])), None
     raise RecordDecodeError(f"unknown record kind {kind}")  # pragma: no cover - checked above
