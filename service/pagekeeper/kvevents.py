@@ -29,8 +29,10 @@ is void: the events of that run's last moments may not have gone out, and sequen
 restart at 0 as vLLM's do), and so does the first batch after events the publisher could
 not send (the service's event buffer dropped them: a single step past
 ``event_buffer_bytes``): the view then only lacks pages, which costs a router some hits,
-never a wrong route. A pool recovered from its data directory keeps its cache, but a
-router learns of it again only as pages are stored anew.
+never a wrong route. A pool recovered from its data directory keeps its cache and its event
+buffer: the first batch goes on with every event the buffer still holds, in order, so a
+router re-learns the pages stored within its reach (``event_buffer_bytes``); pages stored
+before that, and still cached, are learned again only as they are stored anew.
 
 The sockets are bound (never connected): routers connect to the service. PUB drops
 batches for a subscriber that falls more than ``hwm`` behind, as vLLM's does; a subscriber
@@ -68,6 +70,7 @@ log = logging.getLogger("pagekeeper")
 MEDIUM_GPU = "GPU"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _EVENTS_PER_READ = 4096
+_BATCHES_PER_TURN = 4
 _LOW_64 = (1 << 64) - 1
 
 
@@ -212,8 +215,8 @@ def to_vllm_events(
 class KvEventPublisher:
     """Publishes the state's KV events on a PUB socket and answers replays on a ROUTER one.
 
-    :meth:`run` (a task on the service's loop) follows the state's event buffer from the
-    last event at start-up. Sockets are bound in the constructor (raises OSError naming
+    :meth:`run` (a task on the service's loop) follows the state's event buffer, from the
+    oldest event it holds at start-up (a recovered pool's). Sockets are bound in the constructor (raises OSError naming
     the endpoint when one cannot be); :attr:`endpoint` / :attr:`replay_endpoint` are the
     bound ones (port 0 resolved)."""
 
@@ -247,8 +250,11 @@ class KvEventPublisher:
         self.num_events = 0
         self.num_lost_events = 0
         self.num_replays = 0
-        self._since = state.last_event_seq
-        self._needs_clear = True  # the first batch voids what routers knew of an earlier run
+        # From the oldest event the state holds: a recovered pool's buffer (replayed from
+        # its journal, or its snapshot's) re-teaches routers the pages stored within its
+        # reach, after the clear that voids what they knew of an earlier run.
+        self._since = state.event_buffer()[2] - 1
+        self._needs_clear = True
         self._encoder = msgspec.msgpack.Encoder()
         self._ipc_paths: list[str] = []
         # PUB is a plain socket (its sends never wait, and need no loop); the ROUTER one
@@ -290,12 +296,16 @@ class KvEventPublisher:
         )
 
     # -- publishing -------------------------------------------------------------------------
-    def publish_pending(self) -> int:
-        """Publish the events since the last batch (one batch per 4,096); returns how many
-        of the service's events went out."""
+    def publish_pending(self, max_batches: int | None = None) -> int:
+        """Publish the events since the last batch (one batch per 4,096; at most
+        ``max_batches`` of them); returns how many of the service's events went out."""
         state = self.state
         count = 0
+        reads = 0
         while state.last_event_seq != self._since:
+            if max_batches is not None and reads >= max_batches:
+                break
+            reads += 1
             page = state.events_since(self._since, _EVENTS_PER_READ)
             if page.fell_behind:
                 # The buffer dropped events this publisher had not sent: a router's view
@@ -347,7 +357,12 @@ class KvEventPublisher:
         notifier = self.notifier
         while True:
             version = notifier.version
-            self.publish_pending()
+            self.publish_pending(_BATCHES_PER_TURN)
+            if self.state.last_event_seq != self._since:
+                # A long backlog (a recovered pool's buffer) leaves the loop to the calls
+                # between its batches.
+                await asyncio.sleep(0)
+                continue
             await notifier.wait(version)
 
     # -- replay -------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import zmq
 
+from pagekeeper import kvevents
 from pagekeeper.core.config import GroupConfig, GroupKind, PoolConfig
 from pagekeeper.core.errors import ConfigError
 from pagekeeper.core.events import AllCleared, PageRemoved, PageStored, TokenRun
@@ -421,6 +422,109 @@ def test_extra_keys_reach_routers_watchers_and_rest(
         client.close()
         sub.close(linger=0)
         ctx.term()
+
+
+def test_the_first_batches_re_announce_the_events_the_state_holds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A publisher started on a state that already holds events (a recovered pool) sends a
+    clear, then every one of them in order, in batches that leave the loop to the calls,
+    then what follows."""
+    monkeypatch.setattr(kvevents, "_EVENTS_PER_READ", 8)  # batches of 8 events
+    state, client = _state()
+    for i in range(30):
+        prompt = np.arange(1, 41, dtype=np.int32) + 1_000 * i
+        _step(state, client, 2 * i + 1, admissions=(Admission(f"r{i}", prompt),))
+        _step(state, client, 2 * i + 2, frees=(f"r{i}",))
+    held = state.events_since(0, 100_000).events
+    assert len(held) > 8 * 8  # over two turns of 4 batches
+
+    async def scenario() -> list[object]:
+        notifier = ChangeNotifier()
+        state.add_listener(notifier.notify)
+        publisher = KvEventPublisher(state, notifier, endpoint="tcp://127.0.0.1:0")
+        sent: list[list[object]] = []
+        publisher._send = lambda events, n: sent.append(list(events))  # type: ignore[method-assign]
+        turns = 0
+
+        async def other_calls() -> None:
+            nonlocal turns
+            while True:
+                turns += 1
+                await asyncio.sleep(0)
+
+        task = asyncio.create_task(publisher.run())
+        other = asyncio.create_task(other_calls())
+        try:
+            await asyncio.sleep(0.2)
+            assert len(sent) == -(-len(held) // 8) and turns >= 2
+            prompt = np.arange(1, 9, dtype=np.int32) + 900_000
+            _step(state, client, 1_000, admissions=(Admission("late", prompt),))
+            await asyncio.sleep(0.05)
+        finally:
+            task.cancel()
+            other.cancel()
+            await asyncio.gather(task, other, return_exceptions=True)
+            publisher.close()
+        return [e for batch in sent for e in batch]
+
+    events = asyncio.run(scenario())
+    everything = state.events_since(0, 100_000).events
+    assert len(everything) > len(held)
+    assert events == [
+        AllBlocksCleared(),
+        *to_vllm_events(everything, "int", group_specs(state.pool_config)),
+    ]
+
+
+def test_a_restarted_service_re_announces_its_recovered_cache(
+    server_factory: Callable[..., RunningServer], tmp_path: Path
+) -> None:
+    """Stopped and started again on its data dir, the service's first KV-event batch is a
+    clear, then the stored and removed events its recovered buffer holds: a router that
+    replays from seq 0 knows the recovered cache's pages."""
+    from pagekeeper_client import PagekeeperClient
+
+    flags = (
+        "--num-pages", "64", "--page-size", "16", "--data-dir", str(tmp_path / "data"),
+        "--kv-events-endpoint", "tcp://127.0.0.1:0",
+        "--kv-events-replay-endpoint", "tcp://127.0.0.1:0", "--kv-events-hash-format", "bytes",
+    )  # fmt: skip
+    first = server_factory(*flags)
+    client = PagekeeperClient(first.grpc_address, local_socket=None)
+    try:
+        client.register("scheduler", name="before")
+        client.admit("a", list(range(1000, 1064)))
+        client.admit("b", list(range(2000, 2100)))
+        client.free_later("a")
+        client.step()
+    finally:
+        client.close()
+    before = first.http().get("/v1/events", params={"since": 0}).json()["events"]
+    assert first.stop() == 0
+    second = server_factory(*flags)
+    assert second.http().get("/v1/events", params={"since": 0}).json()["events"] == before
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    try:
+        dealer.connect(second.info["kv_events_replay_endpoint"])
+        dealer.send_multipart((b"", (0).to_bytes(8, "big")))
+        events = []
+        while True:
+            assert dealer.poll(10_000)
+            _, _, seq, payload = dealer.recv_multipart()
+            if seq == END_SEQ:
+                break
+            events.extend(decode(payload).events)
+    finally:
+        dealer.close(linger=0)
+        ctx.term()
+    assert isinstance(events[0], AllBlocksCleared)
+    assert len(events) == len(before) + 1
+    for mine, theirs in zip(events[1:], before, strict=True):
+        assert isinstance(mine, BlockStored) and theirs["type"] == "stored"
+        assert [h.hex() for h in mine.block_hashes] == theirs["page_hashes"]
+        assert mine.token_ids == theirs["token_ids"]
 
 
 def test_a_bad_kv_events_endpoint_stops_start_up(tmp_path: Path) -> None:
