@@ -216,9 +216,9 @@ class KvEventPublisher:
     """Publishes the state's KV events on a PUB socket and answers replays on a ROUTER one.
 
     :meth:`run` (a task on the service's loop) follows the state's event buffer, from the
-    oldest event it holds at start-up (a recovered pool's). Sockets are bound in the constructor (raises OSError naming
-    the endpoint when one cannot be); :attr:`endpoint` / :attr:`replay_endpoint` are the
-    bound ones (port 0 resolved)."""
+    oldest event it holds at start-up (a recovered pool's). Sockets are bound in the
+    constructor (raises OSError naming the endpoint when one cannot be); :attr:`endpoint` /
+    :attr:`replay_endpoint` are the bound ones (port 0 resolved)."""
 
     def __init__(
         self,
