@@ -18,7 +18,7 @@ from pagekeeper.notify import ChangeNotifier
 from pagekeeper.publication import PublicationHub, PublisherFactory, resolve_publisher_factory
 from pagekeeper.publish.api import RingGeometry, TablePublisher
 from pagekeeper.settings import Settings
-from pagekeeper.state import ConfigureLimitsCommand, Limits, ResumeLeasesCommand, ServiceState
+from pagekeeper.state import ConfigureLimitsCommand, Limits, ServiceState
 from pagekeeper.tls import ServerTLS
 
 log = logging.getLogger("pagekeeper")
@@ -150,7 +150,9 @@ def build_runtime(
         if state.limits != limits:
             log.info("limits changed since the state was written: logging the new ones")
             state.configure_limits(ConfigureLimitsCommand(clock(), limits))
-        resumed = state.resume_leases(ResumeLeasesCommand(clock()))
+        # Exactly one full lease when one ran past that (the clock went back while the
+        # service was down), else at least one.
+        resumed = state.resume_leases(state.resume_command(clock()))
         if resumed:
             log.info("%d recovered client(s) get a fresh lease", resumed)
         state.attach_sink(hub)

@@ -43,7 +43,7 @@ from pagekeeper.rpc.local import LocalServer
 from pagekeeper.rpc.server import GrpcServer
 from pagekeeper.runtime import Runtime, build_runtime
 from pagekeeper.settings import Settings, split_address
-from pagekeeper.state import ExpireLeasesCommand, ResumeLeasesCommand
+from pagekeeper.state import ExpireLeasesCommand
 from pagekeeper.tls import RELOAD_INTERVAL_S, ServerTLS, load_server_tls
 
 log = logging.getLogger("pagekeeper")
@@ -116,8 +116,9 @@ async def _reap_leases(
     first (a ResumeLeasesCommand, as after a restart): the service itself held past the
     tick (a stall, a stopped process: heartbeats could not be answered), and the wall clock
     jumping forward (no time passed for the clients). The wall clock going back would keep
-    a dead client's pages for as long as it went back: every lease is capped at one full
-    lease from now instead (a live client heartbeats within that)."""
+    a dead client's pages for as long as it went back: the leases past one full lease from
+    now are set to one (a live client heartbeats within that; none ends sooner than it
+    would have)."""
     resumes = runtime.metrics.lease_resumes
     for reason in ("stall", "clock_jump", "clock_back"):
         resumes.labels(reason)  # both series exist from the start (at 0)
@@ -129,25 +130,24 @@ async def _reap_leases(
         jumped = (wall - last_wall) - (mono - last_mono)
         last_wall, last_mono = wall, mono
         try:
-            if late > LEASE_HOLD_S or jumped > LEASE_HOLD_S:
-                reason = "stall" if late > LEASE_HOLD_S else "clock_jump"
-                renewed = runtime.state.resume_leases(ResumeLeasesCommand(wall))
+            if late > LEASE_HOLD_S or abs(jumped) > LEASE_HOLD_S:
+                # Back (whether or not the service also stalled): the leases that now run
+                # past one full lease are set to exactly one; else every lease gets at
+                # least one.
+                if jumped < -LEASE_HOLD_S:
+                    reason, what = "clock_back", f"the wall clock went back {-jumped:.1f}s"
+                elif late > LEASE_HOLD_S:
+                    reason, what = "stall", f"the service was held {late:.1f}s past a lease tick"
+                else:
+                    reason, what = "clock_jump", f"the wall clock jumped {jumped:.1f}s ahead"
+                command = runtime.state.resume_command(wall)
+                renewed = runtime.state.resume_leases(command)
                 resumes.labels(reason).inc()
                 log.warning(
-                    "%s: every lease renewed before expiring any (%d client(s))",
-                    f"the service was held {late:.1f}s past a lease tick"
-                    if reason == "stall"
-                    else f"the wall clock jumped {jumped:.1f}s ahead",
+                    "%s: every lease set to %s one full lease before expiring any (%d client(s))",
+                    what,
+                    "exactly" if command.exact else "at least",
                     renewed,
-                )
-            elif jumped < -LEASE_HOLD_S:
-                capped = runtime.state.resume_leases(ResumeLeasesCommand(wall, cap=True))
-                resumes.labels("clock_back").inc()
-                log.warning(
-                    "the wall clock went back %.1fs: every lease capped at one full lease "
-                    "(%d client(s))",
-                    -jumped,
-                    capped,
                 )
             result = runtime.state.expire_leases(ExpireLeasesCommand(wall))
         except PagekeeperError as exc:

@@ -323,12 +323,13 @@ class ForceFreeCommand:
 @dataclass(frozen=True, slots=True)
 class ResumeLeasesCommand:
     """After a restart: every registered client gets at least one full lease from ``now``
-    (the service being down is not the client's fault). With ``cap`` (the wall clock went
-    back): every lease ends at most one full lease from ``now`` instead, so a client that
-    stopped heartbeating is not kept for as long as the clock went back."""
+    (the service being down is not the client's fault). With ``exact``: every lease ends
+    exactly one full lease from ``now``, the longer ones too — a lease past that means the
+    wall clock went back, and would keep a client that stopped heartbeating for as long as
+    it went back. :meth:`ServiceState.resume_command` picks."""
 
     now: float
-    cap: bool = False
+    exact: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -1481,18 +1482,24 @@ class ServiceState:
         self._after_mutation(cmd)
 
     # -- recovery ----------------------------------------------------------------------
+    def resume_command(self, now: float) -> ResumeLeasesCommand:
+        """The resume to apply at ``now`` (a restart, a stall, a clock step): ``exact`` only
+        when some lease runs past one full lease from ``now`` (the wall clock went back),
+        else the plain one, which gives the same leases then and which every pagekeeper
+        version reads."""
+        exact = any(c.expires_at > now + c.lease_ttl_s for c in self._clients.values())
+        return ResumeLeasesCommand(now, exact=exact)
+
     def resume_leases(self, cmd: ResumeLeasesCommand) -> int:
-        """Give every client at least one full lease from ``cmd.now`` (at most one, with
-        ``cmd.cap``); returns how many clients there are (nothing is logged when there are
+        """Give every client at least one full lease from ``cmd.now`` (exactly one, with
+        ``cmd.exact``); returns how many clients there are (nothing is logged when there are
         none)."""
         self._check_writable()
         if not self._clients:
             return 0
         for client in self._clients.values():
             full = cmd.now + client.lease_ttl_s
-            client.expires_at = (
-                min(client.expires_at, full) if cmd.cap else max(client.expires_at, full)
-            )
+            client.expires_at = full if cmd.exact else max(client.expires_at, full)
         self._after_mutation(cmd)
         return len(self._clients)
 

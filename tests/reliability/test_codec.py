@@ -21,7 +21,15 @@ from pagekeeper.core.pool import PagePool
 from pagekeeper.core.snapshot import events_from_tree, events_to_tree
 from pagekeeper.core.tables import PageRows
 from pagekeeper.core.types import ExtraKeys, MultiModalKey
-from pagekeeper.durability.commands import RecordDecodeError, decode_command, encode_command
+from pagekeeper.durability import commands
+from pagekeeper.durability.commands import (
+    KIND_RESUME_LEASES,
+    KIND_STEP_WIRE,
+    RecordDecodeError,
+    RecordFromNewerVersion,
+    decode_command,
+    encode_command,
+)
 from pagekeeper.durability.log import record_crc
 from pagekeeper.durability.snapshot import SnapshotError, decode_snapshot, encode_snapshot
 from pagekeeper.durability.values import ValueDecodeError, decode, encode
@@ -125,7 +133,7 @@ COMMANDS = [
     ResetPrefixCacheCommand(5.0),
     ForceFreeCommand(6.0, "r\x00é"),
     ResumeLeasesCommand(7.0),
-    ResumeLeasesCommand(7.5, cap=True),
+    ResumeLeasesCommand(7.5, exact=True),
     ConfigureLimitsCommand(8.0, Limits(max_clients=3, lease_grace_s=1.25)),
 ]
 
@@ -300,10 +308,17 @@ def test_snapshot_knows_every_attribute():
     }  # fmt: skip
 
 
-def test_a_lease_resume_without_the_cap_encodes_as_before():
+def test_an_exact_lease_resume_is_a_version_an_older_reader_refuses(monkeypatch):
     plain = encode_command(ResumeLeasesCommand(7.0))
-    assert len(encode_command(ResumeLeasesCommand(7.0, cap=True))) > len(plain)
-    assert decode_command(plain)[0] == ResumeLeasesCommand(7.0, cap=False)
+    exact = encode_command(ResumeLeasesCommand(7.0, exact=True))
+    assert plain[:2] == bytes((KIND_RESUME_LEASES, 1)) and plain[2:] == exact[2:]
+    assert exact[:2] == bytes((KIND_RESUME_LEASES, 2))
+    # A reader from before version 2 (it knew version 1 only) refuses the data dir rather
+    # than apply a plain resume and replay the records after it into another state.
+    monkeypatch.setattr(commands, "READABLE_VERSIONS", {KIND_STEP_WIRE: (1, 2)})
+    assert decode_command(plain)[0] == ResumeLeasesCommand(7.0)
+    with pytest.raises(RecordFromNewerVersion, match="resume_leases record version 2"):
+        decode_command(exact)
 
 
 def test_a_registration_without_identity_encodes_as_before_one_with_it_adds_a_field():

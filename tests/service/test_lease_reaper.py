@@ -10,7 +10,7 @@ import signal
 import time
 from pathlib import Path
 
-from pagekeeper.runtime import build_runtime
+from pagekeeper.runtime import Runtime, build_runtime
 from pagekeeper.server import _reap_leases
 from pagekeeper.settings import Settings
 from pagekeeper.state import ClientRole, RegisterCommand
@@ -104,6 +104,34 @@ def test_the_cap_never_ends_a_lease_sooner_than_without_the_jump() -> None:
     assert alive and counters["clock_back"] == 0
 
 
+def test_a_restart_after_the_clock_went_back_sets_leases_to_one(tmp_path: Path) -> None:
+    """Down while the wall clock went back an hour: the restart's resume sets every lease
+    to exactly one full lease (journaled as such, so a second restart replays it), not the
+    hour longer; a restart with the clock where it was keeps the plain resume."""
+    from pagekeeper.durability.recovery import Durability
+
+    def start(wall: float) -> Runtime:
+        settings = Settings(publish_transport="none", lease_ttl_s=TTL, data_dir=str(tmp_path))
+        durability = Durability.open(tmp_path, "process")
+        return build_runtime(
+            settings, clock=lambda: wall, publisher_factory=None, durability=durability
+        )
+
+    runtime = start(10_000.0)
+    client_id = runtime.state.register(
+        RegisterCommand(now=10_000.0, role=ClientRole.WORKER)
+    ).client_id
+    runtime.close()
+    runtime = start(6_400.0)
+    (client,) = runtime.state.clients()
+    assert client.client_id == client_id and client.expires_at == 6_400.0 + TTL
+    runtime.close()
+    runtime = start(6_401.0)  # the clock going on: at least one lease, as always
+    (client,) = runtime.state.clients()
+    assert client.expires_at == 6_401.0 + TTL
+    runtime.close()
+
+
 def test_a_stopped_service_keeps_its_clients_and_recovers_the_renewal(tmp_path: Path) -> None:
     """The real process, SIGSTOPped for longer than a lease: on SIGCONT the reaper sees its
     late tick and renews every lease before expiring any; the renewal is journaled, so a
@@ -124,7 +152,7 @@ def test_a_stopped_service_keeps_its_clients_and_recovers_the_renewal(tmp_path: 
         assert worker.client_id in ids, server.logs()
         metrics = server.http().get("/metrics").text
         assert 'pagekeeper_lease_resumes_total{reason="stall"} 1.0' in metrics
-        assert "every lease renewed before expiring any" in server.logs()
+        assert "every lease set to at least one full lease before expiring any" in server.logs()
         # Not forever: with no heartbeat the lease now runs out as usual.
         deadline = time.monotonic() + 10
         while worker.client_id in [c["client_id"] for c in server.http().get("/v1/clients").json()]:

@@ -96,7 +96,12 @@ class RecordFromNewerVersion(RecordDecodeError):
 _WIRE_HEADER = struct.Struct("<dBqI")
 _WIRE_HAS_PUBLICATION, _WIRE_PUBLISHED = 1, 2
 STEP_WIRE_VERSION = 2
-READABLE_VERSIONS = {KIND_STEP_WIRE: (1, STEP_WIRE_VERSION)}
+# Version 2 of ``resume_leases``: every lease set to exactly one full lease (``exact``).
+RESUME_EXACT_VERSION = 2
+READABLE_VERSIONS = {
+    KIND_STEP_WIRE: (1, STEP_WIRE_VERSION),
+    KIND_RESUME_LEASES: (1, RESUME_EXACT_VERSION),
+}
 """The record versions a kind reads (any other kind: ``VERSION`` only)."""
 
 
@@ -152,9 +157,12 @@ def encode_command(command: Command, result: Any = None) -> bytes:
     elif isinstance(command, ForceFreeCommand):
         kind, tree = KIND_FORCE_FREE, [command.now, command.request_id]
     elif isinstance(command, ResumeLeasesCommand):
-        # The cap only when set: a pagekeeper from before it reads [now] (and would read
-        # [now, 1] as a plain resume, which keeps every client).
-        kind, tree = KIND_RESUME_LEASES, [command.now, 1] if command.cap else [command.now]
+        # An exact resume is version 2 of the kind: a pagekeeper from before it refuses the
+        # data dir (it would apply a plain resume, and replay the records after it into
+        # another state); a plain one stays version 1, readable by every version.
+        if command.exact:
+            return bytes((KIND_RESUME_LEASES, RESUME_EXACT_VERSION)) + encode([command.now])
+        kind, tree = KIND_RESUME_LEASES, [command.now]
     elif isinstance(command, ConfigureLimitsCommand):
         kind, tree = KIND_CONFIGURE_LIMITS, [command.now, limits_to_tree(command.limits)]
     else:
@@ -178,6 +186,8 @@ def decode_command(body: bytes | memoryview) -> tuple[Command, Publication | Non
         return _step_wire_from_body(memoryview(body)[2:])
     try:
         tree = decode(memoryview(body)[2:])
+        if kind == KIND_RESUME_LEASES and version == RESUME_EXACT_VERSION:
+            return ResumeLeasesCommand(float(tree[0]), exact=True), None
         return _from_tree(kind, tree)
     except ValueDecodeError as exc:
         raise RecordDecodeError(f"{KIND_NAMES[kind]} record: {exc}") from None
@@ -230,7 +240,7 @@ def _from_tree(kind: int, tree: Any) -> tuple[Command, Publication | None]:
     if kind == KIND_FORCE_FREE:
         return ForceFreeCommand(float(tree[0]), str(tree[1])), None
     if kind == KIND_RESUME_LEASES:
-        return ResumeLeasesCommand(float(tree[0]), cap=len(tree) > 1 and bool(tree[1])), None
+        return ResumeLeasesCommand(float(tree[0])), None
     if kind == KIND_CONFIGURE_LIMITS:
         return ConfigureLimitsCommand(float(tree[0]), limits_from_tree(tree[1])), None
     raise RecordDecodeError(f"unknown record kind {kind}")  # pragma: no cover - checked above
