@@ -438,10 +438,9 @@ class PageStored:
     page_ids: Int32Array
     lora_name: str | None = None
     extra_keys: ExtraKeys | None = None
-    """The storing request's extra keys, when it has any."""
+    """The storing request's extra keys that fall on these pages, when any do."""
     first_page_index: int = 0
-    """With ``extra_keys``: page ``i`` of the event is page ``first_page_index + i`` of its
-    request's table (which keys fall on it)."""
+    """Page ``i`` of the event is page ``first_page_index + i`` of its request's table."""
 
 
 @dataclass(frozen=True, slots=True)

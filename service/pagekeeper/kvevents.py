@@ -30,9 +30,11 @@ restart at 0 as vLLM's do), and so does the first batch after events the publish
 not send (the service's event buffer dropped them: a single step past
 ``event_buffer_bytes``): the view then only lacks pages, which costs a router some hits,
 never a wrong route. A pool recovered from its data directory keeps its cache and its event
-buffer: the first batch goes on with every event the buffer still holds, in order, so a
-router re-learns the pages stored within its reach (``event_buffer_bytes``); pages stored
-before that, and still cached, are learned again only as they are stored anew.
+buffer: after the clear go ``stored`` events for the cached pages the buffer tells of
+(:func:`cached_pages_events`: its stored events cut down to the pages still cached, each
+hash once), so a router re-learns them at once, and whatever prefix of those batches it has
+seen is a subset of the cache; pages stored before the buffer's reach
+(``event_buffer_bytes``) are learned again only as they are stored anew.
 
 The sockets are bound (never connected): routers connect to the service. PUB drops
 batches for a subscriber that falls more than ``hwm`` behind, as vLLM's does; a subscriber
@@ -43,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -59,7 +62,7 @@ from prometheus_client.registry import Collector
 
 from pagekeeper.core.config import GroupKind, PoolConfig
 from pagekeeper.core.events import AllCleared, PageRemoved, PageStored, TokenRun
-from pagekeeper.core.hashing import run_extra_keys
+from pagekeeper.core.hashing import narrow_extra_keys, run_extra_keys
 from pagekeeper.files import clear_stale_socket
 from pagekeeper.notify import ChangeNotifier
 from pagekeeper.settings import Settings
@@ -212,13 +215,63 @@ def to_vllm_events(
     return out
 
 
+def cached_pages_events(state: ServiceState) -> list[PageStored]:
+    """``stored`` events for the cached pages the state's event buffer tells of: every
+    stored event it holds, in order, cut down to the pages still cached under their hash
+    (each hash once), split where pages were cut out (a run's parent is the page before
+    it). What a router that starts empty may learn of a recovered pool: whatever prefix of
+    it arrives, its view is a subset of the cache (removals and clears in the buffer are
+    already applied by leaving those pages out). Pages stored before the buffer's reach
+    are not in it."""
+    first = state.event_buffer()[2]
+    held = state.events_since(first - 1, max(0, state.last_event_seq - first + 1)).events
+    announced: set[tuple[int, bytes]] = set()
+    out: list[PageStored] = []
+    for event in held:
+        if type(event) is not PageStored:
+            continue
+        group, hashes = event.group_id, event.page_hashes
+        keep = [(group, h) not in announced and state.is_cached(group, h) for h in hashes]
+        announced.update((group, h) for h, k in zip(hashes, keep, strict=True) if k)
+        if all(keep):
+            out.append(event)
+            continue
+        ps = event.page_size
+        if len(event.token_ids) != len(hashes) * ps:
+            continue  # a run with null pages left out: its tokens cannot be cut per page
+        a = 0
+        while a < len(hashes):
+            if not keep[a]:
+                a += 1
+                continue
+            b = a
+            while b < len(hashes) and keep[b]:
+                b += 1
+            keys = event.extra_keys
+            out.append(
+                dataclasses.replace(
+                    event,
+                    page_hashes=hashes[a:b],
+                    parent_page_hash=hashes[a - 1] if a else event.parent_page_hash,
+                    token_ids=event.token_ids[a * ps : b * ps],
+                    page_ids=event.page_ids[a:b],
+                    extra_keys=None
+                    if keys is None
+                    else narrow_extra_keys(keys, event.first_page + a, b - a, ps),
+                    first_page=event.first_page + a,
+                )
+            )
+            a = b
+    return out
+
+
 class KvEventPublisher:
     """Publishes the state's KV events on a PUB socket and answers replays on a ROUTER one.
 
-    :meth:`run` (a task on the service's loop) follows the state's event buffer, from the
-    oldest event it holds at start-up (a recovered pool's). Sockets are bound in the
-    constructor (raises OSError naming the endpoint when one cannot be); :attr:`endpoint` /
-    :attr:`replay_endpoint` are the bound ones (port 0 resolved)."""
+    :meth:`run` (a task on the service's loop) first sends the cache the state's event
+    buffer tells of at start-up (a recovered pool's), then follows the buffer. Sockets are
+    bound in the constructor (raises OSError naming the endpoint when one cannot be);
+    :attr:`endpoint` / :attr:`replay_endpoint` are the bound ones (port 0 resolved)."""
 
     def __init__(
         self,
@@ -250,10 +303,11 @@ class KvEventPublisher:
         self.num_events = 0
         self.num_lost_events = 0
         self.num_replays = 0
-        # From the oldest event the state holds: a recovered pool's buffer (replayed from
-        # its journal, or its snapshot's) re-teaches routers the pages stored within its
-        # reach, after the clear that voids what they knew of an earlier run.
-        self._since = state.event_buffer()[2] - 1
+        self.num_reannounced = 0
+        self._since = state.last_event_seq
+        # A recovered pool's cache, as far as its event buffer tells (after the clear that
+        # voids what routers knew of an earlier run): sent before the events that follow.
+        self._backlog: deque[PageStored] = deque(cached_pages_events(state))
         self._needs_clear = True
         self._encoder = msgspec.msgpack.Encoder()
         self._ipc_paths: list[str] = []
@@ -302,6 +356,16 @@ class KvEventPublisher:
         state = self.state
         count = 0
         reads = 0
+        backlog = self._backlog
+        while backlog and (max_batches is None or reads < max_batches):
+            reads += 1
+            chunk = [backlog.popleft() for _ in range(min(len(backlog), _EVENTS_PER_READ))]
+            events = to_vllm_events(chunk, self.hash_format, self.specs)
+            if self._needs_clear:
+                self._needs_clear = False
+                events.insert(0, AllBlocksCleared())
+            self._send(events, 0)
+            self.num_reannounced += len(chunk)
         while state.last_event_seq != self._since:
             if max_batches is not None and reads >= max_batches:
                 break
@@ -358,7 +422,7 @@ class KvEventPublisher:
         while True:
             version = notifier.version
             self.publish_pending(_BATCHES_PER_TURN)
-            if self.state.last_event_seq != self._since:
+            if self._backlog or self.state.last_event_seq != self._since:
                 # A long backlog (a recovered pool's buffer) leaves the loop to the calls
                 # between its batches.
                 await asyncio.sleep(0)

@@ -1739,6 +1739,10 @@ class ServiceState:
         next_start = int(chosen[limit]) if chosen.shape[0] > limit else None
         return page, next_start
 
+    def is_cached(self, group_id: int, page_hash: bytes) -> bool:
+        """Whether a page of group ``group_id`` is in the prefix cache under ``page_hash``."""
+        return self.manager.pool.lookup(group_id, page_hash) is not None
+
     def events_since(self, since_seq: int, limit: int) -> EventsPage:
         """Events with ``seq > since_seq``, oldest first, at most ``limit``; ``fell_behind``
         when some after ``since_seq`` were already dropped from the buffer."""

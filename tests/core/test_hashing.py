@@ -962,3 +962,70 @@ def test_hash_next_keeps_page_specific_keys(extra: ExtraKeys | None) -> None:
     assert direct == general == hash_pages(tokens, 4, extra_keys=extra)
     if extra is not None:
         assert direct != hash_pages(tokens, 4)
+
+
+@given(
+    spots=st.lists(st.tuples(st.integers(0, 30), st.integers(1, 40)), max_size=12),
+    lora=st.booleans(),
+    salt=st.sampled_from([None, "", "s"]),
+    first_page=st.integers(0, 40),
+    num_pages=st.integers(1, 12),
+    page_size=st.sampled_from([1, 4, 16]),
+)
+@settings(max_examples=examples(300), suppress_health_check=[HealthCheck.too_slow])
+def test_an_events_narrowed_keys_give_its_pages_the_same_keys(
+    spots: list[tuple[int, int]],
+    lora: bool,
+    salt: str | None,
+    first_page: int,
+    num_pages: int,
+    page_size: int,
+) -> None:
+    """What a stored event keeps of its request's keys gives each of its pages the keys
+    the whole would, and holds no input that falls on none of them."""
+    mm, offset = [], 0
+    for gap, length in spots:  # sorted and apart, as validated
+        mm.append(MultiModalKey(f"img-{offset}", offset + gap, length))
+        offset += gap + length
+    keys = ExtraKeys(
+        lora_name="a" if lora else None,
+        lora_path="/a" if lora else None,
+        mm_inputs=tuple(mm),
+        cache_salt=salt,
+    )
+    narrowed = hashing.narrow_extra_keys(keys, first_page, num_pages, page_size)
+    whole = hashing.run_extra_keys(keys, first_page, num_pages, page_size)
+    if narrowed is None:
+        assert whole == [None] * num_pages
+        return
+    assert hashing.run_extra_keys(narrowed, first_page, num_pages, page_size) == whole
+    start, end = first_page * page_size, (first_page + num_pages) * page_size
+    assert all(m.offset < end and m.offset + m.length > start for m in narrowed.mm_inputs)
+    if narrowed.mm_inputs == keys.mm_inputs and narrowed.cache_salt == keys.cache_salt:
+        assert narrowed is keys  # nothing left out: the request's own object, no copy
+
+
+def test_a_request_with_many_images_puts_few_into_each_event() -> None:
+    """1,000 images over 16,000 tokens, prefilled a page a step: each page's stored event
+    carries the image on that page, not all of them; its estimated size says what it
+    holds; a prompt stored in one go keeps the request's own keys, uncopied."""
+    from pagekeeper.core.config import GroupConfig, PoolConfig
+    from pagekeeper.core.events import PageStored, event_nbytes
+    from pagekeeper.core.manager import PageManager
+
+    images = tuple(MultiModalKey(f"image-{i:04d}", 16 * i + 3, 10) for i in range(1_000))
+    keys = ExtraKeys(mm_inputs=images)
+    config = PoolConfig(num_pages=2_100, groups=(GroupConfig(page_size=16),), max_model_len=32_768)
+    pm = PageManager(config)
+    pm.admit("whole", list(range(16_000)), extra_keys=keys)
+    (whole,) = [e for e in pm.take_events() if isinstance(e, PageStored)]
+    assert whole.extra_keys is keys  # one event over every page: all of them
+    pm.admit("chunked", list(range(16_000)), num_new_tokens=16, extra_keys=keys,
+             enable_cache_read=False)  # fmt: skip
+    for _ in range(999):
+        assert pm.allocate("chunked", 16) is not None
+    events = [e for e in pm.take_events() if isinstance(e, PageStored)]
+    assert len(events) == 1_000
+    for i, event in enumerate(events):
+        assert event.first_page == i and event.extra_keys == ExtraKeys(mm_inputs=(images[i],))
+    assert event_nbytes(whole) > event_nbytes(events[0]) + 999 * 120

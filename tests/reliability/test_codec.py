@@ -340,10 +340,16 @@ def test_events_round_trip():
     assert events_from_tree(decode(encode(events_to_tree(events)))) == events
     assert events_to_tree(events)["extra_keys"] is None  # no column without keys
     keys = ExtraKeys(lora_name="l", mm_inputs=(MultiModalKey("img", 3, 30),), cache_salt="s")
-    keyed = [*events, PageStored(6, 0, (b"f",), b"e", TokenRun(range(16)), 16, (4,), "l", keys, 7)]
+    keyed = [
+        *events,
+        PageStored(6, 0, (b"f",), b"e", TokenRun(range(16)), 16, (4,), "l", keys, 7),
+        PageStored(7, 0, (b"g",), b"f", TokenRun(range(16)), 16, (5,), None, None, 8),
+    ]
     assert events_from_tree(decode(encode(events_to_tree(keyed)))) == keyed
     # A snapshot from before events kept their keys (no such column) reads back without.
-    old_tree = {k: v for k, v in events_to_tree(events).items() if k != "extra_keys"}
+    old_tree = {
+        k: v for k, v in events_to_tree(events).items() if k not in ("extra_keys", "first_pages")
+    }
     assert events_from_tree(decode(encode(old_tree))) == events
     small = [PageStored(1, 0, (b"a",), None, TokenRun(range(16)), 16, (1,), None)]
     assert events_to_tree(small)["tokens"].dtype == np.int32  # narrowed when ids fit

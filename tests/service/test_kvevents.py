@@ -111,7 +111,9 @@ def test_the_core_says_which_pages_an_event_holds() -> None:
     assert pm.allocate("k", 40, new_token_ids=list(range(700, 740))) is not None  # pages 5, 6
     events = [e for e in pm.take_events() if isinstance(e, PageStored)]
     got = [(e.first_page, e.extra_keys, len(e.page_hashes)) for e in events]
-    assert got == [(1, None, 1), (4, KEYS, 1), (5, KEYS, 2)]
+    # Each event keeps the keys that fall on its pages: past the image and page 0, the LoRA.
+    lora = ExtraKeys(lora_name="adapter", lora_path="/a")
+    assert got == [(1, None, 1), (4, lora, 1), (5, lora, 2)]
     wire = to_vllm_events(events)
     assert [e.extra_keys for e in wire] == [[None], [("adapter",)], [("adapter",)] * 2]  # type: ignore[union-attr]
 
@@ -412,7 +414,7 @@ def test_extra_keys_reach_routers_watchers_and_rest(
             "mm_inputs": [{"identifier": "img", "offset": 20, "length": 20}],
         }  # fmt: skip
         assert rest[0]["first_page_index"] == 0
-        assert rest[1]["extra_keys"] is None and rest[1]["first_page_index"] is None
+        assert rest[1]["extra_keys"] is None and rest[1]["first_page_index"] == 0
         with client.watch_events(0) as stream:
             batch = next(iter(stream))
         first, second = batch.events[:2]
@@ -424,22 +426,31 @@ def test_extra_keys_reach_routers_watchers_and_rest(
         ctx.term()
 
 
-def test_the_first_batches_re_announce_the_events_the_state_holds(
+def test_the_first_batches_announce_the_cache_the_state_holds(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A publisher started on a state that already holds events (a recovered pool) sends a
-    clear, then every one of them in order, in batches that leave the loop to the calls,
-    then what follows."""
+    clear, then stored events for exactly the cached pages its buffer tells of (each once,
+    none evicted since), in batches that leave the loop to the calls, then what follows."""
     monkeypatch.setattr(kvevents, "_EVENTS_PER_READ", 8)  # batches of 8 events
     state, client = _state()
-    for i in range(30):
-        prompt = np.arange(1, 41, dtype=np.int32) + 1_000 * i
+    for i in range(30):  # 64 pages: later prompts evict earlier ones' cached pages
+        prompt = np.arange(1, 41, dtype=np.int32) + 1_000 * (i % 12)
         _step(state, client, 2 * i + 1, admissions=(Admission(f"r{i}", prompt),))
         _step(state, client, 2 * i + 2, frees=(f"r{i}",))
     held = state.events_since(0, 100_000).events
-    assert len(held) > 8 * 8  # over two turns of 4 batches
+    assert any(isinstance(e, PageRemoved) for e in held)
+    told = {(e.group_id, h) for e in held if isinstance(e, PageStored) for h in e.page_hashes}
+    cached = {key for key in told if state.is_cached(*key)}
+    assert 0 < len(cached) < len(told)
+    backlog = kvevents.cached_pages_events(state)
+    announced = [(e.group_id, h) for e in backlog for h in e.page_hashes]
+    assert len(announced) == len(set(announced)) and set(announced) == cached
+    for event in backlog:  # each as it was stored, or a run of it with its own parent
+        assert len(event.token_ids) == len(event.page_hashes) * event.page_size
+    last_before = state.last_event_seq
 
-    async def scenario() -> list[object]:
+    async def scenario() -> list[list[object]]:
         notifier = ChangeNotifier()
         state.add_listener(notifier.notify)
         publisher = KvEventPublisher(state, notifier, endpoint="tcp://127.0.0.1:0")
@@ -457,7 +468,8 @@ def test_the_first_batches_re_announce_the_events_the_state_holds(
         other = asyncio.create_task(other_calls())
         try:
             await asyncio.sleep(0.2)
-            assert len(sent) == -(-len(held) // 8) and turns >= 2
+            assert len(sent) == -(-len(backlog) // 8) and turns >= 2
+            assert publisher.num_reannounced == len(backlog) and publisher.num_events == 0
             prompt = np.arange(1, 9, dtype=np.int32) + 900_000
             _step(state, client, 1_000, admissions=(Admission("late", prompt),))
             await asyncio.sleep(0.05)
@@ -466,23 +478,62 @@ def test_the_first_batches_re_announce_the_events_the_state_holds(
             other.cancel()
             await asyncio.gather(task, other, return_exceptions=True)
             publisher.close()
-        return [e for batch in sent for e in batch]
+        return sent
 
-    events = asyncio.run(scenario())
-    everything = state.events_since(0, 100_000).events
-    assert len(everything) > len(held)
-    assert events == [
+    sent = asyncio.run(scenario())
+    specs = group_specs(state.pool_config)
+    events = [e for batch in sent for e in batch]
+    later = state.events_since(last_before, 100).events
+    assert later and events == [
         AllBlocksCleared(),
-        *to_vllm_events(everything, "int", group_specs(state.pool_config)),
+        *to_vllm_events(backlog, "int", specs),
+        *to_vllm_events(later, "int", specs),
     ]
+
+
+def test_the_announced_cache_is_cut_where_pages_left_it() -> None:
+    """A stored run whose middle page was evicted goes out as two runs, the second with its
+    own parent, tokens, pages and first page; a hash stored twice goes out once; removed
+    and cleared pages not at all."""
+    h = [bytes([i]) * 32 for i in range(6)]
+    keys = ExtraKeys(lora_name="l", cache_salt="s")
+    buffer = [
+        PageStored(1, 0, tuple(h[:4]), None, TokenRun(range(16)), 4, (1, 2, 3, 4), "l", keys),
+        PageRemoved(2, 0, (h[1],), (2,)),
+        PageStored(3, 0, (h[0], h[4]), b"p", TokenRun(range(8)), 4, (5, 6), None, None, 7),
+        AllCleared(4),
+        PageStored(5, 0, (h[5],), h[4], TokenRun(range(4)), 4, (9,), None, None, 2),
+    ]
+
+    class Held:
+        last_event_seq = 5
+
+        def event_buffer(self) -> tuple[int, int, int]:
+            return len(buffer), 0, 1
+
+        def events_since(self, since: int, limit: int) -> object:
+            return dataclasses.make_dataclass("Page", ["events"])(buffer[since : since + limit])
+
+        def is_cached(self, group: int, page_hash: bytes) -> bool:
+            return page_hash in (h[0], h[2], h[3], h[4])
+
+    out = kvevents.cached_pages_events(Held())  # type: ignore[arg-type]
+    assert [(e.page_hashes, e.parent_page_hash, e.page_ids, e.first_page) for e in out] == [
+        ((h[0],), None, (1,), 0),
+        ((h[2], h[3]), h[1], (3, 4), 2),
+        ((h[4],), h[0], (6,), 8),
+    ]
+    assert [list(e.token_ids) for e in out] == [[0, 1, 2, 3], list(range(8, 16)), [4, 5, 6, 7]]
+    # Each run keeps the keys that fall on it: the salt only with page 0.
+    assert out[0].extra_keys == keys and out[1].extra_keys == ExtraKeys(lora_name="l")
 
 
 def test_a_restarted_service_re_announces_its_recovered_cache(
     server_factory: Callable[..., RunningServer], tmp_path: Path
 ) -> None:
     """Stopped and started again on its data dir, the service's first KV-event batch is a
-    clear, then the stored and removed events its recovered buffer holds: a router that
-    replays from seq 0 knows the recovered cache's pages."""
+    clear, then stored events for the cached pages its recovered buffer tells of: a router
+    that replays from seq 0 knows the recovered cache's pages."""
     from pagekeeper_client import PagekeeperClient
 
     flags = (

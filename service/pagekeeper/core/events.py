@@ -187,6 +187,11 @@ def new_removed(
 _EVENT_BYTES = 128
 _PAGE_ID_BYTES = 36
 _HASH_OVERHEAD_BYTES = 41
+# The event's extra keys (narrowed to its pages: often the request's own object, counted
+# anyway): the object and its strings' headers, and per multimodal input its object,
+# tuple slot and identifier's header.
+_KEYS_BYTES = 200
+_MM_BYTES = 120
 
 
 def event_nbytes(event: KVEvent) -> int:
@@ -202,4 +207,10 @@ def event_nbytes(event: KVEvent) -> int:
     )
     if type(event) is PageStored:
         size += 8 * len(event.token_ids)
+        keys = event.extra_keys
+        if keys is not None:
+            size += _KEYS_BYTES + sum(
+                len(s) for s in (keys.lora_name, keys.lora_path, keys.cache_salt) if s
+            )
+            size += sum(_MM_BYTES + len(mm.identifier) for mm in keys.mm_inputs)
     return size

@@ -37,6 +37,7 @@ Only full pages are hashed. Hashes are raw ``bytes``, deterministic across proce
 from __future__ import annotations
 
 import array
+import bisect
 import hashlib
 import struct
 from collections.abc import Callable, Iterable, Sequence
@@ -50,7 +51,7 @@ import numpy.typing as npt
 
 from pagekeeper.core.errors import ConfigError, InvalidArgument
 from pagekeeper.core.extensions import load_extension
-from pagekeeper.core.types import ExtraKeys
+from pagekeeper.core.types import ExtraKeys, MultiModalKey
 
 _xxh3_128_digest: Callable[[bytes], bytes] | None
 try:
@@ -209,6 +210,46 @@ def page_extra_keys(
         return None
     _validate_extra_keys(extra_keys)
     return run_extra_keys(extra_keys, page_index, 1, page_size)[0]
+
+
+def narrow_extra_keys(
+    extra_keys: ExtraKeys, first_page: int, num_pages: int, page_size: int
+) -> ExtraKeys | None:
+    """The part of a request's (validated) keys that falls on its pages ``first_page ..
+    first_page + num_pages - 1``: the LoRA, the multimodal inputs overlapping them, the
+    salt when page 0 is one of them; None when nothing falls there. Over those pages
+    :func:`run_extra_keys` of it equals that of the whole (what an event keeps: a request
+    with a thousand images does not copy them into every page's event). The same object
+    when nothing is left out."""
+    mm = extra_keys.mm_inputs
+    kept = mm
+    if mm:
+        start, end = first_page * page_size, (first_page + num_pages) * page_size
+        # Sorted and apart (validated): the inputs ending after start, up to the first
+        # that begins at or after end.
+        lo = bisect.bisect_right(mm, start, key=_mm_end)
+        hi = bisect.bisect_left(mm, end, lo, key=_mm_offset)
+        if lo or hi < len(mm):
+            kept = mm[lo:hi]
+    salt = extra_keys.cache_salt if first_page == 0 else None
+    if kept is mm and salt == extra_keys.cache_salt:
+        return extra_keys
+    if not kept and not salt and extra_keys.lora_name is None:
+        return None
+    return ExtraKeys(
+        lora_name=extra_keys.lora_name,
+        lora_path=extra_keys.lora_path,
+        mm_inputs=kept,
+        cache_salt=salt,
+    )
+
+
+def _mm_end(mm: MultiModalKey) -> int:
+    return mm.offset + mm.length
+
+
+def _mm_offset(mm: MultiModalKey) -> int:
+    return mm.offset
 
 
 def run_extra_keys(

@@ -63,6 +63,7 @@ from pagekeeper.core.events import (
     new_stored,
 )
 from pagekeeper.core.extensions import load_extension
+from pagekeeper.core.hashing import narrow_extra_keys
 from pagekeeper.core.types import ExtraKeys
 
 NULL_PAGE = 0
@@ -740,41 +741,20 @@ class PagePool:
             seen.add(page)
         stored_pages: list[int] = []
         stored_hashes: list[bytes] = []
-        positions: list[int] = []
+        first_stored = -1
         for i, (page, page_hash) in enumerate(zip(pages, hashes, strict=True)):
             if page == NULL_PAGE:
                 continue
             self._index_page(group_id, page, page_hash)
             stored_pages.append(page)
             stored_hashes.append(page_hash)
-            positions.append(i)
-        if (
-            extra_keys is not None
-            and positions
-            and positions[-1] - positions[0] + 1 != len(positions)
-        ):
-            # Null pages between stored ones: an event per contiguous run, so that each
-            # event's pages are its request's pages first_page, first_page + 1, ...
-            start = 0
-            for k in range(1, len(positions) + 1):
-                if k < len(positions) and positions[k] == positions[k - 1] + 1:
-                    continue
-                first = positions[start]
-                self._stored_event(
-                    group_id,
-                    stored_pages[start:k],
-                    stored_hashes[start:k],
-                    hashes[first - 1] if first else parent_hash,
-                    token_ids[first * page_size : (positions[k - 1] + 1) * page_size],
-                    page_size,
-                    lora_name,
-                    extra_keys,
-                    first_page + first,
-                )
-                start = k
-            return
-        if positions:
-            first_page += positions[0]  # leading null pages (a window's) are not stored
+            if first_stored < 0:
+                first_stored = i
+        if stored_pages:
+            # One event over the run, null pages left out, as vLLM's: its first page is the
+            # first stored one (a window's null pages lead). A null page between stored
+            # ones (never seen) would shift the later pages' extra keys by one page each.
+            first_page += first_stored
             self._stored_event(
                 group_id,
                 stored_pages,
@@ -854,6 +834,9 @@ class PagePool:
         first_page: int,
     ) -> None:
         self._event_seq += 1
+        if extra_keys is not None:
+            # Only what falls on these pages (not a thousand images into each event).
+            extra_keys = narrow_extra_keys(extra_keys, first_page, len(pages), page_size)
         # The caller's slice of a request's ``array('Q')`` is a fresh copy: adopted.
         packed = (
             token_ids

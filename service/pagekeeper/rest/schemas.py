@@ -156,6 +156,10 @@ class KvEventsModel(Model):
         description="Events the event buffer dropped before the publisher sent them."
     )
     num_replays: int = Field(description="Replay requests answered.")
+    num_reannounced_events: int = Field(
+        description="Stored events sent at start-up for the cache a recovered pool's event "
+        "buffer tells of (its pages still cached)."
+    )
 
 
 class PoolView(Model):
@@ -284,14 +288,14 @@ class EventModel(Model):
     lora_name: str | None = Field(default=None, description="stored: the LoRA adapter, if any.")
     extra_keys: ExtraKeysModel | None = Field(
         default=None,
-        description="stored: the storing request's extra keys, when it has any (each page "
-        "hashed those that fall on it: the LoRA on every page, multimodal inputs overlapping "
-        "it, the salt on page 0).",
+        description="stored: the storing request's extra keys that fall on these pages, when "
+        "any do (each page hashed those that fall on it: the LoRA on every page, multimodal "
+        "inputs overlapping it, the salt on page 0).",
     )
     first_page_index: int | None = Field(
         default=None,
-        description="stored, with extra_keys: page i of the event is page "
-        "first_page_index + i of its request's table.",
+        description="stored: page i of the event is page first_page_index + i of its "
+        "request's table.",
     )
 
 

@@ -491,7 +491,7 @@ def event_to_pb(event: KVEvent) -> pb.KVEvent:
             stored.lora_name = event.lora_name
         if event.extra_keys is not None:
             stored.extra_keys.CopyFrom(extra_keys_to_pb(event.extra_keys))
-            stored.first_page_index = event.first_page
+        stored.first_page_index = event.first_page
         return pb.KVEvent(seq=event.seq, stored=stored)
     if isinstance(event, PageRemoved):
         return pb.KVEvent(

@@ -41,7 +41,7 @@ def event_model(event: KVEvent) -> EventModel:
             page_ids=list(event.page_ids),
             lora_name=event.lora_name,
             extra_keys=None if event.extra_keys is None else extra_keys_model(event.extra_keys),
-            first_page_index=None if event.extra_keys is None else event.first_page,
+            first_page_index=event.first_page,
         )
     if isinstance(event, PageRemoved):
         return EventModel(

@@ -117,6 +117,7 @@ def _kv_events(runtime: Runtime) -> KvEventsModel:
         num_events=0 if kv is None else kv.num_events,
         num_lost_events=0 if kv is None else kv.num_lost_events,
         num_replays=0 if kv is None else kv.num_replays,
+        num_reannounced_events=0 if kv is None else kv.num_reannounced,
     )
 
 
