@@ -16,11 +16,14 @@ import msgspec
 import numpy as np
 import pytest
 import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pagekeeper import kvevents
 from pagekeeper.core.config import GroupConfig, GroupKind, PoolConfig
 from pagekeeper.core.errors import ConfigError
 from pagekeeper.core.events import AllCleared, PageRemoved, PageStored, TokenRun
+from pagekeeper.core.hashing import run_extra_keys
 from pagekeeper.core.types import ExtraKeys, MultiModalKey
 from pagekeeper.kvevents import (
     END_SEQ,
@@ -31,6 +34,7 @@ from pagekeeper.kvevents import (
     KvEventPublisher,
     group_specs,
     to_vllm_events,
+    vllm_extra_keys,
 )
 from pagekeeper.notify import ChangeNotifier
 from pagekeeper.settings import Settings
@@ -43,6 +47,7 @@ from pagekeeper.state import (
     ServiceState,
     StepCommand,
 )
+from tests.helpers.props import examples
 from tests.helpers.server import RunningServer
 
 VLLM_PYTHON = Path("/opt/vllm-anchor/bin/python")
@@ -92,6 +97,40 @@ def test_extra_keys_go_out_per_page_as_vllm_publishes_them() -> None:
     # salt too. The event says where its pages sit in the request.
     later = dataclasses.replace(KEYED, page_hashes=(DIGEST_B,) * 2, first_page=4)
     assert to_vllm_events([later])[0].extra_keys == [("adapter",), ("adapter",)]  # type: ignore[union-attr]
+
+
+@given(
+    spots=st.lists(st.tuples(st.integers(0, 30), st.integers(1, 40)), max_size=8),
+    lora=st.booleans(),
+    salt=st.sampled_from([None, "", "s"]),
+    first_page=st.integers(0, 20),
+    num_pages=st.integers(1, 10),
+    page_size=st.sampled_from([1, 4, 16]),
+)
+@settings(max_examples=examples(300))
+def test_the_wire_keys_are_the_hashed_keys_untagged(
+    spots: list[tuple[int, int]],
+    lora: bool,
+    salt: str | None,
+    first_page: int,
+    num_pages: int,
+    page_size: int,
+) -> None:
+    """Per page, what goes on the wire is what the page hashed (hashing.run_extra_keys),
+    untagged as vLLM's to_event_extra_keys does."""
+    mm, offset = [], 0
+    for gap, length in spots:
+        mm.append(MultiModalKey(f"img-{offset}", offset + gap, length))
+        offset += gap + length
+    keys = ExtraKeys(lora_name="a" if lora else None, mm_inputs=tuple(mm), cache_salt=salt)
+    event = PageStored(
+        1, 0, (DIGEST_A,) * num_pages, None, TokenRun(), page_size, (1,) * num_pages, None,
+        keys, first_page,
+    )  # fmt: skip
+    hashed = run_extra_keys(keys, first_page, num_pages, page_size)
+    assert vllm_extra_keys(event) == [
+        None if k is None else tuple(x[1:] if x[0] == "mm" else x[1] for x in k) for k in hashed
+    ]
 
 
 def test_the_core_says_which_pages_an_event_holds() -> None:
