@@ -242,13 +242,18 @@ def cached_pages_events(state: ServiceState) -> list[PageStored]:
             continue
         group, hashes = event.group_id, event.page_hashes
         keep = [(group, h) not in announced and state.is_cached(group, h) for h in hashes]
-        announced.update((group, h) for h, k in zip(hashes, keep, strict=True) if k)
-        if all(keep):
-            out.append(event)
+        if not any(keep):
             continue
         ps = event.page_size
-        if len(event.token_ids) != len(hashes) * ps:
-            continue  # a run with null pages left out: its tokens cannot be cut per page
+        whole = all(keep)
+        if not whole and len(event.token_ids) != len(hashes) * ps:
+            # A run with null pages left out (never seen): its tokens cannot be cut per
+            # page; its pages stay unannounced here (a later event may announce them).
+            continue
+        announced.update((group, h) for h, k in zip(hashes, keep, strict=True) if k)
+        if whole:
+            out.append(event)
+            continue
         a = 0
         while a < len(hashes):
             if not keep[a]:
@@ -512,6 +517,12 @@ class KvEventCollector(Collector):
                 p.num_lost_events,
             ),
             ("replays", "Replay requests answered.", p.num_replays),
+            (
+                "reannounced_events",
+                "Stored events sent at start-up for the cache a recovered pool's event buffer "
+                "tells of.",
+                p.num_reannounced,
+            ),
         ):
             yield CounterMetricFamily(f"pagekeeper_kv_events_zmq_{name}", doc, value=value)
 

@@ -172,7 +172,7 @@ class Metrics:
             "pagekeeper_lease_resumes",
             "Times the lease reaper renewed every lease before expiring any, by reason: stall "
             "(the service was held past a tick) or clock_jump (the wall clock leapt ahead); "
-            "clock_back: the wall clock went back (leases past one full lease set to one).",
+            "clock_back: the wall clock went back (leases past one full lease end there).",
             ["reason"],
             registry=self.registry,
         )

@@ -131,24 +131,26 @@ async def _reap_leases(
         last_wall, last_mono = wall, mono
         try:
             if late > LEASE_HOLD_S or abs(jumped) > LEASE_HOLD_S:
-                # Back (whether or not the service also stalled): the leases that now run
-                # past one full lease are set to exactly one; else every lease gets at
-                # least one.
-                if jumped < -LEASE_HOLD_S:
-                    reason, what = "clock_back", f"the wall clock went back {-jumped:.1f}s"
-                elif late > LEASE_HOLD_S:
+                # A stall or a step ahead: every lease gets at least one full lease (exactly
+                # one where the clock also went back). A step back alone: leases past one
+                # full lease end there, the others are left alone (never lengthened).
+                if late > LEASE_HOLD_S:
                     reason, what = "stall", f"the service was held {late:.1f}s past a lease tick"
-                else:
+                elif jumped > 0:
                     reason, what = "clock_jump", f"the wall clock jumped {jumped:.1f}s ahead"
-                command = runtime.state.resume_command(wall)
-                renewed = runtime.state.resume_leases(command)
+                else:
+                    reason, what = "clock_back", f"the wall clock went back {-jumped:.1f}s"
                 resumes.labels(reason).inc()
-                log.warning(
-                    "%s: every lease set to %s one full lease before expiring any (%d client(s))",
-                    what,
-                    "exactly" if command.exact else "at least",
-                    renewed,
-                )
+                command = runtime.state.resume_command(wall, extend=reason != "clock_back")
+                if command is not None:
+                    count = runtime.state.resume_leases(command)
+                    log.warning(
+                        "%s: every lease set to %s one full lease before expiring any "
+                        "(%d client(s))",
+                        what,
+                        {"extend": "at least", "cap": "at most", "exact": "exactly"}[command.mode],
+                        count,
+                    )
             result = runtime.state.expire_leases(ExpireLeasesCommand(wall))
         except PagekeeperError as exc:
             # Only a fenced state refuses this (its log failed; the process is stopping).

@@ -322,14 +322,18 @@ class ForceFreeCommand:
 
 @dataclass(frozen=True, slots=True)
 class ResumeLeasesCommand:
-    """After a restart: every registered client gets at least one full lease from ``now``
-    (the service being down is not the client's fault). With ``exact``: every lease ends
-    exactly one full lease from ``now``, the longer ones too — a lease past that means the
-    wall clock went back, and would keep a client that stopped heartbeating for as long as
-    it went back. :meth:`ServiceState.resume_command` picks."""
+    """Leases set against one full lease from ``now``, by ``mode``: ``extend`` (after a
+    restart or a stall: every client gets at least one; the service not answering is not
+    the client's fault), ``cap`` (the wall clock went back: a lease past one full lease
+    would keep a client that stopped heartbeating for as long as it went back, so it ends
+    there; shorter ones are left alone), ``exact`` (both: every lease is exactly one).
+    :meth:`ServiceState.resume_command` picks."""
 
     now: float
-    exact: bool = False
+    mode: str = "extend"
+
+
+RESUME_MODES = ("extend", "cap", "exact")
 
 
 @dataclass(frozen=True, slots=True)
@@ -1482,24 +1486,35 @@ class ServiceState:
         self._after_mutation(cmd)
 
     # -- recovery ----------------------------------------------------------------------
-    def resume_command(self, now: float) -> ResumeLeasesCommand:
-        """The resume to apply at ``now`` (a restart, a stall, a clock step): ``exact`` only
-        when some lease runs past one full lease from ``now`` (the wall clock went back),
-        else the plain one, which gives the same leases then and which every pagekeeper
-        version reads."""
-        exact = any(c.expires_at > now + c.lease_ttl_s for c in self._clients.values())
-        return ResumeLeasesCommand(now, exact=exact)
+    def resume_command(self, now: float, *, extend: bool = True) -> ResumeLeasesCommand | None:
+        """The resume to apply at ``now``: with ``extend`` (a restart, a stall, a forward
+        step) ``exact`` when some lease runs past one full lease from ``now`` (the wall clock
+        went back too), else ``extend`` (which then gives the same leases, and which every
+        pagekeeper version reads); without (the wall clock went back, nothing else) ``cap``
+        when some lease runs past one, else None: nothing to do (so a clock stepped back
+        again and again never lengthens a lease)."""
+        past = any(c.expires_at > now + c.lease_ttl_s for c in self._clients.values())
+        if extend:
+            return ResumeLeasesCommand(now, "exact" if past else "extend")
+        return ResumeLeasesCommand(now, "cap") if past else None
 
     def resume_leases(self, cmd: ResumeLeasesCommand) -> int:
-        """Give every client at least one full lease from ``cmd.now`` (exactly one, with
-        ``cmd.exact``); returns how many clients there are (nothing is logged when there are
-        none)."""
+        """Set every client's lease against one full lease from ``cmd.now`` (see
+        :class:`ResumeLeasesCommand`); returns how many clients there are (nothing is
+        logged when there are none)."""
         self._check_writable()
+        if cmd.mode not in RESUME_MODES:
+            raise InvalidArgument(f"resume mode must be one of {RESUME_MODES}, got {cmd.mode!r}")
         if not self._clients:
             return 0
         for client in self._clients.values():
             full = cmd.now + client.lease_ttl_s
-            client.expires_at = full if cmd.exact else max(client.expires_at, full)
+            if cmd.mode == "exact":
+                client.expires_at = full
+            elif cmd.mode == "cap":
+                client.expires_at = min(client.expires_at, full)
+            else:
+                client.expires_at = max(client.expires_at, full)
         self._after_mutation(cmd)
         return len(self._clients)
 

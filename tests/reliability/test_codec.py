@@ -133,7 +133,8 @@ COMMANDS = [
     ResetPrefixCacheCommand(5.0),
     ForceFreeCommand(6.0, "r\x00é"),
     ResumeLeasesCommand(7.0),
-    ResumeLeasesCommand(7.5, exact=True),
+    ResumeLeasesCommand(7.5, "exact"),
+    ResumeLeasesCommand(7.75, "cap"),
     ConfigureLimitsCommand(8.0, Limits(max_clients=3, lease_grace_s=1.25)),
 ]
 
@@ -308,11 +309,17 @@ def test_snapshot_knows_every_attribute():
     }  # fmt: skip
 
 
-def test_an_exact_lease_resume_is_a_version_an_older_reader_refuses(monkeypatch):
+def test_a_capping_or_exact_lease_resume_is_a_version_an_older_reader_refuses(monkeypatch):
     plain = encode_command(ResumeLeasesCommand(7.0))
-    exact = encode_command(ResumeLeasesCommand(7.0, exact=True))
-    assert plain[:2] == bytes((KIND_RESUME_LEASES, 1)) and plain[2:] == exact[2:]
-    assert exact[:2] == bytes((KIND_RESUME_LEASES, 2))
+    exact = encode_command(ResumeLeasesCommand(7.0, "exact"))
+    assert plain == bytes((KIND_RESUME_LEASES, 1)) + encode([7.0])  # as every version wrote
+    assert exact == bytes((KIND_RESUME_LEASES, 2)) + encode([7.0, 2])
+    # One day's development build wrote a cap as version 1 [now, 1]: read as the cap.
+    assert decode_command(bytes((KIND_RESUME_LEASES, 1)) + encode([7.0, 1]))[0] == (
+        ResumeLeasesCommand(7.0, "cap")
+    )
+    with pytest.raises(RecordDecodeError):
+        decode_command(bytes((KIND_RESUME_LEASES, 2)) + encode([7.0, 9]))  # no such mode
     # A reader from before version 2 (it knew version 1 only) refuses the data dir rather
     # than apply a plain resume and replay the records after it into another state.
     monkeypatch.setattr(commands, "READABLE_VERSIONS", {KIND_STEP_WIRE: (1, 2)})
@@ -338,7 +345,7 @@ def test_events_round_trip():
         PageStored(5, 0, (b"e",), None, TokenRun([2**64 - 1, 0, 7]), 16, (3,), None),
     ]
     assert events_from_tree(decode(encode(events_to_tree(events)))) == events
-    assert events_to_tree(events)["extra_keys"] is None  # no column without keys
+    assert events_to_tree(events)["event_extra_keys"] is None  # no column without keys
     keys = ExtraKeys(lora_name="l", mm_inputs=(MultiModalKey("img", 3, 30),), cache_salt="s")
     keyed = [
         *events,
@@ -348,9 +355,21 @@ def test_events_round_trip():
     assert events_from_tree(decode(encode(events_to_tree(keyed)))) == keyed
     # A snapshot from before events kept their keys (no such column) reads back without.
     old_tree = {
-        k: v for k, v in events_to_tree(events).items() if k not in ("extra_keys", "first_pages")
+        k: v
+        for k, v in events_to_tree(events).items()
+        if k not in ("event_extra_keys", "first_pages")
     }
     assert events_from_tree(decode(encode(old_tree))) == events
+    # One day's development build: [first page, keys] pairs under "extra_keys".
+    dev = {k: v for k, v in events_to_tree(keyed).items() if k != "first_pages"}
+    pairs = dev.pop("event_extra_keys")
+    dev["extra_keys"] = [None if t is None else [e.first_page, t] for e, t in zip(
+        [e for e in keyed if isinstance(e, PageStored)], pairs, strict=True
+    )]  # fmt: skip
+    assert events_from_tree(decode(encode(dev)))[-2:] == [
+        keyed[-2],
+        dataclasses.replace(keyed[-1], first_page=0),  # pairs only for events with keys
+    ]
     small = [PageStored(1, 0, (b"a",), None, TokenRun(range(16)), 16, (1,), None)]
     assert events_to_tree(small)["tokens"].dtype == np.int32  # narrowed when ids fit
     assert events_from_tree(decode(encode(events_to_tree([])))) == []

@@ -534,7 +534,7 @@ def test_the_announced_cache_is_cut_where_pages_left_it() -> None:
     """A stored run whose middle page was evicted goes out as two runs, the second with its
     own parent, tokens, pages and first page; a hash stored twice goes out once; removed
     and cleared pages not at all."""
-    h = [bytes([i]) * 32 for i in range(6)]
+    h = [bytes([i]) * 32 for i in range(8)]
     keys = ExtraKeys(lora_name="l", cache_salt="s")
     buffer = [
         PageStored(1, 0, tuple(h[:4]), None, TokenRun(range(16)), 4, (1, 2, 3, 4), "l", keys),
@@ -542,10 +542,14 @@ def test_the_announced_cache_is_cut_where_pages_left_it() -> None:
         PageStored(3, 0, (h[0], h[4]), b"p", TokenRun(range(8)), 4, (5, 6), None, None, 7),
         AllCleared(4),
         PageStored(5, 0, (h[5],), h[4], TokenRun(range(4)), 4, (9,), None, None, 2),
+        # A leading null page's tokens too (12 for 2 pages): cannot be cut, so h[6] waits
+        # for the next event that stores it.
+        PageStored(6, 0, (h[6], h[7]), None, TokenRun(range(12)), 4, (10, 11), None),
+        PageStored(7, 0, (h[6],), None, TokenRun(range(4)), 4, (12,), None),
     ]
 
     class Held:
-        last_event_seq = 5
+        last_event_seq = 7
 
         def event_buffer(self) -> tuple[int, int, int]:
             return len(buffer), 0, 1
@@ -554,15 +558,18 @@ def test_the_announced_cache_is_cut_where_pages_left_it() -> None:
             return dataclasses.make_dataclass("Page", ["events"])(buffer[since : since + limit])
 
         def is_cached(self, group: int, page_hash: bytes) -> bool:
-            return page_hash in (h[0], h[2], h[3], h[4])
+            return page_hash in (h[0], h[2], h[3], h[4], h[6])
 
     out = kvevents.cached_pages_events(Held())  # type: ignore[arg-type]
     assert [(e.page_hashes, e.parent_page_hash, e.page_ids, e.first_page) for e in out] == [
         ((h[0],), None, (1,), 0),
         ((h[2], h[3]), h[1], (3, 4), 2),
         ((h[4],), h[0], (6,), 8),
+        ((h[6],), None, (12,), 0),
     ]
-    assert [list(e.token_ids) for e in out] == [[0, 1, 2, 3], list(range(8, 16)), [4, 5, 6, 7]]
+    assert [list(e.token_ids) for e in out] == [
+        [0, 1, 2, 3], list(range(8, 16)), [4, 5, 6, 7], [0, 1, 2, 3]
+    ]  # fmt: skip
     # Each run keeps the keys that fall on it: the salt only with page 0.
     assert out[0].extra_keys == keys and out[1].extra_keys == ExtraKeys(lora_name="l")
 

@@ -203,7 +203,7 @@ def events_to_tree(events: Sequence[KVEvent], pause: Callable[[], None] | None =
         "loras": None if loras.count(None) == len(loras) else loras,
         # Per stored event (absent from snapshots written before events kept them): its
         # extra keys (None without; no column at all when none has any), its first page.
-        "extra_keys": None if keys.count(None) == len(keys) else keys,
+        "event_extra_keys": None if keys.count(None) == len(keys) else keys,
         "first_pages": _joined(first_pages, np.int32),
     }
 
@@ -225,10 +225,15 @@ def events_from_tree(tree: Tree) -> list[KVEvent]:
     parents = _bytes_list(tree["parents"])
     page_sizes = np.asarray(tree["page_sizes"]).tolist()
     loras = tree["loras"] or [None] * len(parents)
-    keys = tree.get("extra_keys") or [None] * len(parents)
+    keys = tree.get("event_extra_keys") or [None] * len(parents)
     first_pages = (
         np.asarray(tree["first_pages"]).tolist() if "first_pages" in tree else [0] * len(parents)
     )
+    if tree.get("extra_keys"):
+        # One day's development build wrote [first page, keys] pairs under this name.
+        pairs = tree["extra_keys"]
+        keys = [None if p is None else p[1] for p in pairs]
+        first_pages = [0 if p is None else int(p[0]) for p in pairs]
     if len(loras) != len(parents) or len(keys) != len(parents) or len(first_pages) != len(parents):
         raise InvalidArgument("snapshot events: columns do not match their kinds")
     if len(seqs) != len(kinds) or len(groups) != len(kinds) - kinds.count("c"):

@@ -96,11 +96,13 @@ class RecordFromNewerVersion(RecordDecodeError):
 _WIRE_HEADER = struct.Struct("<dBqI")
 _WIRE_HAS_PUBLICATION, _WIRE_PUBLISHED = 1, 2
 STEP_WIRE_VERSION = 2
-# Version 2 of ``resume_leases``: every lease set to exactly one full lease (``exact``).
-RESUME_EXACT_VERSION = 2
+# Version 2 of ``resume_leases``: [now, mode], the modes other than "extend" (version 1).
+RESUME_MODE_VERSION = 2
+_RESUME_MODE_CODES = {"cap": 1, "exact": 2}
+_RESUME_MODES_BY_CODE = {code: mode for mode, code in _RESUME_MODE_CODES.items()}
 READABLE_VERSIONS = {
     KIND_STEP_WIRE: (1, STEP_WIRE_VERSION),
-    KIND_RESUME_LEASES: (1, RESUME_EXACT_VERSION),
+    KIND_RESUME_LEASES: (1, RESUME_MODE_VERSION),
 }
 """The record versions a kind reads (any other kind: ``VERSION`` only)."""
 
@@ -160,8 +162,9 @@ def encode_command(command: Command, result: Any = None) -> bytes:
         # An exact resume is version 2 of the kind: a pagekeeper from before it refuses the
         # data dir (it would apply a plain resume, and replay the records after it into
         # another state); a plain one stays version 1, readable by every version.
-        if command.exact:
-            return bytes((KIND_RESUME_LEASES, RESUME_EXACT_VERSION)) + encode([command.now])
+        if command.mode != "extend":
+            mode = _RESUME_MODE_CODES[command.mode]
+            return bytes((KIND_RESUME_LEASES, RESUME_MODE_VERSION)) + encode([command.now, mode])
         kind, tree = KIND_RESUME_LEASES, [command.now]
     elif isinstance(command, ConfigureLimitsCommand):
         kind, tree = KIND_CONFIGURE_LIMITS, [command.now, limits_to_tree(command.limits)]
@@ -186,8 +189,8 @@ def decode_command(body: bytes | memoryview) -> tuple[Command, Publication | Non
         return _step_wire_from_body(memoryview(body)[2:])
     try:
         tree = decode(memoryview(body)[2:])
-        if kind == KIND_RESUME_LEASES and version == RESUME_EXACT_VERSION:
-            return ResumeLeasesCommand(float(tree[0]), exact=True), None
+        if kind == KIND_RESUME_LEASES and version == RESUME_MODE_VERSION:
+            return ResumeLeasesCommand(float(tree[0]), _RESUME_MODES_BY_CODE[tree[1]]), None
         return _from_tree(kind, tree)
     except ValueDecodeError as exc:
         raise RecordDecodeError(f"{KIND_NAMES[kind]} record: {exc}") from None
@@ -240,7 +243,9 @@ def _from_tree(kind: int, tree: Any) -> tuple[Command, Publication | None]:
     if kind == KIND_FORCE_FREE:
         return ForceFreeCommand(float(tree[0]), str(tree[1])), None
     if kind == KIND_RESUME_LEASES:
-        return ResumeLeasesCommand(float(tree[0])), None
+        # [now, 1]: a cap, as one day's development build wrote it under version 1.
+        mode = "cap" if len(tree) > 1 and tree[1] == 1 else "extend"
+        return ResumeLeasesCommand(float(tree[0]), mode), None
     if kind == KIND_CONFIGURE_LIMITS:
         return ConfigureLimitsCommand(float(tree[0]), limits_from_tree(tree[1])), None
     raise RecordDecodeError(f"unknown record kind {kind}")  # pragma: no cover - checked above
