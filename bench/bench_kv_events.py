@@ -8,6 +8,8 @@ full pool of 131,072 pages of 16 tokens, for two steps:
 
 * ``admit 8x2000``: 8 new 2,000-token prompts (no hit; every page evicts a cached one): 8
   stored events of 125 pages and 2,000 token ids each, and the removals;
+* the same prompts of a LoRA adapter with two 576-token images each (every page's
+  ``extra_keys`` on the wire: the adapter's name, and the image on the pages it covers);
 * ``decode 256``: 256 running requests one token each, 16 of them filling a page (16
   stored events of one page).
 
@@ -37,6 +39,7 @@ for sub in ("service", "client"):
     sys.path.insert(0, str(ROOT / sub))
 
 from pagekeeper.core.config import GroupConfig, PoolConfig  # noqa: E402
+from pagekeeper.core.types import ExtraKeys, MultiModalKey  # noqa: E402
 from pagekeeper.kvevents import KvEventPublisher  # noqa: E402
 from pagekeeper.notify import ChangeNotifier  # noqa: E402
 from pagekeeper.state import (  # noqa: E402
@@ -114,8 +117,25 @@ class Bench:
     def prompt(self, n: int) -> np.ndarray:
         return self.rng.integers(0, 50_000, n, dtype=np.int32)
 
-    def admit(self, ids: list[str], length: int) -> float:
-        return self.step(admissions=tuple(Admission(r, self.prompt(length)) for r in ids))
+    def admit(self, ids: list[str], length: int, keyed: bool = False) -> float:
+        return self.step(
+            admissions=tuple(
+                Admission(r, self.prompt(length), extra_keys=self.keys(r) if keyed else None)
+                for r in ids
+            )
+        )
+
+    @staticmethod
+    def keys(request_id: str) -> ExtraKeys:
+        """A LoRA request with two 576-token images (each page's event carries its keys)."""
+        return ExtraKeys(
+            lora_name="adapter-a",
+            lora_path="/loras/a",
+            mm_inputs=(
+                MultiModalKey(f"{request_id}-image-0", 100, 576),
+                MultiModalKey(f"{request_id}-image-1", 900, 576),
+            ),
+        )
 
     def close(self) -> None:
         for sub in self.subs:
@@ -140,18 +160,18 @@ def main() -> int:
             bench.step(frees=tuple(ids))
             bench.publish_all()
 
-        name = "admit 8x2000"
-        rows[name] = {"step": [], "int": [], "bytes": []}
-        events[name] = []
-        for _ in range(args.samples):
-            ids = bench.ids(8)
-            before = bench.state.last_event_seq
-            rows[name]["step"].append(bench.admit(ids, 2000))
-            events[name].append(bench.state.last_event_seq - before)
-            for fmt, t in bench.publish_all().items():
-                rows[name][fmt].append(t)
-            bench.step(frees=tuple(ids))
-            bench.publish_all()
+        for name, keyed in (("admit 8x2000", False), ("  LoRA+2 images", True)):
+            rows[name] = {"step": [], "int": [], "bytes": []}
+            events[name] = []
+            for _ in range(args.samples):
+                ids = bench.ids(8)
+                before = bench.state.last_event_seq
+                rows[name]["step"].append(bench.admit(ids, 2000, keyed))
+                events[name].append(bench.state.last_event_seq - before)
+                for fmt, t in bench.publish_all().items():
+                    rows[name][fmt].append(t)
+                bench.step(frees=tuple(ids))
+                bench.publish_all()
 
         name = "decode 256"
         rows[name] = {"step": [], "int": [], "bytes": []}
