@@ -170,9 +170,9 @@ class Metrics:
         )
         self.lease_resumes = Counter(
             "pagekeeper_lease_resumes",
-            "Times the lease reaper renewed every lease before expiring any, by reason: stall "
-            "(the service was held past a tick) or clock_jump (the wall clock leapt ahead); "
-            "clock_back: the wall clock went back (leases past one full lease end there).",
+            "Times the lease reaper set leases right before expiring any, by reason: stall "
+            "(the service was held past a tick: every lease renewed), clock_jump / clock_back "
+            "(the wall clock stepped ahead / back: every lease moved by the step).",
             ["reason"],
             registry=self.registry,
         )

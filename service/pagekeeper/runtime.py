@@ -152,9 +152,7 @@ def build_runtime(
             state.configure_limits(ConfigureLimitsCommand(clock(), limits))
         # Exactly one full lease when one ran past that (the clock went back while the
         # service was down), else at least one.
-        command = state.resume_command(clock())
-        assert command is not None
-        resumed = state.resume_leases(command)
+        resumed = state.resume_leases(state.resume_command(clock()))
         if resumed:
             log.info("%d recovered client(s) get a fresh lease", resumed)
         state.attach_sink(hub)

@@ -43,7 +43,7 @@ from pagekeeper.rpc.local import LocalServer
 from pagekeeper.rpc.server import GrpcServer
 from pagekeeper.runtime import Runtime, build_runtime
 from pagekeeper.settings import Settings, split_address
-from pagekeeper.state import ExpireLeasesCommand
+from pagekeeper.state import ExpireLeasesCommand, ResumeLeasesCommand
 from pagekeeper.tls import RELOAD_INTERVAL_S, ServerTLS, load_server_tls
 
 log = logging.getLogger("pagekeeper")
@@ -103,22 +103,21 @@ def write_ready_file(path: str, info: dict[str, object]) -> None:
 
 
 LEASE_HOLD_S = 1.0
-"""A reaper tick this much later than due, or a wall clock that moved this much more than
-the monotonic one between two ticks, makes the reaper renew every lease first; a wall clock
-that moved this much less caps every lease at one full lease."""
+"""A reaper tick this much later than due makes the reaper renew every lease first; a wall
+clock that moved this much more or less than the monotonic one between two ticks, move
+every lease by the difference."""
 
 
 async def _reap_leases(
     runtime: Runtime, period: float, monotonic: Callable[[], float] = time.monotonic
 ) -> None:
     """Expire leases every ``period``. Leases run on the wall clock (they are journaled and
-    survive restarts); two things would expire healthy clients, so each renews every lease
-    first (a ResumeLeasesCommand, as after a restart): the service itself held past the
-    tick (a stall, a stopped process: heartbeats could not be answered), and the wall clock
-    jumping forward (no time passed for the clients). The wall clock going back would keep
-    a dead client's pages for as long as it went back: the leases past one full lease from
-    now are set to one (a live client heartbeats within that; none ends sooner than it
-    would have)."""
+    survive restarts), so two things are set right first (a journaled ResumeLeasesCommand):
+    the service itself held past the tick (a stall, a stopped process: heartbeats could not
+    be answered) renews every lease, as a restart does; the wall clock stepping (an NTP
+    step, a resumed VM: no time passed for the clients) moves every lease by the step, so
+    that each keeps the time it had left — ahead, no healthy client expires; back, no dead
+    one is kept for as long as the clock went back."""
     resumes = runtime.metrics.lease_resumes
     for reason in ("stall", "clock_jump", "clock_back"):
         resumes.labels(reason)  # both series exist from the start (at 0)
@@ -131,26 +130,23 @@ async def _reap_leases(
         last_wall, last_mono = wall, mono
         try:
             if late > LEASE_HOLD_S or abs(jumped) > LEASE_HOLD_S:
-                # A stall or a step ahead: every lease gets at least one full lease (exactly
-                # one where the clock also went back). A step back alone: leases past one
-                # full lease end there, the others are left alone (never lengthened).
+                # A stall: every lease gets at least one full lease (exactly one where the
+                # clock also went back past it). A wall clock step alone: every lease moves
+                # with it, keeping the time it had left (so steps again and again neither
+                # keep a dead client nor cut a live one short).
                 if late > LEASE_HOLD_S:
-                    reason, what = "stall", f"the service was held {late:.1f}s past a lease tick"
-                elif jumped > 0:
-                    reason, what = "clock_jump", f"the wall clock jumped {jumped:.1f}s ahead"
+                    reason = "stall"
+                    command = runtime.state.resume_command(wall)
+                    what = f"the service was held {late:.1f}s past a lease tick"
+                    done = "every lease set to at least one full lease"
                 else:
-                    reason, what = "clock_back", f"the wall clock went back {-jumped:.1f}s"
+                    reason = "clock_jump" if jumped > 0 else "clock_back"
+                    command = ResumeLeasesCommand(wall, "shift", jumped)
+                    what = f"the wall clock stepped {jumped:+.1f}s"
+                    done = "every lease moved with it"
                 resumes.labels(reason).inc()
-                command = runtime.state.resume_command(wall, extend=reason != "clock_back")
-                if command is not None:
-                    count = runtime.state.resume_leases(command)
-                    log.warning(
-                        "%s: every lease set to %s one full lease before expiring any "
-                        "(%d client(s))",
-                        what,
-                        {"extend": "at least", "cap": "at most", "exact": "exactly"}[command.mode],
-                        count,
-                    )
+                count = runtime.state.resume_leases(command)
+                log.warning("%s: %s before expiring any (%d client(s))", what, done, count)
             result = runtime.state.expire_leases(ExpireLeasesCommand(wall))
         except PagekeeperError as exc:
             # Only a fenced state refuses this (its log failed; the process is stopping).

@@ -33,6 +33,7 @@ A step, in the order it is applied::
 from __future__ import annotations
 
 import bisect
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -322,18 +323,21 @@ class ForceFreeCommand:
 
 @dataclass(frozen=True, slots=True)
 class ResumeLeasesCommand:
-    """Leases set against one full lease from ``now``, by ``mode``: ``extend`` (after a
-    restart or a stall: every client gets at least one; the service not answering is not
-    the client's fault), ``cap`` (the wall clock went back: a lease past one full lease
-    would keep a client that stopped heartbeating for as long as it went back, so it ends
-    there; shorter ones are left alone), ``exact`` (both: every lease is exactly one).
-    :meth:`ServiceState.resume_command` picks."""
+    """Leases set again at ``now``, by ``mode``: ``extend`` (after a restart or a stall:
+    every client gets at least one full lease; the service not answering is not the
+    client's fault), ``exact`` (the same when some lease ran past one full lease, the wall
+    clock having gone back: every lease is exactly one), ``shift`` (the wall clock stepped
+    by ``by`` seconds while no time passed for the clients: every lease moves with it,
+    keeping the time it had left), ``cap`` (leases past one full lease end there: what one
+    development build wrote for a step back). :meth:`ServiceState.resume_command` picks
+    between the first two."""
 
     now: float
     mode: str = "extend"
+    by: float = 0.0
 
 
-RESUME_MODES = ("extend", "cap", "exact")
+RESUME_MODES = ("extend", "cap", "exact", "shift")
 
 
 @dataclass(frozen=True, slots=True)
@@ -1486,17 +1490,12 @@ class ServiceState:
         self._after_mutation(cmd)
 
     # -- recovery ----------------------------------------------------------------------
-    def resume_command(self, now: float, *, extend: bool = True) -> ResumeLeasesCommand | None:
-        """The resume to apply at ``now``: with ``extend`` (a restart, a stall, a forward
-        step) ``exact`` when some lease runs past one full lease from ``now`` (the wall clock
-        went back too), else ``extend`` (which then gives the same leases, and which every
-        pagekeeper version reads); without (the wall clock went back, nothing else) ``cap``
-        when some lease runs past one, else None: nothing to do (so a clock stepped back
-        again and again never lengthens a lease)."""
+    def resume_command(self, now: float) -> ResumeLeasesCommand:
+        """The resume after a restart or a stall at ``now``: ``exact`` when some lease runs
+        past one full lease from ``now`` (the wall clock went back meanwhile), else
+        ``extend`` (which then gives the same leases, and which every version reads)."""
         past = any(c.expires_at > now + c.lease_ttl_s for c in self._clients.values())
-        if extend:
-            return ResumeLeasesCommand(now, "exact" if past else "extend")
-        return ResumeLeasesCommand(now, "cap") if past else None
+        return ResumeLeasesCommand(now, "exact" if past else "extend")
 
     def resume_leases(self, cmd: ResumeLeasesCommand) -> int:
         """Set every client's lease against one full lease from ``cmd.now`` (see
@@ -1505,11 +1504,15 @@ class ServiceState:
         self._check_writable()
         if cmd.mode not in RESUME_MODES:
             raise InvalidArgument(f"resume mode must be one of {RESUME_MODES}, got {cmd.mode!r}")
+        if not math.isfinite(cmd.by):
+            raise InvalidArgument(f"a lease shift must be finite, got {cmd.by}")
         if not self._clients:
             return 0
         for client in self._clients.values():
             full = cmd.now + client.lease_ttl_s
-            if cmd.mode == "exact":
+            if cmd.mode == "shift":
+                client.expires_at += cmd.by
+            elif cmd.mode == "exact":
                 client.expires_at = full
             elif cmd.mode == "cap":
                 client.expires_at = min(client.expires_at, full)

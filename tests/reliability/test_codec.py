@@ -135,6 +135,7 @@ COMMANDS = [
     ResumeLeasesCommand(7.0),
     ResumeLeasesCommand(7.5, "exact"),
     ResumeLeasesCommand(7.75, "cap"),
+    ResumeLeasesCommand(7.875, "shift", -3_600.25),
     ConfigureLimitsCommand(8.0, Limits(max_clients=3, lease_grace_s=1.25)),
 ]
 

@@ -96,9 +96,10 @@ class RecordFromNewerVersion(RecordDecodeError):
 _WIRE_HEADER = struct.Struct("<dBqI")
 _WIRE_HAS_PUBLICATION, _WIRE_PUBLISHED = 1, 2
 STEP_WIRE_VERSION = 2
-# Version 2 of ``resume_leases``: [now, mode], the modes other than "extend" (version 1).
+# Version 2 of ``resume_leases``: [now, mode] (shift: [now, mode, by]), the modes other than
+# "extend" (version 1).
 RESUME_MODE_VERSION = 2
-_RESUME_MODE_CODES = {"cap": 1, "exact": 2}
+_RESUME_MODE_CODES = {"cap": 1, "exact": 2, "shift": 3}
 _RESUME_MODES_BY_CODE = {code: mode for mode, code in _RESUME_MODE_CODES.items()}
 READABLE_VERSIONS = {
     KIND_STEP_WIRE: (1, STEP_WIRE_VERSION),
@@ -163,8 +164,10 @@ def encode_command(command: Command, result: Any = None) -> bytes:
         # data dir (it would apply a plain resume, and replay the records after it into
         # another state); a plain one stays version 1, readable by every version.
         if command.mode != "extend":
-            mode = _RESUME_MODE_CODES[command.mode]
-            return bytes((KIND_RESUME_LEASES, RESUME_MODE_VERSION)) + encode([command.now, mode])
+            tree = [command.now, _RESUME_MODE_CODES[command.mode]]
+            if command.mode == "shift":
+                tree.append(command.by)
+            return bytes((KIND_RESUME_LEASES, RESUME_MODE_VERSION)) + encode(tree)
         kind, tree = KIND_RESUME_LEASES, [command.now]
     elif isinstance(command, ConfigureLimitsCommand):
         kind, tree = KIND_CONFIGURE_LIMITS, [command.now, limits_to_tree(command.limits)]
@@ -190,7 +193,9 @@ def decode_command(body: bytes | memoryview) -> tuple[Command, Publication | Non
     try:
         tree = decode(memoryview(body)[2:])
         if kind == KIND_RESUME_LEASES and version == RESUME_MODE_VERSION:
-            return ResumeLeasesCommand(float(tree[0]), _RESUME_MODES_BY_CODE[tree[1]]), None
+            mode = _RESUME_MODES_BY_CODE[tree[1]]
+            by = float(tree[2]) if mode == "shift" else 0.0
+            return ResumeLeasesCommand(float(tree[0]), mode, by), None
         return _from_tree(kind, tree)
     except ValueDecodeError as exc:
         raise RecordDecodeError(f"{KIND_NAMES[kind]} record: {exc}") from None
