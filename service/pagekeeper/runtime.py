@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagekeeper.auth import ServerTokens, load_server_tokens
+from pagekeeper.core.errors import PagekeeperError
 from pagekeeper.durability import Durability, RecoveryReport
 from pagekeeper.kvevents import KvEventPublisher
 from pagekeeper.metrics import Metrics
@@ -18,10 +19,14 @@ from pagekeeper.notify import ChangeNotifier
 from pagekeeper.publication import PublicationHub, PublisherFactory, resolve_publisher_factory
 from pagekeeper.publish.api import RingGeometry, TablePublisher
 from pagekeeper.settings import Settings
-from pagekeeper.state import ConfigureLimitsCommand, Limits, ServiceState
+from pagekeeper.state import ConfigureLimitsCommand, Limits, ResumeLeasesCommand, ServiceState
 from pagekeeper.tls import ServerTLS
 
 log = logging.getLogger("pagekeeper")
+
+CLOCK_STEP_S = 1.0
+"""The wall clock moving this much more or less than the monotonic one between two reads
+(the lease reaper reads it at least every second) is a step: every lease moves with it."""
 
 
 @dataclass(eq=False)
@@ -49,9 +54,36 @@ class Runtime:
     fatal: str = ""
     """Set when the process must stop because its state can no longer be made durable."""
     on_fatal: list[Callable[[str], None]] = field(default_factory=list)
+    monotonic: Callable[[], float] = time.monotonic
+    _last_read: tuple[float, float] | None = None
 
     def now(self) -> float:
-        return self.clock()
+        """The wall clock, for leases (they are journaled, so they survive restarts). A step
+        of it (an NTP step, a resumed VM) since the last read is found here, before
+        anything is stamped with the new time: every lease moves by the step first
+        (journaled), keeping the real time it had left; a heartbeat served after the step
+        is then not moved again, as it would be if the reaper's next tick moved them all."""
+        wall, mono = self.clock(), self.monotonic()
+        last = self._last_read
+        self._last_read = (wall, mono)
+        if last is not None:
+            step = (wall - last[0]) - (mono - last[1])
+            if abs(step) > CLOCK_STEP_S:
+                self._clock_stepped(wall, step)
+        return wall
+
+    def _clock_stepped(self, wall: float, step: float) -> None:
+        self.metrics.lease_resumes.labels("clock_jump" if step > 0 else "clock_back").inc()
+        try:
+            count = self.state.resume_leases(ResumeLeasesCommand(wall, "shift", step))
+        except PagekeeperError as exc:  # a fenced state (its log failed: stopping)
+            log.error("wall clock stepped %+.1fs; leases not moved: %s", step, exc.message)
+            return
+        log.warning(
+            "the wall clock stepped %+.1fs: every lease moved with it (%d client(s))",
+            step,
+            count,
+        )
 
     def begin_shutdown(self) -> None:
         """Refuse readiness and end streams so the servers can drain."""
@@ -106,6 +138,7 @@ def build_runtime(
     settings: Settings,
     *,
     clock: Callable[[], float] = time.time,
+    monotonic: Callable[[], float] = time.monotonic,
     publisher_factory: PublisherFactory | str | None = "auto",
     durability: Durability | None = None,
     tokens: ServerTokens | None = None,
@@ -165,7 +198,9 @@ def build_runtime(
         durability=durability,
         recovery=report,
         tokens=tokens,
+        monotonic=monotonic,
     )
+    runtime.now()  # the reference for the first step
     if durability is not None:
         from pagekeeper.durability.metrics import DurabilityCollector
 

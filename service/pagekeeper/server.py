@@ -43,7 +43,7 @@ from pagekeeper.rpc.local import LocalServer
 from pagekeeper.rpc.server import GrpcServer
 from pagekeeper.runtime import Runtime, build_runtime
 from pagekeeper.settings import Settings, split_address
-from pagekeeper.state import ExpireLeasesCommand, ResumeLeasesCommand
+from pagekeeper.state import ExpireLeasesCommand
 from pagekeeper.tls import RELOAD_INTERVAL_S, ServerTLS, load_server_tls
 
 log = logging.getLogger("pagekeeper")
@@ -103,50 +103,40 @@ def write_ready_file(path: str, info: dict[str, object]) -> None:
 
 
 LEASE_HOLD_S = 1.0
-"""A reaper tick this much later than due makes the reaper renew every lease first; a wall
-clock that moved this much more or less than the monotonic one between two ticks, move
-every lease by the difference."""
+"""A reaper tick this much later than due makes the reaper renew every lease first."""
 
 
 async def _reap_leases(
     runtime: Runtime, period: float, monotonic: Callable[[], float] = time.monotonic
 ) -> None:
     """Expire leases every ``period``. Leases run on the wall clock (they are journaled and
-    survive restarts), so two things are set right first (a journaled ResumeLeasesCommand):
-    the service itself held past the tick (a stall, a stopped process: heartbeats could not
-    be answered) renews every lease, as a restart does; the wall clock stepping (an NTP
-    step, a resumed VM: no time passed for the clients) moves every lease by the step, so
-    that each keeps the time it had left — ahead, no healthy client expires; back, no dead
-    one is kept for as long as the clock went back."""
+    survive restarts), so two things are set right first: the service itself held past the
+    tick (a stall, a stopped process: heartbeats could not be answered) renews every lease,
+    as a restart does (a journaled ResumeLeasesCommand); a step of the wall clock is found
+    by :meth:`Runtime.now` itself, which every tick reads (so at least every second), and
+    moves every lease by the step."""
     resumes = runtime.metrics.lease_resumes
     for reason in ("stall", "clock_jump", "clock_back"):
-        resumes.labels(reason)  # both series exist from the start (at 0)
-    last_wall, last_mono = runtime.now(), monotonic()
+        resumes.labels(reason)  # every series exists from the start (at 0)
+    last_mono = monotonic()
     while True:
         await asyncio.sleep(period)
-        wall, mono = runtime.now(), monotonic()
-        late = mono - last_mono - period
-        jumped = (wall - last_wall) - (mono - last_mono)
-        last_wall, last_mono = wall, mono
         try:
-            if late > LEASE_HOLD_S or abs(jumped) > LEASE_HOLD_S:
-                # A stall: every lease gets at least one full lease (exactly one where the
-                # clock also went back past it). A wall clock step alone: every lease moves
-                # with it, keeping the time it had left (so steps again and again neither
-                # keep a dead client nor cut a live one short).
-                if late > LEASE_HOLD_S:
-                    reason = "stall"
-                    command = runtime.state.resume_command(wall)
-                    what = f"the service was held {late:.1f}s past a lease tick"
-                    done = "every lease set to at least one full lease"
-                else:
-                    reason = "clock_jump" if jumped > 0 else "clock_back"
-                    command = ResumeLeasesCommand(wall, "shift", jumped)
-                    what = f"the wall clock stepped {jumped:+.1f}s"
-                    done = "every lease moved with it"
-                resumes.labels(reason).inc()
+            wall = runtime.now()
+            mono = monotonic()
+            late = mono - last_mono - period
+            last_mono = mono
+            if late > LEASE_HOLD_S:
+                command = runtime.state.resume_command(wall)
                 count = runtime.state.resume_leases(command)
-                log.warning("%s: %s before expiring any (%d client(s))", what, done, count)
+                resumes.labels("stall").inc()
+                log.warning(
+                    "the service was held %.1fs past a lease tick: every lease set to %s one "
+                    "full lease before expiring any (%d client(s))",
+                    late,
+                    "exactly" if command.mode == "exact" else "at least",
+                    count,
+                )
             result = runtime.state.expire_leases(ExpireLeasesCommand(wall))
         except PagekeeperError as exc:
             # Only a fenced state refuses this (its log failed; the process is stopping).

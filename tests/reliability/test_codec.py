@@ -319,14 +319,32 @@ def test_a_capping_or_exact_lease_resume_is_a_version_an_older_reader_refuses(mo
     assert decode_command(bytes((KIND_RESUME_LEASES, 1)) + encode([7.0, 1]))[0] == (
         ResumeLeasesCommand(7.0, "cap")
     )
-    with pytest.raises(RecordDecodeError):
-        decode_command(bytes((KIND_RESUME_LEASES, 2)) + encode([7.0, 9]))  # no such mode
+    shift = encode_command(ResumeLeasesCommand(7.0, "shift", -5.5))
+    assert shift == bytes((KIND_RESUME_LEASES, 3)) + encode([7.0, -5.5])
+    # A mode a newer version adds is refused as newer (the dir, not dropped as damage).
+    with pytest.raises(RecordFromNewerVersion):
+        decode_command(bytes((KIND_RESUME_LEASES, 2)) + encode([7.0, 9]))
+    # Anything else that is not one of the shapes is damage, never a silent resume.
+    for version, tree in (
+        (1, [7.0, 2]), (1, [7.0, True]), (1, [7.0, 1.0]), (1, [7.0, "x"]), (1, []),
+        (2, [7.0]), (2, [7.0, True]), (2, [7.0, 2.0]), (2, [7.0, 2, 0]),
+        (3, [7.0]), (3, [7.0, float("nan")]), (3, [7.0, float("inf")]), (3, [7.0, "-5"]),
+        (3, [7.0, True]), (3, [7.0, 1.0, 2]), (3, [float("nan"), 1.0]),
+    ):  # fmt: skip
+        with pytest.raises(RecordDecodeError):
+            decode_command(bytes((KIND_RESUME_LEASES, version)) + encode(tree))
     # A reader from before version 2 (it knew version 1 only) refuses the data dir rather
-    # than apply a plain resume and replay the records after it into another state.
+    # than apply a plain resume and replay the records after it into another state; one
+    # that knew versions 1 and 2 refuses the shift (version 3) alike.
     monkeypatch.setattr(commands, "READABLE_VERSIONS", {KIND_STEP_WIRE: (1, 2)})
     assert decode_command(plain)[0] == ResumeLeasesCommand(7.0)
     with pytest.raises(RecordFromNewerVersion, match="resume_leases record version 2"):
         decode_command(exact)
+    monkeypatch.setattr(
+        commands, "READABLE_VERSIONS", {KIND_STEP_WIRE: (1, 2), KIND_RESUME_LEASES: (1, 2)}
+    )
+    with pytest.raises(RecordFromNewerVersion, match="resume_leases record version 3"):
+        decode_command(shift)
 
 
 def test_a_registration_without_identity_encodes_as_before_one_with_it_adds_a_field():
@@ -371,6 +389,10 @@ def test_events_round_trip():
         keyed[-2],
         dataclasses.replace(keyed[-1], first_page=0),  # pairs only for events with keys
     ]
+    # The next one's: the keys themselves under "extra_keys", beside "first_pages".
+    later = events_to_tree(keyed)
+    later["extra_keys"] = later.pop("event_extra_keys")
+    assert events_from_tree(decode(encode(later))) == keyed
     small = [PageStored(1, 0, (b"a",), None, TokenRun(range(16)), 16, (1,), None)]
     assert events_to_tree(small)["tokens"].dtype == np.int32  # narrowed when ids fit
     assert events_from_tree(decode(encode(events_to_tree([])))) == []

@@ -1,6 +1,7 @@
-"""The lease reaper renews every lease before expiring any when the service itself was held
-past a tick, or the wall clock jumped ahead: neither is the clients' fault. A wall clock that
-went back caps every lease at one full lease instead."""
+"""Leases run on the wall clock. The lease reaper renews every lease before expiring any
+when the service itself was held past a tick (not the clients' fault); a step of the wall
+clock (ahead or back) moves every lease by the step, found where the clock is read, so each
+keeps the real time it had left."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 from pagekeeper.runtime import Runtime, build_runtime
 from pagekeeper.server import _reap_leases
 from pagekeeper.settings import Settings
-from pagekeeper.state import ClientRole, RegisterCommand
+from pagekeeper.state import ClientRole, ExpireLeasesCommand, HeartbeatCommand, RegisterCommand
 
 TTL = 10.0
 
@@ -38,6 +39,7 @@ def _run(moves: list[tuple[float, bool]]) -> tuple[bool, dict[str, float]]:
     runtime = build_runtime(
         Settings(durability="none", publish_transport="none", lease_ttl_s=TTL),
         clock=lambda: clocks.wall,
+        monotonic=lambda: clocks.mono,
         publisher_factory=None,
     )
     client_id = runtime.state.register(
@@ -70,7 +72,7 @@ def test_time_passing_tick_by_tick_expires_the_lease() -> None:
     assert counters == {"stall": 0, "clock_jump": 0, "clock_back": 0}
 
 
-def test_a_wall_clock_jump_renews_every_lease() -> None:
+def test_a_wall_clock_step_ahead_keeps_every_lease() -> None:
     alive, counters = _run([(0.5, False), (3_600.0, True), (0.5, False)])
     assert alive
     assert counters == {"stall": 0, "clock_jump": 1, "clock_back": 0}
@@ -83,13 +85,13 @@ def test_a_stalled_service_renews_every_lease() -> None:
     assert counters == {"stall": 1, "clock_jump": 0, "clock_back": 0}
 
 
-def test_the_renewal_is_one_lease_not_forever() -> None:
+def test_a_step_ahead_is_not_a_renewal() -> None:
     alive, _ = _run([(3_600.0, True)] + [(0.5, False)] * 30)  # then 15 s pass normally
     assert not alive
 
 
-def test_a_wall_clock_going_back_caps_every_lease_at_one() -> None:
-    # Without the cap the lease would run 3,600 s longer: the dead client's pages held.
+def test_a_wall_clock_step_back_keeps_no_dead_client() -> None:
+    # Not moved, the lease would run 3,600 s longer: the dead client's pages held.
     alive, counters = _run([(0.5, False), (-3_600.0, True)] + [(0.5, False)] * 30)
     assert not alive
     assert counters == {"stall": 0, "clock_jump": 0, "clock_back": 1}
@@ -103,13 +105,42 @@ def test_a_clock_stepped_again_and_again_never_keeps_a_dead_client() -> None:
         assert not alive and counters[reason] >= 3
 
 
-def test_the_cap_never_ends_a_lease_sooner_than_without_the_jump() -> None:
+def test_a_step_back_never_ends_a_lease_sooner() -> None:
     # 9.5 s were left at the jump; 8 s later the client is still registered.
     alive, _ = _run([(0.5, False), (-3_600.0, True)] + [(0.5, False)] * 16)
     assert alive
     # A small step back (under a second) is ordinary clock discipline: nothing is done.
     alive, counters = _run([(0.5, False), (-0.5, True), (0.5, False)])
     assert alive and counters["clock_back"] == 0
+
+
+def test_a_step_moves_each_lease_by_the_step_and_a_heartbeat_after_it_is_not_moved() -> None:
+    """The step is found where the clock is read, before anything is stamped with the new
+    time: a lease keeps the real time it had left (6 s of 10, the clock 5 s back: 6 s
+    later it ends, not 10), and a heartbeat served right after the step, before any reaper
+    tick, is not moved a second time."""
+    clocks = Clocks()
+    runtime = build_runtime(
+        Settings(durability="none", publish_transport="none", lease_ttl_s=TTL),
+        clock=lambda: clocks.wall,
+        monotonic=lambda: clocks.mono,
+        publisher_factory=None,
+    )
+    state = runtime.state
+    dead = state.register(RegisterCommand(now=runtime.now(), role=ClientRole.WORKER))
+    live = state.register(RegisterCommand(now=runtime.now(), role=ClientRole.WORKER))
+    clocks.advance(4.0)
+    runtime.now()  # a tick: 6 s left each
+    clocks.advance(-5.0, wall_only=True)
+    state.heartbeat(HeartbeatCommand(runtime.now(), live.client_id, live.generation))
+    remaining = {c.client_id: c.expires_at - clocks.wall for c in state.clients()}
+    assert remaining == {dead.client_id: 6.0, live.client_id: TTL}
+    assert runtime.metrics.lease_resumes.labels("clock_back")._value.get() == 1
+    for _ in range(3):  # later reads see no step: nothing moves again
+        runtime.now()
+    clocks.advance(6.5)
+    state.expire_leases(ExpireLeasesCommand(runtime.now()))
+    assert [c.client_id for c in state.clients()] == [live.client_id]
 
 
 def test_a_restart_after_the_clock_went_back_sets_leases_to_one(tmp_path: Path) -> None:

@@ -230,10 +230,14 @@ def events_from_tree(tree: Tree) -> list[KVEvent]:
         np.asarray(tree["first_pages"]).tolist() if "first_pages" in tree else [0] * len(parents)
     )
     if tree.get("extra_keys"):
-        # One day's development build wrote [first page, keys] pairs under this name.
-        pairs = tree["extra_keys"]
-        keys = [None if p is None else p[1] for p in pairs]
-        first_pages = [0 if p is None else int(p[0]) for p in pairs]
+        # Two development builds of one day used this name: with a first_pages column
+        # beside it, for the keys themselves; without, for [first page, keys] pairs.
+        if "first_pages" in tree:
+            keys = tree["extra_keys"]
+        else:
+            pairs = tree["extra_keys"]
+            keys = [None if p is None else p[1] for p in pairs]
+            first_pages = [0 if p is None else int(p[0]) for p in pairs]
     if len(loras) != len(parents) or len(keys) != len(parents) or len(first_pages) != len(parents):
         raise InvalidArgument("snapshot events: columns do not match their kinds")
     if len(seqs) != len(kinds) or len(groups) != len(kinds) - kinds.count("c"):

@@ -19,6 +19,7 @@ version of its kind, and old versions keep decoding.
 
 from __future__ import annotations
 
+import math
 import struct
 from typing import Any
 
@@ -96,14 +97,42 @@ class RecordFromNewerVersion(RecordDecodeError):
 _WIRE_HEADER = struct.Struct("<dBqI")
 _WIRE_HAS_PUBLICATION, _WIRE_PUBLISHED = 1, 2
 STEP_WIRE_VERSION = 2
-# Version 2 of ``resume_leases``: [now, mode] (shift: [now, mode, by]), the modes other than
-# "extend" (version 1).
+# ``resume_leases``: version 1 [now] (extend; [now, 1] a cap, as one day's development build
+# wrote it), version 2 [now, mode] (cap, exact), version 3 [now, by] (shift).
 RESUME_MODE_VERSION = 2
-_RESUME_MODE_CODES = {"cap": 1, "exact": 2, "shift": 3}
+RESUME_SHIFT_VERSION = 3
+_RESUME_MODE_CODES = {"cap": 1, "exact": 2}
 _RESUME_MODES_BY_CODE = {code: mode for mode, code in _RESUME_MODE_CODES.items()}
+
+
+def _number(value: Any) -> float:
+    if type(value) not in (int, float) or not math.isfinite(value):
+        raise RecordDecodeError(f"resume_leases record: {value!r} is not a finite number")
+    return float(value)
+
+
+def _resume_from_tree(version: int, tree: Any) -> ResumeLeasesCommand:
+    if not isinstance(tree, list) or not tree:
+        raise RecordDecodeError("resume_leases record has the wrong shape")
+    now = _number(tree[0])
+    if version == 1 and len(tree) == 1:
+        return ResumeLeasesCommand(now)
+    if version == 1 and len(tree) == 2 and type(tree[1]) is int and tree[1] == 1:
+        return ResumeLeasesCommand(now, "cap")
+    if version == RESUME_MODE_VERSION and len(tree) == 2 and type(tree[1]) is int:
+        mode = _RESUME_MODES_BY_CODE.get(tree[1])
+        if mode is None:
+            # A mode a newer pagekeeper added: refuse the dir rather than drop the record.
+            raise RecordFromNewerVersion(f"resume_leases mode {tree[1]} is unknown here")
+        return ResumeLeasesCommand(now, mode)
+    if version == RESUME_SHIFT_VERSION and len(tree) == 2:
+        return ResumeLeasesCommand(now, "shift", _number(tree[1]))
+    raise RecordDecodeError(f"resume_leases record version {version} has the wrong shape")
+
+
 READABLE_VERSIONS = {
     KIND_STEP_WIRE: (1, STEP_WIRE_VERSION),
-    KIND_RESUME_LEASES: (1, RESUME_MODE_VERSION),
+    KIND_RESUME_LEASES: (1, RESUME_MODE_VERSION, RESUME_SHIFT_VERSION),
 }
 """The record versions a kind reads (any other kind: ``VERSION`` only)."""
 
@@ -163,10 +192,11 @@ def encode_command(command: Command, result: Any = None) -> bytes:
         # An exact resume is version 2 of the kind: a pagekeeper from before it refuses the
         # data dir (it would apply a plain resume, and replay the records after it into
         # another state); a plain one stays version 1, readable by every version.
+        if command.mode == "shift":
+            tree = [command.now, command.by]
+            return bytes((KIND_RESUME_LEASES, RESUME_SHIFT_VERSION)) + encode(tree)
         if command.mode != "extend":
             tree = [command.now, _RESUME_MODE_CODES[command.mode]]
-            if command.mode == "shift":
-                tree.append(command.by)
             return bytes((KIND_RESUME_LEASES, RESUME_MODE_VERSION)) + encode(tree)
         kind, tree = KIND_RESUME_LEASES, [command.now]
     elif isinstance(command, ConfigureLimitsCommand):
@@ -192,11 +222,11 @@ def decode_command(body: bytes | memoryview) -> tuple[Command, Publication | Non
         return _step_wire_from_body(memoryview(body)[2:])
     try:
         tree = decode(memoryview(body)[2:])
-        if kind == KIND_RESUME_LEASES and version == RESUME_MODE_VERSION:
-            mode = _RESUME_MODES_BY_CODE[tree[1]]
-            by = float(tree[2]) if mode == "shift" else 0.0
-            return ResumeLeasesCommand(float(tree[0]), mode, by), None
+        if kind == KIND_RESUME_LEASES:
+            return _resume_from_tree(version, tree), None
         return _from_tree(kind, tree)
+    except RecordDecodeError:
+        raise
     except ValueDecodeError as exc:
         raise RecordDecodeError(f"{KIND_NAMES[kind]} record: {exc}") from None
     except (TypeError, ValueError, IndexError, KeyError, OverflowError, AttributeError) as exc:
@@ -248,9 +278,7 @@ def _from_tree(kind: int, tree: Any) -> tuple[Command, Publication | None]:
     if kind == KIND_FORCE_FREE:
         return ForceFreeCommand(float(tree[0]), str(tree[1])), None
     if kind == KIND_RESUME_LEASES:
-        # [now, 1]: a cap, as one day's development build wrote it under version 1.
-        mode = "cap" if len(tree) > 1 and tree[1] == 1 else "extend"
-        return ResumeLeasesCommand(float(tree[0]), mode), None
+        return _resume_from_tree(1, tree), None
     if kind == KIND_CONFIGURE_LIMITS:
         return ConfigureLimitsCommand(float(tree[0]), limits_from_tree(tree[1])), None
     raise RecordDecodeError(f"unknown record kind {kind}")  # pragma: no cover - checked above
