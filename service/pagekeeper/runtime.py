@@ -63,10 +63,14 @@ class Runtime:
         anything is stamped with the new time: every lease moves by the step first
         (journaled), keeping the real time it had left; a heartbeat served after the step
         is then not moved again, as it would be if the reaper's next tick moved them all."""
-        wall, mono = self.clock(), self.monotonic()
+        before = self.monotonic()
+        wall = self.clock()
+        mono = self.monotonic()
         last = self._last_read
         self._last_read = (wall, mono)
-        if last is not None:
+        # Held between the two reads (stopped, starved): the pair says nothing, and is
+        # only the reference for the next read.
+        if last is not None and mono - before < CLOCK_STEP_S / 2:
             step = (wall - last[0]) - (mono - last[1])
             if abs(step) > CLOCK_STEP_S:
                 self._clock_stepped(wall, step)
@@ -138,7 +142,7 @@ def build_runtime(
     settings: Settings,
     *,
     clock: Callable[[], float] = time.time,
-    monotonic: Callable[[], float] = time.monotonic,
+    monotonic: Callable[[], float] | None = None,
     publisher_factory: PublisherFactory | str | None = "auto",
     durability: Durability | None = None,
     tokens: ServerTokens | None = None,
@@ -198,7 +202,9 @@ def build_runtime(
         durability=durability,
         recovery=report,
         tokens=tokens,
-        monotonic=monotonic,
+        # A clock of the caller's without a monotonic one: steps are the caller's business
+        # (the clock against itself never steps).
+        monotonic=monotonic or (time.monotonic if clock is time.time else clock),
     )
     runtime.now()  # the reference for the first step
     if durability is not None:

@@ -321,13 +321,20 @@ def test_a_capping_or_exact_lease_resume_is_a_version_an_older_reader_refuses(mo
     )
     shift = encode_command(ResumeLeasesCommand(7.0, "shift", -5.5))
     assert shift == bytes((KIND_RESUME_LEASES, 3)) + encode([7.0, -5.5])
+    # What two development builds of the day wrote under version 2 reads back.
+    assert decode_command(bytes((KIND_RESUME_LEASES, 2)) + encode([7.0]))[0] == (
+        ResumeLeasesCommand(7.0, "exact")
+    )
+    assert decode_command(bytes((KIND_RESUME_LEASES, 2)) + encode([7.0, 3, -5.5]))[0] == (
+        ResumeLeasesCommand(7.0, "shift", -5.5)
+    )
     # A mode a newer version adds is refused as newer (the dir, not dropped as damage).
     with pytest.raises(RecordFromNewerVersion):
         decode_command(bytes((KIND_RESUME_LEASES, 2)) + encode([7.0, 9]))
     # Anything else that is not one of the shapes is damage, never a silent resume.
     for version, tree in (
         (1, [7.0, 2]), (1, [7.0, True]), (1, [7.0, 1.0]), (1, [7.0, "x"]), (1, []),
-        (2, [7.0]), (2, [7.0, True]), (2, [7.0, 2.0]), (2, [7.0, 2, 0]),
+        (2, [7.0, True]), (2, [7.0, 2.0]), (2, [7.0, 2, 0]), (2, [7.0, 3, "x"]),
         (3, [7.0]), (3, [7.0, float("nan")]), (3, [7.0, float("inf")]), (3, [7.0, "-5"]),
         (3, [7.0, True]), (3, [7.0, 1.0, 2]), (3, [float("nan"), 1.0]),
     ):  # fmt: skip

@@ -143,6 +143,21 @@ def test_a_step_moves_each_lease_by_the_step_and_a_heartbeat_after_it_is_not_mov
     assert [c.client_id for c in state.clients()] == [live.client_id]
 
 
+def test_a_clock_of_the_callers_alone_never_steps() -> None:
+    """An embedding's own wall clock (a test's, a simulator's), without a monotonic one:
+    its progress against real time is not a step of the clock."""
+    ticks = iter(range(0, 10_000, 2))
+    runtime = build_runtime(
+        Settings(durability="none", publish_transport="none", lease_ttl_s=TTL),
+        clock=lambda: 10_000.0 + next(ticks),  # 2 s a read, however fast they come
+        publisher_factory=None,
+    )
+    runtime.state.register(RegisterCommand(now=runtime.now(), role=ClientRole.WORKER))
+    for _ in range(3):
+        runtime.now()
+    assert [runtime.metrics.lease_resumes.labels(r)._value.get() for r in ("clock_jump",)] == [0]
+
+
 def test_a_restart_after_the_clock_went_back_sets_leases_to_one(tmp_path: Path) -> None:
     """Down while the wall clock went back an hour: the restart's resume sets every lease
     to exactly one full lease (journaled as such, so a second restart replays it), not the

@@ -98,7 +98,8 @@ _WIRE_HEADER = struct.Struct("<dBqI")
 _WIRE_HAS_PUBLICATION, _WIRE_PUBLISHED = 1, 2
 STEP_WIRE_VERSION = 2
 # ``resume_leases``: version 1 [now] (extend; [now, 1] a cap, as one day's development build
-# wrote it), version 2 [now, mode] (cap, exact), version 3 [now, by] (shift).
+# wrote it), version 2 [now, mode] (cap, exact; development builds also wrote [now] for
+# exact and [now, 3, by] for a shift), version 3 [now, by] (shift).
 RESUME_MODE_VERSION = 2
 RESUME_SHIFT_VERSION = 3
 _RESUME_MODE_CODES = {"cap": 1, "exact": 2}
@@ -119,6 +120,12 @@ def _resume_from_tree(version: int, tree: Any) -> ResumeLeasesCommand:
         return ResumeLeasesCommand(now)
     if version == 1 and len(tree) == 2 and type(tree[1]) is int and tree[1] == 1:
         return ResumeLeasesCommand(now, "cap")
+    # Two development builds of one day wrote version 2 as [now] (exact) and [now, 3, by]
+    # (shift): read back, not dropped with everything after them.
+    if version == RESUME_MODE_VERSION and len(tree) == 1:
+        return ResumeLeasesCommand(now, "exact")
+    if version == RESUME_MODE_VERSION and len(tree) == 3 and type(tree[1]) is int and tree[1] == 3:
+        return ResumeLeasesCommand(now, "shift", _number(tree[2]))
     if version == RESUME_MODE_VERSION and len(tree) == 2 and type(tree[1]) is int:
         mode = _RESUME_MODES_BY_CODE.get(tree[1])
         if mode is None:
