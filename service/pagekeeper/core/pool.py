@@ -689,19 +689,9 @@ class PagePool:
         if self._ops is not None:
             # A run of held, uncached pages with new, distinct hashes, entered in one C call
             # (it changes nothing and says False otherwise: the general path below).
-            if self._ops.cache(index, hash_of, self._state, cached, pages, hashes, group_id + 1):
-                self._stored_event(
-                    group_id,
-                    pages,
-                    hashes,
-                    parent_hash,
-                    token_ids,
-                    page_size,
-                    lora_name,
-                    extra_keys,
-                    first_page,
-                )
-                return
+            entered = self._ops.cache(
+                index, hash_of, self._state, cached, pages, hashes, group_id + 1
+            )
         elif (
             len(pages) > 4
             and NULL_PAGE not in pages
@@ -720,52 +710,46 @@ class PagePool:
             for page, s, page_hash in zip(pages, states, hashes, strict=True):
                 state[page] = s + 1
                 hash_of[page] = page_hash
-            self._stored_event(
-                group_id,
-                pages,
-                hashes,
-                parent_hash,
-                token_ids,
-                page_size,
-                lora_name,
-                extra_keys,
-                first_page,
-            )
-            return
-        state = self._state
-        seen = set()
-        for page in pages:
-            # Only held pages are cached (a free page's queue position is not kept).
-            if page != NULL_PAGE and (cached[page] or state[page] < 2 or page in seen):
-                raise InvariantViolation(f"page {page} is already cached, free or listed twice")
-            seen.add(page)
-        stored_pages: list[int] = []
-        stored_hashes: list[bytes] = []
-        first_stored = -1
-        for i, (page, page_hash) in enumerate(zip(pages, hashes, strict=True)):
-            if page == NULL_PAGE:
-                continue
-            self._index_page(group_id, page, page_hash)
-            stored_pages.append(page)
-            stored_hashes.append(page_hash)
-            if first_stored < 0:
-                first_stored = i
-        if stored_pages:
+            entered = True
+        else:
+            entered = False
+        if entered:
+            stored_pages, stored_hashes = pages, hashes
+        else:
+            state = self._state
+            seen = set()
+            for page in pages:
+                # Only held pages are cached (a free page's queue position is not kept).
+                if page != NULL_PAGE and (cached[page] or state[page] < 2 or page in seen):
+                    raise InvariantViolation(f"page {page} is already cached, free or listed twice")
+                seen.add(page)
+            stored_pages, stored_hashes = [], []
+            first_stored = -1
+            for i, (page, page_hash) in enumerate(zip(pages, hashes, strict=True)):
+                if page == NULL_PAGE:
+                    continue
+                self._index_page(group_id, page, page_hash)
+                stored_pages.append(page)
+                stored_hashes.append(page_hash)
+                if first_stored < 0:
+                    first_stored = i
+            if not stored_pages:
+                return
             # One event over the run, null pages left out, as vLLM's: its first page is the
             # first stored one (a window's null pages lead). A null page between stored
             # ones (never seen) would shift the later pages' extra keys by one page each.
             first_page += first_stored
-            self._stored_event(
-                group_id,
-                stored_pages,
-                stored_hashes,
-                parent_hash,
-                token_ids,
-                page_size,
-                lora_name,
-                extra_keys,
-                first_page,
-            )
+        self._stored_event(
+            group_id,
+            stored_pages,
+            stored_hashes,
+            parent_hash,
+            token_ids,
+            page_size,
+            lora_name,
+            extra_keys,
+            first_page,
+        )
 
     def cache_one(
         self,
