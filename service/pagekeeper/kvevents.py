@@ -62,7 +62,7 @@ from prometheus_client.registry import Collector
 
 from pagekeeper.core.config import GroupKind, PoolConfig
 from pagekeeper.core.events import AllCleared, PageRemoved, PageStored, TokenRun
-from pagekeeper.core.hashing import narrow_extra_keys
+from pagekeeper.core.hashing import input_pages, narrow_extra_keys
 from pagekeeper.files import clear_stale_socket
 from pagekeeper.notify import ChangeNotifier
 from pagekeeper.settings import Settings
@@ -170,8 +170,7 @@ def vllm_extra_keys(event: PageStored) -> list[tuple[Any, ...] | None]:
     first, ps = event.first_page, event.page_size
     special: dict[int, list[Any]] = {}
     for mm in keys.mm_inputs:
-        end = mm.offset + mm.length
-        for page in range(max(mm.offset // ps, first), min((end - 1) // ps + 1, first + n)):
+        for page in input_pages(mm.offset, mm.offset + mm.length, first, first + n, ps):
             special.setdefault(page, [*lora]).append((mm.identifier, mm.offset - page * ps))
     if first == 0 and keys.cache_salt:
         special.setdefault(0, [*lora]).append(keys.cache_salt)

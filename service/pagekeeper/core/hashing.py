@@ -222,6 +222,12 @@ def page_extra_keys(
     return run_extra_keys(extra_keys, page_index, 1, page_size)[0]
 
 
+def input_pages(offset: int, end: int, first_page: int, stop: int, page_size: int) -> range:
+    """The pages among ``first_page .. stop - 1`` that a placeholder over tokens
+    ``[offset, end)`` overlaps (each carries that input in its hash)."""
+    return range(max(offset // page_size, first_page), min((end - 1) // page_size + 1, stop))
+
+
 def narrow_extra_keys(
     extra_keys: ExtraKeys, first_page: int, num_pages: int, page_size: int
 ) -> ExtraKeys | None:
@@ -323,10 +329,7 @@ class _CompiledKeys:
         items_by_page: dict[int, list[bytes]] = {}
         get = items_by_page.get
         for prefix, offset, end in self.mm:
-            for page in range(
-                max(offset // page_size, first_page),
-                min(end - 1, stop * page_size - 1) // page_size + 1,
-            ):
+            for page in input_pages(offset, end, first_page, stop, page_size):
                 item = prefix + _int_item(offset - page * page_size)
                 items = get(page)
                 if items is None:
