@@ -374,11 +374,7 @@ class KvEventPublisher:
         while backlog and (max_batches is None or reads < max_batches):
             reads += 1
             chunk = [backlog.popleft() for _ in range(min(len(backlog), _EVENTS_PER_READ))]
-            events = to_vllm_events(chunk, self.hash_format, self.specs)
-            if self._needs_clear:
-                self._needs_clear = False
-                events.insert(0, AllBlocksCleared())
-            self._send(events, 0)
+            self._send(self._converted(chunk), 0)
             self.num_reannounced += len(chunk)
         while state.last_event_seq != self._since:
             if max_batches is not None and reads >= max_batches:
@@ -400,16 +396,22 @@ class KvEventPublisher:
                 continue
             if not page.events:
                 break
-            events = to_vllm_events(page.events, self.hash_format, self.specs)
-            if self._needs_clear:
-                # In the batch with the events that follow it: a subscriber that connects
-                # (or reconnects) after start-up gets it with its first batch.
-                self._needs_clear = False
-                events.insert(0, AllBlocksCleared())
-            self._send(events, len(page.events))
+            self._send(self._converted(page.events), len(page.events))
             self._since = page.events[-1].seq
             count += len(page.events)
         return count
+
+    def _converted(
+        self, events: Sequence[PageStored | PageRemoved | AllCleared]
+    ) -> list[BlockStored | BlockRemoved | AllBlocksCleared]:
+        """The next batch's events as vLLM's structs, after the clear when one is due: in
+        the batch with the events that follow it, so a subscriber that connects (or
+        reconnects) after start-up gets it with its first batch."""
+        out = to_vllm_events(events, self.hash_format, self.specs)
+        if self._needs_clear:
+            self._needs_clear = False
+            out.insert(0, AllBlocksCleared())
+        return out
 
     def _send(self, events: list[BlockStored | BlockRemoved | AllBlocksCleared], n: int) -> None:
         batch = KVEventBatch(

@@ -176,6 +176,8 @@ class Metrics:
             ["reason"],
             registry=self.registry,
         )
+        for reason in ("stall", "clock_jump", "clock_back"):
+            self.lease_resumes.labels(reason)  # every series exists from the start (at 0)
         self.token_reloads = Counter(
             "pagekeeper_token_reloads",
             "Changed bearer-token files seen, by result: loaded (the tokens listed are the "

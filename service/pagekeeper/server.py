@@ -116,8 +116,6 @@ async def _reap_leases(
     by :meth:`Runtime.now` itself, which every tick reads (so at least every second), and
     moves every lease by the step."""
     resumes = runtime.metrics.lease_resumes
-    for reason in ("stall", "clock_jump", "clock_back"):
-        resumes.labels(reason)  # every series exists from the start (at 0)
     last_mono = monotonic()
     while True:
         await asyncio.sleep(period)
