@@ -49,7 +49,6 @@ from pagekeeper_client.client import (
     default_client_name,
     encode_i32,
     event_batch_from_pb,
-    extra_keys_to_pb,
     limits_from_pb,
     local_socket_choice,
     local_ticket,
@@ -74,6 +73,7 @@ from pagekeeper_client.errors import (
     UnavailableError,
     error_from_rpc,
 )
+from pagekeeper_client.extra_keys import extra_keys_to_pb
 from pagekeeper_client.local import AsyncLocalChannel
 from pagekeeper_client.ring import RingDescriptor
 from pagekeeper_client.types import (

@@ -85,6 +85,7 @@ from pagekeeper_client.errors import (
     UnavailableError,
     error_from_rpc,
 )
+from pagekeeper_client.extra_keys import extra_keys_to_pb
 from pagekeeper_client.local import LocalChannel
 from pagekeeper_client.ring import RingDescriptor, RingGeometry, StepTables, TableArrays
 from pagekeeper_client.token_file import read_tokens
@@ -543,22 +544,6 @@ def local_ticket(registration: Registration | None) -> tuple[str, str] | None:
     if registration is None or not registration.local_ticket:
         return None
     return registration.client_id, registration.local_ticket
-
-
-def extra_keys_to_pb(extra: ExtraKeys) -> pb.ExtraKeys:
-    msg = pb.ExtraKeys(
-        mm_inputs=[
-            pb.MultiModalKey(identifier=m.identifier, offset=m.offset, length=m.length)
-            for m in extra.mm_inputs
-        ]
-    )
-    if extra.lora_name is not None:
-        msg.lora_name = extra.lora_name
-    if extra.lora_path is not None:
-        msg.lora_path = extra.lora_path
-    if extra.cache_salt is not None:
-        msg.cache_salt = extra.cache_salt
-    return msg
 
 
 def extra_keys_from_pb(msg: pb.ExtraKeys) -> ExtraKeys:

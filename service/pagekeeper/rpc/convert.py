@@ -35,6 +35,7 @@ from pagekeeper.state import (
     StepResult,
 )
 from pagekeeper_client._proto.pagekeeper.v1 import pagekeeper_pb2 as pb
+from pagekeeper_client.extra_keys import extra_keys_to_pb
 
 I32 = np.dtype("<i4")
 I64 = np.dtype("<i8")
@@ -218,22 +219,6 @@ def ring_to_pb(ring: RingDescriptor) -> pb.RingDescriptor:
 
 
 # -- step -----------------------------------------------------------------------------------
-
-
-def extra_keys_to_pb(extra: ExtraKeys) -> pb.ExtraKeys:
-    msg = pb.ExtraKeys(
-        mm_inputs=[
-            pb.MultiModalKey(identifier=m.identifier, offset=m.offset, length=m.length)
-            for m in extra.mm_inputs
-        ]
-    )
-    if extra.lora_name is not None:
-        msg.lora_name = extra.lora_name
-    if extra.lora_path is not None:
-        msg.lora_path = extra.lora_path
-    if extra.cache_salt is not None:
-        msg.cache_salt = extra.cache_salt
-    return msg
 
 
 def extra_keys_from_pb(msg: pb.ExtraKeys) -> ExtraKeys | None:
