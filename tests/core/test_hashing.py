@@ -40,6 +40,7 @@ from pagekeeper.core.hashing import (
     page_extra_keys,
 )
 from pagekeeper.core.types import ExtraKeys, MultiModalKey
+from tests.helpers.keys import extra_keys as request_keys
 from tests.helpers.props import examples
 
 try:
@@ -965,34 +966,17 @@ def test_hash_next_keeps_page_specific_keys(extra: ExtraKeys | None) -> None:
 
 
 @given(
-    spots=st.lists(st.tuples(st.integers(0, 30), st.integers(1, 40)), max_size=12),
-    lora=st.booleans(),
-    salt=st.sampled_from([None, "", "s"]),
+    keys=request_keys(max_inputs=12),
     first_page=st.integers(0, 40),
     num_pages=st.integers(1, 12),
     page_size=st.sampled_from([1, 4, 16]),
 )
 @settings(max_examples=examples(300), suppress_health_check=[HealthCheck.too_slow])
 def test_an_events_narrowed_keys_give_its_pages_the_same_keys(
-    spots: list[tuple[int, int]],
-    lora: bool,
-    salt: str | None,
-    first_page: int,
-    num_pages: int,
-    page_size: int,
+    keys: ExtraKeys, first_page: int, num_pages: int, page_size: int
 ) -> None:
     """What a stored event keeps of its request's keys gives each of its pages the keys
     the whole would, and holds no input that falls on none of them."""
-    mm, offset = [], 0
-    for gap, length in spots:  # sorted and apart, as validated
-        mm.append(MultiModalKey(f"img-{offset}", offset + gap, length))
-        offset += gap + length
-    keys = ExtraKeys(
-        lora_name="a" if lora else None,
-        lora_path="/a" if lora else None,
-        mm_inputs=tuple(mm),
-        cache_salt=salt,
-    )
     narrowed = hashing.narrow_extra_keys(keys, first_page, num_pages, page_size)
     whole = hashing.run_extra_keys(keys, first_page, num_pages, page_size)
     if narrowed is None:

@@ -47,6 +47,7 @@ from pagekeeper.state import (
     ServiceState,
     StepCommand,
 )
+from tests.helpers.keys import extra_keys as request_keys
 from tests.helpers.props import examples
 from tests.helpers.server import RunningServer
 
@@ -100,29 +101,17 @@ def test_extra_keys_go_out_per_page_as_vllm_publishes_them() -> None:
 
 
 @given(
-    spots=st.lists(st.tuples(st.integers(0, 30), st.integers(1, 40)), max_size=8),
-    lora=st.booleans(),
-    salt=st.sampled_from([None, "", "s"]),
+    keys=request_keys(max_inputs=8),
     first_page=st.integers(0, 20),
     num_pages=st.integers(1, 10),
     page_size=st.sampled_from([1, 4, 16]),
 )
 @settings(max_examples=examples(300))
 def test_the_wire_keys_are_the_hashed_keys_untagged(
-    spots: list[tuple[int, int]],
-    lora: bool,
-    salt: str | None,
-    first_page: int,
-    num_pages: int,
-    page_size: int,
+    keys: ExtraKeys, first_page: int, num_pages: int, page_size: int
 ) -> None:
     """Per page, what goes on the wire is what the page hashed (hashing.run_extra_keys),
     untagged as vLLM's to_event_extra_keys does."""
-    mm, offset = [], 0
-    for gap, length in spots:
-        mm.append(MultiModalKey(f"img-{offset}", offset + gap, length))
-        offset += gap + length
-    keys = ExtraKeys(lora_name="a" if lora else None, mm_inputs=tuple(mm), cache_salt=salt)
     event = PageStored(
         1, 0, (DIGEST_A,) * num_pages, None, TokenRun(), page_size, (1,) * num_pages, None,
         keys, first_page,

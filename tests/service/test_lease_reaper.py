@@ -26,6 +26,15 @@ class Clocks:
         self.wall = 1_000.0
         self.mono = 0.0
 
+    def runtime(self) -> Runtime:
+        """A runtime (no durability) on these clocks."""
+        return build_runtime(
+            Settings(durability="none", publish_transport="none", lease_ttl_s=TTL),
+            clock=lambda: self.wall,
+            monotonic=lambda: self.mono,
+            publisher_factory=None,
+        )
+
     def advance(self, seconds: float, *, wall_only: bool = False) -> None:
         self.wall += seconds
         if not wall_only:
@@ -36,12 +45,7 @@ def _run(moves: list[tuple[float, bool]]) -> tuple[bool, dict[str, float]]:
     """Register a client, then apply each ``(seconds, wall_only)`` move between reaper ticks;
     returns whether the client is still registered and the resume counters."""
     clocks = Clocks()
-    runtime = build_runtime(
-        Settings(durability="none", publish_transport="none", lease_ttl_s=TTL),
-        clock=lambda: clocks.wall,
-        monotonic=lambda: clocks.mono,
-        publisher_factory=None,
-    )
+    runtime = clocks.runtime()
     client_id = runtime.state.register(
         RegisterCommand(now=clocks.wall, role=ClientRole.WORKER)
     ).client_id
@@ -120,12 +124,7 @@ def test_a_step_moves_each_lease_by_the_step_and_a_heartbeat_after_it_is_not_mov
     later it ends, not 10), and a heartbeat served right after the step, before any reaper
     tick, is not moved a second time."""
     clocks = Clocks()
-    runtime = build_runtime(
-        Settings(durability="none", publish_transport="none", lease_ttl_s=TTL),
-        clock=lambda: clocks.wall,
-        monotonic=lambda: clocks.mono,
-        publisher_factory=None,
-    )
+    runtime = clocks.runtime()
     state = runtime.state
     dead = state.register(RegisterCommand(now=runtime.now(), role=ClientRole.WORKER))
     live = state.register(RegisterCommand(now=runtime.now(), role=ClientRole.WORKER))
