@@ -24,7 +24,6 @@ import logging
 import os
 import signal
 import socket
-import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -106,9 +105,7 @@ LEASE_HOLD_S = 1.0
 """A reaper tick this much later than due makes the reaper renew every lease first."""
 
 
-async def _reap_leases(
-    runtime: Runtime, period: float, monotonic: Callable[[], float] = time.monotonic
-) -> None:
+async def _reap_leases(runtime: Runtime, period: float) -> None:
     """Expire leases every ``period``. Leases run on the wall clock (they are journaled and
     survive restarts), so two things are set right first: the service itself held past the
     tick (a stall, a stopped process: heartbeats could not be answered) renews every lease,
@@ -116,6 +113,7 @@ async def _reap_leases(
     by :meth:`Runtime.now` itself, which every tick reads (so at least every second), and
     moves every lease by the step."""
     resumes = runtime.metrics.lease_resumes
+    monotonic = runtime.monotonic  # the clock now() holds the wall clock against
     last_mono = monotonic()
     while True:
         await asyncio.sleep(period)

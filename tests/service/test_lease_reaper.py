@@ -51,7 +51,7 @@ def _run(moves: list[tuple[float, bool]]) -> tuple[bool, dict[str, float]]:
     ).client_id
 
     async def scenario() -> None:
-        reaper = asyncio.create_task(_reap_leases(runtime, 0.005, lambda: clocks.mono))
+        reaper = asyncio.create_task(_reap_leases(runtime, 0.005))
         try:
             await asyncio.sleep(0.02)
             for seconds, wall_only in moves:
