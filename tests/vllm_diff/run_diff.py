@@ -68,7 +68,9 @@ os.environ["VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"] = "0"
 
 @dataclass(frozen=True)
 class GroupSpec:
-    """One KV-cache group: kind is "full", "sliding_window" or "chunked_local"."""
+    """One KV-cache group: kind is "full", "sliding_window", "chunked_local" or "mamba"
+    (a state group without state caching: vLLM's ``mamba_cache_mode="none"``, whose block
+    is the whole ``max_model_len``, so a request holds one state page)."""
 
     kind: str
     page_size: int
@@ -135,6 +137,15 @@ CONFIGS: dict[str, DiffConfig] = {
             "full16+swa32",
             (GroupSpec("full", 16), GroupSpec("sliding_window", 32, window=64)),
             num_pages=96,
+        ),
+        # vLLM caches Mamba states only in its "align" mode (copy-on-write, checkpoints),
+        # which pagekeeper does not model; without it prefix caching is off for the model.
+        DiffConfig("mamba", (GroupSpec("mamba", 512),), num_pages=6, enable_caching=False),
+        DiffConfig(
+            "full+mamba",
+            (GroupSpec("full", 16), GroupSpec("mamba", 512)),
+            num_pages=80,
+            enable_caching=False,
         ),
     ]
 }
@@ -222,6 +233,7 @@ class VllmBackend:
             FullAttentionSpec,
             KVCacheConfig,
             KVCacheGroupSpec,
+            MambaSpec,
             SlidingWindowSpec,
         )
 
@@ -239,6 +251,16 @@ class VllmBackend:
                 specs.append(
                     ChunkedLocalAttentionSpec(
                         block_size=g.page_size, attention_chunk_size=g.chunk, **common
+                    )
+                )
+            elif g.kind == "mamba":
+                assert g.page_size == cfg.max_model_len and not cfg.enable_caching, g
+                specs.append(
+                    MambaSpec(
+                        block_size=g.page_size,
+                        shapes=((8,),),
+                        dtypes=(torch.float16,),
+                        mamba_cache_mode="none",
                     )
                 )
             else:
@@ -503,6 +525,7 @@ class PagekeeperBackend:
             "full": GroupKind.FULL,
             "sliding_window": GroupKind.SLIDING_WINDOW,
             "chunked_local": GroupKind.CHUNKED_LOCAL,
+            "mamba": GroupKind.MAMBA,
         }
         groups = tuple(
             GroupConfig(kind=kinds[g.kind], page_size=g.page_size, window=g.window, chunk=g.chunk)
@@ -868,7 +891,10 @@ class Generator:
         self.families = [
             [rng.randrange(1, 50_000) for _ in range(cfg.max_model_len)] for _ in range(4)
         ]
-        self.page = ps
+        # Page-aligned prompts at the scheduler's page when two fit (not with a Mamba
+        # group's max_model_len-sized block: then at the smallest page).
+        limit = cfg.max_model_len - 8
+        self.page = ps if 2 * ps <= limit else min(g.page_size for g in cfg.groups)
         self.preempted: list[str] = []
         self.pending: list[list[Any]] = []
 
