@@ -19,12 +19,11 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import grpc
 import grpc.aio
-import numpy as np
 
 from pagekeeper_client._proto.pagekeeper.v1 import pagekeeper_pb2 as pb
 from pagekeeper_client._proto.pagekeeper.v1 import pagekeeper_pb2_grpc as pb_grpc
@@ -33,33 +32,22 @@ from pagekeeper_client.client import (
     _LOCAL_RETRY_S,
     _RESPONSES,
     _RETRY_CODES,
-    DEFAULT_KEEPALIVE_S,
-    DEFAULT_MAX_MESSAGE_BYTES,
-    DEFAULT_RETRY_S,
-    DEFAULT_TIMEOUT_S,
-    ClientTLS,
-    RequestView,
     SchedulerState,
     _check_int32,
+    _ClientCore,
     _role,
-    auth_metadata,
     block_table_from_pb,
-    channel_setup,
     counters_from_pb,
     default_client_name,
     encode_i32,
     event_batch_from_pb,
     limits_from_pb,
-    local_socket_choice,
     local_ticket,
     lookup_from_pb,
     pool_from_pb,
     register_request,
     registration_from_pb,
-    reread_token_file,
-    resolve_address,
     ring_from_pb,
-    token_source,
 )
 from pagekeeper_client.errors import (
     AlreadyExistsError,
@@ -68,14 +56,12 @@ from pagekeeper_client.errors import (
     NotFoundError,
     NotRegisteredError,
     PagekeeperError,
-    PermissionDeniedError,
     UnauthenticatedError,
     UnavailableError,
     error_from_rpc,
 )
 from pagekeeper_client.extra_keys import extra_keys_to_pb
 from pagekeeper_client.local import AsyncLocalChannel
-from pagekeeper_client.ring import RingDescriptor
 from pagekeeper_client.types import (
     Admission,
     AllocationResult,
@@ -83,13 +69,10 @@ from pagekeeper_client.types import (
     BackendSpec,
     BlockTable,
     ClientRole,
-    ClientStats,
     EventBatch,
     ExtraKeys,
     Growth,
-    Int32Array,
     LookupResult,
-    PoolConfig,
     PoolInfo,
     Registration,
     SlotAllocation,
@@ -131,75 +114,28 @@ class AsyncEventStream:
         self.cancel()
 
 
-class AsyncPagekeeperClient:
+class AsyncPagekeeperClient(_ClientCore[AsyncLocalChannel]):
     """Asyncio client of a pagekeeper service; see :class:`PagekeeperClient` for every
     method's contract (the names and arguments are the same, the calls are awaited),
     ``local_socket`` included (the same-node socket, over asyncio streams)."""
 
-    def __init__(
-        self,
-        address: str | None = None,
-        *,
-        token: str | None = None,
-        timeout: float = DEFAULT_TIMEOUT_S,
-        retry_s: float = DEFAULT_RETRY_S,
-        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-        keepalive_s: float = DEFAULT_KEEPALIVE_S,
-        interceptors: Sequence[Any] = (),
-        options: Sequence[tuple[str, Any]] = (),
-        defer_page_ids: bool = False,
-        hold_decodes: bool = True,
-        local_socket: str | None = "auto",
-        tls: ClientTLS | bool | None = None,
-    ) -> None:
-        self.address = resolve_address(address)
-        self._token, self._token_file = (token, None) if token is not None else token_source()
-        self._metadata = auth_metadata(self._token)
-        self.timeout = timeout
-        self.retry_s = retry_s
-        self.defer_page_ids = defer_page_ids
-        self.hold_decodes = hold_decodes
-        self.tls, opts = channel_setup(
-            tls, max_message_bytes=max_message_bytes, keepalive_s=keepalive_s, options=options
-        )
+    def _open_channel(self, options: list[tuple[str, Any]], interceptors: Sequence[Any]) -> None:
         if self.tls is None:
             self._channel = grpc.aio.insecure_channel(
-                self.address, options=opts, interceptors=list(interceptors) or None
+                self.address, options=options, interceptors=list(interceptors) or None
             )
         else:
             self._channel = grpc.aio.secure_channel(
                 self.address,
                 self.tls.credentials(),
-                options=opts,
+                options=options,
                 interceptors=list(interceptors) or None,
             )
         self._stub = pb_grpc.PagekeeperServiceStub(self._channel)  # type: ignore[no-untyped-call]
-        self.stats = ClientStats()
-        self._registration: Registration | None = None
-        self._role: ClientRole | None = None
-        self._register_args: dict[str, Any] = {}
-        self._state: SchedulerState | None = None
-        self._next_step_id = 1
-        self._last_renewal = 0.0
-        self._ring: RingDescriptor | None = None
-        self._ring_listeners: list[Callable[[RingDescriptor | None], None]] = []
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._step_lock = asyncio.Lock()
-        self.lease_error: PagekeeperError | None = None
-        self._is_closed = False
-        # The same-node socket, as PagekeeperClient uses it (see its ``local_socket``).
-        self._local_mode, self._local_path = local_socket_choice(local_socket, interceptors)
-        self._local: AsyncLocalChannel | None = None
-        self._local_retry_at = 0.0
-        self._max_message_bytes = max_message_bytes
 
     # -- the same-node socket -------------------------------------------------------------
-    @property
-    def transport(self) -> str:
-        """``"local"`` while steps go over the service's same-node socket, else ``"grpc"``."""
-        local = self._local
-        return "local" if local is not None and local.is_open else "grpc"
-
     async def _connect_local(self, *, required: bool) -> None:
         path = self._local_path
         if not path or self._is_closed:
@@ -235,25 +171,6 @@ class AsyncPagekeeperClient:
                 return local
         return None
 
-    def _reread_token(self, used: str | None) -> bool:
-        """The service refused ``used``: take a changed token from the token file (the
-        same-node channel is reopened with it). True when the call is worth one more try:
-        the token is no longer ``used`` (this call or a concurrent one changed it)."""
-        if self._token != used:
-            return True
-        token = reread_token_file(self._token_file, used)
-        if token is None:
-            return False
-        self._adopt_token(token)
-        return True
-
-    def _adopt_token(self, token: str) -> None:
-        self._token, self._metadata = token, auth_metadata(token)
-        local, self._local = self._local, None
-        if local is not None:
-            local.close()  # it presented the old token in its hello
-        self._local_retry_at = 0.0
-
     # -- plumbing -----------------------------------------------------------------------
     async def _call(self, method: str, request: Any) -> Any:
         used = self._token
@@ -285,21 +202,6 @@ class AsyncPagekeeperClient:
         except grpc.RpcError as exc:
             raise error_from_rpc(exc, method) from None
 
-    def _require(self) -> Registration:
-        registration = self._registration
-        if registration is None or self._is_closed:
-            raise NotRegisteredError("register() first" if not self._is_closed else "closed")
-        return registration
-
-    def _scheduler(self) -> SchedulerState:
-        self._require()
-        if self._state is None:
-            raise PermissionDeniedError(
-                f"this client registered as a {self._role}; only schedulers step"
-            )
-        return self._state
-
-    # -- registration -------------------------------------------------------------------
     async def register(
         self,
         role: ClientRole | str = ClientRole.SCHEDULER,
@@ -344,56 +246,6 @@ class AsyncPagekeeperClient:
                 self._heartbeat_loop(), name="pagekeeper-lease"
             )
         return registration
-
-    def _accept_registration(self, registration: Registration) -> None:
-        self._registration = registration
-        self._last_renewal = time.monotonic()
-        self._next_step_id = max(
-            self._next_step_id,
-            registration.last_step_id + 1,
-            registration.last_published_step_seq + 1,
-        )
-        self._set_ring(registration.ring)
-
-    def _set_ring(self, ring: RingDescriptor | None) -> None:
-        old = self._ring
-        self._ring = ring
-        changed = (old is None) != (ring is None) or (
-            old is not None and ring is not None and old.generation != ring.generation
-        )
-        if changed:
-            for listener in list(self._ring_listeners):
-                try:
-                    listener(ring)
-                except Exception:
-                    log.exception("ring listener failed")
-
-    def add_ring_listener(self, callback: Callable[[RingDescriptor | None], None]) -> None:
-        self._ring_listeners.append(callback)
-
-    @property
-    def ring(self) -> RingDescriptor | None:
-        return self._ring
-
-    @property
-    def registration(self) -> Registration:
-        return self._require()
-
-    @property
-    def client_id(self) -> str:
-        return self._require().client_id
-
-    @property
-    def generation(self) -> int:
-        return self._require().generation
-
-    @property
-    def pool(self) -> PoolConfig:
-        return self._require().pool
-
-    @property
-    def page_sizes(self) -> tuple[int, ...]:
-        return self._require().pool.page_sizes
 
     async def heartbeat(self) -> float:
         registration = self._require()
@@ -766,34 +618,6 @@ class AsyncPagekeeperClient:
                 log.info("step %d: %s; retrying with the same id", request.step_id, error.reason)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
-
-    def discard_queued(self) -> int:
-        return self._scheduler().discard_queued()
-
-    # -- the mirror ---------------------------------------------------------------------
-    def has_request(self, request_id: str) -> bool:
-        return request_id in self._scheduler().requests
-
-    def request_ids(self) -> list[str]:
-        return list(self._scheduler().requests)
-
-    def request(self, request_id: str) -> RequestView:
-        return self._scheduler().view(request_id)
-
-    def page_ids(self, request_id: str, group_id: int = 0) -> Int32Array:
-        state = self._scheduler()
-        t = state.requests.get(request_id)
-        if t is None:
-            raise NotFoundError(state._missing(request_id))
-        return np.array(t.pages[group_id], dtype=np.int32)
-
-    @property
-    def num_queued(self) -> int:
-        return self._scheduler().num_queued
-
-    @property
-    def num_free_pages(self) -> int | None:
-        return self._scheduler().num_free_pages
 
     # -- life cycle ---------------------------------------------------------------------
     async def close(self, *, unregister: bool = True) -> None:

@@ -64,7 +64,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import grpc
 import numpy as np
@@ -87,6 +87,7 @@ from pagekeeper_client.errors import (
 )
 from pagekeeper_client.extra_keys import extra_keys_to_pb
 from pagekeeper_client.local import LocalChannel
+from pagekeeper_client.local import _Channel as _LocalBase
 from pagekeeper_client.ring import RingDescriptor, RingGeometry, StepTables, TableArrays
 from pagekeeper_client.token_file import read_tokens
 from pagekeeper_client.types import (
@@ -1697,40 +1698,15 @@ class TableStream:
         self.cancel()
 
 
-class PagekeeperClient:
-    """Synchronous client of a pagekeeper service (thread-safe for reads; one thread drives
-    the scheduling API).
+_Local = TypeVar("_Local", bound=_LocalBase)
 
-    ``address``: ``HOST:PORT`` or ``unix:PATH`` (default ``$PAGEKEEPER_GRPC_ADDRESS`` or
-    ``127.0.0.1:50051``). ``token``: the bearer token (default ``$PAGEKEEPER_TOKEN``, else the
-    first token in ``$PAGEKEEPER_TOKEN_FILE``, read again when the service refuses it: a
-    call refused UNAUTHENTICATED is retried once with the file's new token).
-    ``interceptors``: extra ``grpc`` client interceptors (e.g. to count calls).
-    ``timeout``: per-call deadline in seconds. ``retry_s``: how long a step is retried while
-    the service is UNAVAILABLE.
 
-    ``defer_page_ids``: for a client that is its pool's only scheduler. A synchronous
-    growth that needs pages is answered OK at once, without a call, when the pool surely has
-    them -- the service's free-page count after the last step minus the most that every
-    operation queued since can take -- and its page ids come with the next step. vLLM's
-    scheduler needs the yes/no at once but the ids only when it builds its output, so a step
-    costs one round trip plus one per admission. The answer is exact while no other client
-    takes pages from the pool (a violated bound shows as NO_CAPACITY in the step's results,
-    with a warning).
+class _ClientCore(Generic[_Local]):
+    """What :class:`PagekeeperClient` and the asyncio client share that makes no call: the
+    settings, the token, the registration, the ring, the scheduler's mirror of its
+    requests, and the same-node channel's bookkeeping (``_Local``: its kind)."""
 
-    ``hold_decodes``: hold back plain decodes that need nothing from the service (see the
-    module docstring); off: every decode travels in the next step.
-
-    ``local_socket``: where Step, Lookup, GetBlockTable and GetPoolInfo go when the service
-    runs on the same host (:mod:`pagekeeper_client.local`: the same messages and answers
-    over a unix socket, without gRPC's per-call cost). ``"auto"`` (the default) uses the
-    socket the service advertises at registration if this process can connect to it, and
-    gRPC otherwise; a path must connect (``register`` raises UnavailableError, before
-    registering, if not); ``None``: gRPC only (also what ``"auto"`` means when
-    ``interceptors`` are given: they see gRPC calls only). A broken socket falls back to
-    gRPC (a step is resent with the same id, so nothing is applied twice) and is reopened a
-    few seconds later.
-    """
+    _local: _Local | None
 
     def __init__(
         self,
@@ -1751,7 +1727,6 @@ class PagekeeperClient:
         self.address = resolve_address(address)
         self._token, self._token_file = (token, None) if token is not None else token_source()
         self._metadata = auth_metadata(self._token)
-        self._token_lock = threading.Lock()
         self.timeout = timeout
         self.retry_s = retry_s
         self.defer_page_ids = defer_page_ids
@@ -1759,16 +1734,7 @@ class PagekeeperClient:
         self.tls, opts = channel_setup(
             tls, max_message_bytes=max_message_bytes, keepalive_s=keepalive_s, options=options
         )
-        if self.tls is None:
-            channel = grpc.insecure_channel(self.address, options=opts)
-        else:
-            channel = grpc.secure_channel(self.address, self.tls.credentials(), options=opts)
-        self._raw_channel = channel
-        if interceptors:
-            channel = grpc.intercept_channel(channel, *interceptors)
-        self._stub = pb_grpc.PagekeeperServiceStub(channel)  # type: ignore[no-untyped-call]
         self.stats = ClientStats()
-        self._lock = threading.RLock()
         self._registration: Registration | None = None
         self._role: ClientRole | None = None
         self._register_args: dict[str, Any] = {}
@@ -1777,75 +1743,38 @@ class PagekeeperClient:
         self._last_renewal = 0.0
         self._ring: RingDescriptor | None = None
         self._ring_listeners: list[Callable[[RingDescriptor | None], None]] = []
-        self._heartbeat_thread: threading.Thread | None = None
-        self._stop = threading.Event()
         self.lease_error: PagekeeperError | None = None
         """The last error of the background lease renewal (None while healthy)."""
         self._is_closed = False
         self._local_mode, self._local_path = local_socket_choice(local_socket, interceptors)
-        self._local: LocalChannel | None = None
+        self._local = None
         self._local_retry_at = 0.0
         self._max_message_bytes = max_message_bytes
+        self._open_channel(opts, interceptors)
 
-    # -- the same-node socket -------------------------------------------------------------
+    def _open_channel(self, options: list[tuple[str, Any]], interceptors: Sequence[Any]) -> None:
+        """The client's own gRPC channel and stub, and what its kind of I/O needs."""
+        raise NotImplementedError
+
     @property
     def transport(self) -> str:
         """``"local"`` while steps go over the service's same-node socket, else ``"grpc"``."""
         local = self._local
         return "local" if local is not None and local.is_open else "grpc"
 
-    def _connect_local(self, *, required: bool) -> None:
-        """Open the same-node socket if there is one to open (``required``: an explicit path
-        that must work). A failure leaves gRPC in charge and is tried again later."""
-        path = self._local_path
-        if not path or self._is_closed:
-            return
-        try:
-            channel = LocalChannel(
-                path,
-                token=self._token,
-                timeout=self.timeout,
-                max_message_bytes=self._max_message_bytes,
-                ticket=local_ticket(self._registration),
-            )
-        except PagekeeperError as exc:
-            if required:
-                raise
-            log.info("staying on gRPC: %s", exc)
-            self._local_retry_at = time.monotonic() + _LOCAL_RETRY_S
-            return
-        old, self._local = self._local, channel
-        if old is not None:
-            old.close()
-
-    def _local_channel(self, method: str) -> LocalChannel | None:
-        """The open same-node channel for ``method``, reconnecting a dropped one at most
-        every few seconds; None: use gRPC."""
-        if method not in _LOCAL_METHODS:
-            return None
-        local = self._local
-        if local is not None and local.is_open:
-            return local
-        if self._local_path and time.monotonic() >= self._local_retry_at:
-            self._connect_local(required=False)  # a failure sets the next try's time
-            local = self._local
-            if local is not None and local.is_open:
-                return local
-        return None
-
+    # -- the token ------------------------------------------------------------------------
     def _reread_token(self, used: str | None) -> bool:
         """The service refused ``used``: take a changed token from the token file (the
         same-node channel, which presented the old one in its hello, is reopened). True when
         the refused call is worth one more try: the token is no longer ``used``, whether
-        this call or another thread's (a heartbeat's) changed it."""
-        with self._token_lock:
-            if self._token != used:
-                return True
-            token = reread_token_file(self._token_file, used)
-            if token is None:
-                return False
-            self._adopt_token(token)
+        this call or another (a heartbeat) changed it."""
+        if self._token != used:
             return True
+        token = reread_token_file(self._token_file, used)
+        if token is None:
+            return False
+        self._adopt_token(token)
+        return True
 
     def _adopt_token(self, token: str) -> None:
         self._token, self._metadata = token, auth_metadata(token)
@@ -1854,37 +1783,7 @@ class PagekeeperClient:
             local.close()  # it presented the old token in its hello
         self._local_retry_at = 0.0
 
-    # -- plumbing -----------------------------------------------------------------------
-    def _call(self, method: str, request: Any, *, timeout: float | None = None) -> Any:
-        used = self._token
-        try:
-            return self._call_once(method, request, timeout)
-        except UnauthenticatedError:
-            if not self._reread_token(used):
-                raise
-        return self._call_once(method, request, timeout)
-
-    def _call_once(self, method: str, request: Any, timeout: float | None) -> Any:
-        stats = self.stats
-        stats.num_rpcs += 1
-        stats.by_method[method] = stats.by_method.get(method, 0) + 1
-        local = self._local_channel(method)
-        if local is not None:
-            stats.num_local_calls += 1
-            try:
-                return local.call(method, request, _RESPONSES[method], timeout or self.timeout)
-            except UnavailableError:
-                if self._local is local:
-                    raise
-                # Swapped under this call (a new token): these reads are safe to send again.
-                return self._call_once(method, request, timeout)
-        try:
-            return getattr(self._stub, method)(
-                request, metadata=self._metadata, timeout=timeout or self.timeout
-            )
-        except grpc.RpcError as exc:
-            raise error_from_rpc(exc, method) from None
-
+    # -- the registration -----------------------------------------------------------------
     def _require(self) -> Registration:
         registration = self._registration
         if registration is None or self._is_closed:
@@ -1898,60 +1797,6 @@ class PagekeeperClient:
                 f"this client registered as a {self._role}; only schedulers step"
             )
         return self._state
-
-    # -- registration -------------------------------------------------------------------
-    def register(
-        self,
-        role: ClientRole | str = ClientRole.SCHEDULER,
-        *,
-        name: str = "",
-        lease_ttl: float | None = None,
-        device: str = "",
-        kernel_support: (
-            Mapping[int, Sequence[BackendSpec]] | Sequence[Sequence[BackendSpec]] | None
-        ) = None,
-        client_id: str = "",
-        renew: bool = True,
-    ) -> Registration:
-        """Register as a scheduler or a worker and (``renew``) keep the lease alive from a
-        background thread until :meth:`close`.
-
-        ``lease_ttl``: seconds (None: the server's default). Workers give ``device``
-        ("cpu", "cuda:N") and ``kernel_support`` (per group, the kernel block sizes of each
-        attention backend their layers use; see :func:`~pagekeeper_client.types.
-        normalize_backends`). ``client_id``: take over an earlier registration (a restarted
-        scheduler keeps its requests). Raises :class:`FailedPreconditionError` when no
-        kernel block size suits a worker's backends.
-        """
-        role = _role(role)
-        if self._registration is not None:
-            raise AlreadyExistsError(f"already registered as {self._registration.client_id}")
-        args: dict[str, Any] = {
-            "name": name or default_client_name(role),
-            "lease_ttl": lease_ttl,
-            "device": device,
-            "kernel_support": kernel_support,
-        }
-        request = register_request(role, client_id=client_id, **args)
-        if self._local_mode not in (None, "auto"):
-            self._connect_local(required=True)  # a named socket: before registering
-        registration = registration_from_pb(self._call("RegisterClient", request))
-        with self._lock:
-            self._register_args = args
-            self._role = role
-            self._accept_registration(registration)
-            if role is ClientRole.SCHEDULER:
-                self._state = SchedulerState(registration.pool, hold_decodes=self.hold_decodes)
-        if self._local_mode == "auto":
-            self._local_path = registration.local_socket
-            self._connect_local(required=False)
-        elif registration.local_ticket and self._local is not None:
-            # A named socket opened before registering: reopen it with the ticket a
-            # registration bound to a certificate needs there.
-            self._connect_local(required=True)
-        if renew:
-            self._start_heartbeat()
-        return registration
 
     def _accept_registration(self, registration: Registration) -> None:
         self._registration = registration
@@ -2007,6 +1852,219 @@ class PagekeeperClient:
     @property
     def page_sizes(self) -> tuple[int, ...]:
         return self._require().pool.page_sizes
+
+    # -- the mirror -----------------------------------------------------------------------
+    def discard_queued(self) -> int:
+        """Drop the queue (after a step the service refused as a whole) and undo it in the
+        client's view; returns how many operations were dropped."""
+        return self._scheduler().discard_queued()
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether ``request_id`` is one of this client's running requests."""
+        return request_id in self._scheduler().requests
+
+    def request_ids(self) -> list[str]:
+        return list(self._scheduler().requests)
+
+    def request(self, request_id: str) -> RequestView:
+        """The client's view of one request (pages per group, token counts)."""
+        return self._scheduler().view(request_id)
+
+    def page_ids(self, request_id: str, group_id: int = 0) -> Int32Array:
+        """The request's table in one group as the client mirrors it."""
+        state = self._scheduler()
+        t = state.requests.get(request_id)
+        if t is None:
+            raise NotFoundError(state._missing(request_id))
+        return np.array(t.pages[group_id], dtype=np.int32)
+
+    @property
+    def num_queued(self) -> int:
+        return self._scheduler().num_queued
+
+    @property
+    def num_free_pages(self) -> int | None:
+        """The pool's free pages as of the last step's answer (None before any step)."""
+        return self._scheduler().num_free_pages
+
+
+class PagekeeperClient(_ClientCore[LocalChannel]):
+    """Synchronous client of a pagekeeper service (thread-safe for reads; one thread drives
+    the scheduling API).
+
+    ``address``: ``HOST:PORT`` or ``unix:PATH`` (default ``$PAGEKEEPER_GRPC_ADDRESS`` or
+    ``127.0.0.1:50051``). ``token``: the bearer token (default ``$PAGEKEEPER_TOKEN``, else the
+    first token in ``$PAGEKEEPER_TOKEN_FILE``, read again when the service refuses it: a
+    call refused UNAUTHENTICATED is retried once with the file's new token).
+    ``interceptors``: extra ``grpc`` client interceptors (e.g. to count calls).
+    ``timeout``: per-call deadline in seconds. ``retry_s``: how long a step is retried while
+    the service is UNAVAILABLE.
+
+    ``defer_page_ids``: for a client that is its pool's only scheduler. A synchronous
+    growth that needs pages is answered OK at once, without a call, when the pool surely has
+    them -- the service's free-page count after the last step minus the most that every
+    operation queued since can take -- and its page ids come with the next step. vLLM's
+    scheduler needs the yes/no at once but the ids only when it builds its output, so a step
+    costs one round trip plus one per admission. The answer is exact while no other client
+    takes pages from the pool (a violated bound shows as NO_CAPACITY in the step's results,
+    with a warning).
+
+    ``hold_decodes``: hold back plain decodes that need nothing from the service (see the
+    module docstring); off: every decode travels in the next step.
+
+    ``local_socket``: where Step, Lookup, GetBlockTable and GetPoolInfo go when the service
+    runs on the same host (:mod:`pagekeeper_client.local`: the same messages and answers
+    over a unix socket, without gRPC's per-call cost). ``"auto"`` (the default) uses the
+    socket the service advertises at registration if this process can connect to it, and
+    gRPC otherwise; a path must connect (``register`` raises UnavailableError, before
+    registering, if not); ``None``: gRPC only (also what ``"auto"`` means when
+    ``interceptors`` are given: they see gRPC calls only). A broken socket falls back to
+    gRPC (a step is resent with the same id, so nothing is applied twice) and is reopened a
+    few seconds later.
+    """
+
+    def _open_channel(self, options: list[tuple[str, Any]], interceptors: Sequence[Any]) -> None:
+        self._token_lock = threading.Lock()
+        if self.tls is None:
+            channel = grpc.insecure_channel(self.address, options=options)
+        else:
+            channel = grpc.secure_channel(self.address, self.tls.credentials(), options=options)
+        self._raw_channel = channel
+        if interceptors:
+            channel = grpc.intercept_channel(channel, *interceptors)
+        self._stub = pb_grpc.PagekeeperServiceStub(channel)  # type: ignore[no-untyped-call]
+        self._lock = threading.RLock()
+        self._heartbeat_thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    # -- the same-node socket -------------------------------------------------------------
+    def _connect_local(self, *, required: bool) -> None:
+        """Open the same-node socket if there is one to open (``required``: an explicit path
+        that must work). A failure leaves gRPC in charge and is tried again later."""
+        path = self._local_path
+        if not path or self._is_closed:
+            return
+        try:
+            channel = LocalChannel(
+                path,
+                token=self._token,
+                timeout=self.timeout,
+                max_message_bytes=self._max_message_bytes,
+                ticket=local_ticket(self._registration),
+            )
+        except PagekeeperError as exc:
+            if required:
+                raise
+            log.info("staying on gRPC: %s", exc)
+            self._local_retry_at = time.monotonic() + _LOCAL_RETRY_S
+            return
+        old, self._local = self._local, channel
+        if old is not None:
+            old.close()
+
+    def _local_channel(self, method: str) -> LocalChannel | None:
+        """The open same-node channel for ``method``, reconnecting a dropped one at most
+        every few seconds; None: use gRPC."""
+        if method not in _LOCAL_METHODS:
+            return None
+        local = self._local
+        if local is not None and local.is_open:
+            return local
+        if self._local_path and time.monotonic() >= self._local_retry_at:
+            self._connect_local(required=False)  # a failure sets the next try's time
+            local = self._local
+            if local is not None and local.is_open:
+                return local
+        return None
+
+    def _reread_token(self, used: str | None) -> bool:
+        # A heartbeat thread may be refused at the same moment as a step.
+        with self._token_lock:
+            return super()._reread_token(used)
+
+    # -- plumbing -----------------------------------------------------------------------
+    def _call(self, method: str, request: Any, *, timeout: float | None = None) -> Any:
+        used = self._token
+        try:
+            return self._call_once(method, request, timeout)
+        except UnauthenticatedError:
+            if not self._reread_token(used):
+                raise
+        return self._call_once(method, request, timeout)
+
+    def _call_once(self, method: str, request: Any, timeout: float | None) -> Any:
+        stats = self.stats
+        stats.num_rpcs += 1
+        stats.by_method[method] = stats.by_method.get(method, 0) + 1
+        local = self._local_channel(method)
+        if local is not None:
+            stats.num_local_calls += 1
+            try:
+                return local.call(method, request, _RESPONSES[method], timeout or self.timeout)
+            except UnavailableError:
+                if self._local is local:
+                    raise
+                # Swapped under this call (a new token): these reads are safe to send again.
+                return self._call_once(method, request, timeout)
+        try:
+            return getattr(self._stub, method)(
+                request, metadata=self._metadata, timeout=timeout or self.timeout
+            )
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc, method) from None
+
+    def register(
+        self,
+        role: ClientRole | str = ClientRole.SCHEDULER,
+        *,
+        name: str = "",
+        lease_ttl: float | None = None,
+        device: str = "",
+        kernel_support: (
+            Mapping[int, Sequence[BackendSpec]] | Sequence[Sequence[BackendSpec]] | None
+        ) = None,
+        client_id: str = "",
+        renew: bool = True,
+    ) -> Registration:
+        """Register as a scheduler or a worker and (``renew``) keep the lease alive from a
+        background thread until :meth:`close`.
+
+        ``lease_ttl``: seconds (None: the server's default). Workers give ``device``
+        ("cpu", "cuda:N") and ``kernel_support`` (per group, the kernel block sizes of each
+        attention backend their layers use; see :func:`~pagekeeper_client.types.
+        normalize_backends`). ``client_id``: take over an earlier registration (a restarted
+        scheduler keeps its requests). Raises :class:`FailedPreconditionError` when no
+        kernel block size suits a worker's backends.
+        """
+        role = _role(role)
+        if self._registration is not None:
+            raise AlreadyExistsError(f"already registered as {self._registration.client_id}")
+        args: dict[str, Any] = {
+            "name": name or default_client_name(role),
+            "lease_ttl": lease_ttl,
+            "device": device,
+            "kernel_support": kernel_support,
+        }
+        request = register_request(role, client_id=client_id, **args)
+        if self._local_mode not in (None, "auto"):
+            self._connect_local(required=True)  # a named socket: before registering
+        registration = registration_from_pb(self._call("RegisterClient", request))
+        with self._lock:
+            self._register_args = args
+            self._role = role
+            self._accept_registration(registration)
+            if role is ClientRole.SCHEDULER:
+                self._state = SchedulerState(registration.pool, hold_decodes=self.hold_decodes)
+        if self._local_mode == "auto":
+            self._local_path = registration.local_socket
+            self._connect_local(required=False)
+        elif registration.local_ticket and self._local is not None:
+            # A named socket opened before registering: reopen it with the ticket a
+            # registration bound to a certificate needs there.
+            self._connect_local(required=True)
+        if renew:
+            self._start_heartbeat()
+        return registration
 
     def heartbeat(self) -> float:
         """Renew the lease now; returns the granted TTL in seconds."""
@@ -2463,39 +2521,6 @@ class PagekeeperClient:
                 log.info("step %d: %s; retrying with the same id", request.step_id, error.reason)
                 time.sleep(delay)
                 delay = min(delay * 2, 1.0)
-
-    def discard_queued(self) -> int:
-        """Drop the queue (after a step the service refused as a whole) and undo it in the
-        client's view; returns how many operations were dropped."""
-        return self._scheduler().discard_queued()
-
-    # -- the mirror ---------------------------------------------------------------------
-    def has_request(self, request_id: str) -> bool:
-        """Whether ``request_id`` is one of this client's running requests."""
-        return request_id in self._scheduler().requests
-
-    def request_ids(self) -> list[str]:
-        return list(self._scheduler().requests)
-
-    def request(self, request_id: str) -> RequestView:
-        """The client's view of one request (pages per group, token counts)."""
-        return self._scheduler().view(request_id)
-
-    def page_ids(self, request_id: str, group_id: int = 0) -> Int32Array:
-        """The request's table in one group as the client mirrors it."""
-        t = self._scheduler().requests.get(request_id)
-        if t is None:
-            raise NotFoundError(self._scheduler()._missing(request_id))
-        return np.array(t.pages[group_id], dtype=np.int32)
-
-    @property
-    def num_queued(self) -> int:
-        return self._scheduler().num_queued
-
-    @property
-    def num_free_pages(self) -> int | None:
-        """The pool's free pages as of the last step's answer (None before any step)."""
-        return self._scheduler().num_free_pages
 
     # -- life cycle ---------------------------------------------------------------------
     def close(self, *, unregister: bool = True) -> None:

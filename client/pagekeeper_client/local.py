@@ -112,6 +112,9 @@ class _Channel:
     def is_open(self) -> bool:
         return not self._closed
 
+    def close(self) -> None:
+        raise NotImplementedError
+
     @property
     def num_connections(self) -> int:
         """Connections open now (idle or serving a call)."""
