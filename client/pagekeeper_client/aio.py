@@ -460,6 +460,9 @@ class AsyncPagekeeperClient(_ClientCore[AsyncLocalChannel]):
     ) -> SlotAllocation:
         """See :meth:`PagekeeperClient.allocate_slots` (local answers never await a call)."""
         state = self._scheduler()
+        revoked = state.revoked_answer(request_id)
+        if revoked is not None:
+            return revoked
         if state.must_flush_before_growth(request_id):
             self.stats.num_ordering_flushes += 1
             await self._send_step(None, None)

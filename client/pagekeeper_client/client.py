@@ -872,6 +872,9 @@ class SchedulerState:
         self._admissions: list[_PendingAdmission] = []
         self._admitting: dict[str, _PendingAdmission] = {}
         self._freeing: set[str] = set()
+        self.revoked: set[str] = set()
+        """Running requests an admin freed, as the service said (``revoked_request_ids``):
+        their ``allocate_slots`` is answered NO_CAPACITY here until they are freed."""
         # Answers to queued operations that a synchronous call's step carried early; they
         # are reported by the next step()/flush() (callers look for them there).
         self._carried: list[AllocationResult] = []
@@ -913,6 +916,17 @@ class SchedulerState:
         return f"request {request_id!r} is not one of this client's running requests"
 
     # -- growth -------------------------------------------------------------------------
+    def revoked_answer(self, request_id: str) -> SlotAllocation | None:
+        """NO_CAPACITY for a request an admin freed (see :attr:`revoked`), else None."""
+        if request_id not in self.revoked:
+            return None
+        return SlotAllocation(
+            request_id,
+            AllocationStatus.NO_CAPACITY,
+            is_local=True,
+            reason=f"request {request_id!r} was freed by an admin; preempt it and free it",
+        )
+
     def must_flush_before_growth(self, request_id: str) -> bool:
         """A second growth of the same request, or a growth that may take pages queued after
         an admission (the step would apply it first), needs the queue sent first."""
@@ -1345,6 +1359,7 @@ class SchedulerState:
             raise NotFoundError(self._missing(request_id))
         self._frees.append(_PendingFree(request_id, t))
         self._freeing.add(request_id)
+        self.revoked.discard(request_id)
 
     # -- steps --------------------------------------------------------------------------
     def prepare_step(
@@ -1434,6 +1449,7 @@ class SchedulerState:
             result = result_from_pb(msg)
             if result.status is AllocationStatus.OK:
                 requests[admission.request_id] = self._admitted(admission, result)
+                self.revoked.discard(admission.request_id)
             admission.result = result
             if not admission.is_sync:
                 out.append(result)
@@ -1445,6 +1461,9 @@ class SchedulerState:
             - sum(g.num_pages_needed for g in self._growths)
             - sum(a.num_pages_bound for a in self._admissions)
         )
+        revoked = tuple(response.revoked_request_ids)
+        if revoked:
+            self.revoked.update(r for r in revoked if r in requests)
         if not prepared.explicit:
             self._carried.extend(out)
             out = []
@@ -1462,6 +1481,7 @@ class SchedulerState:
             publish_error=response.publish_error,
             is_retry=response.is_retry,
             num_local_growths=num_local + num_held,
+            revoked_request_ids=revoked,
         )
 
     def _grants(
@@ -1595,6 +1615,7 @@ class SchedulerState:
             if f.tracked is not None:
                 self.requests[f.request_id] = f.tracked
         self._frees, self._growths, self._admissions = [], [], []
+        self.revoked.intersection_update(self.requests)
         self._admitting.clear()
         self._freeing.clear()
         self._carried.clear()
@@ -2320,6 +2341,9 @@ class PagekeeperClient(_ClientCore[LocalChannel]):
         (``is_deferred``) and sent with the next step.
         """
         state = self._scheduler()
+        revoked = state.revoked_answer(request_id)
+        if revoked is not None:
+            return revoked
         if state.must_flush_before_growth(request_id):
             self.stats.num_ordering_flushes += 1
             self._send_step(None, None)

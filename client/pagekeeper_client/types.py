@@ -336,7 +336,8 @@ class StepResult:
     is_published: bool = False
     published_slot: int = -1
     unscheduled_request_ids: tuple[str, ...] = ()
-    """Batch requests left out of the published tables (their allocation failed)."""
+    """Batch requests left out of the published tables (their allocation failed, or they
+    are revoked)."""
     num_free_pages: int = 0
     last_event_seq: int = 0
     publish_error: str = ""
@@ -345,6 +346,10 @@ class StepResult:
     num_local_growths: int = 0
     """Client side: growths answered locally (no new page) that this step carries, and the
     decodes held back since the previous step (their tokens travel later)."""
+    revoked_request_ids: tuple[str, ...] = ()
+    """This client's requests the step grew or listed in its batch that an admin freed
+    (``DELETE /v1/requests/{id}``): their pages are gone. From now on the client answers
+    their ``allocate_slots`` NO_CAPACITY; preempt and free them (the free is accepted)."""
 
     def by_request(self) -> dict[str, AllocationResult]:
         return {r.request_id: r for r in self.results}

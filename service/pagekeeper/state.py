@@ -180,6 +180,9 @@ class Growth:
 # Fewer growths than this in column form take the per-growth path (cheaper than the
 # column form's fixed cost of a few dozen numpy calls).
 _MIN_COLUMN_GROWTHS = 8
+_REVOKED_REASON = (
+    "request {!r} was freed by an admin (DELETE /v1/requests/...); preempt it and free it"
+)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -297,10 +300,10 @@ class StepCommand:
     admissions: tuple[Admission, ...] = ()
     batch: Batch | None = None
     growth_columns: GrowthColumns | None = None
+    """The growths in column form, instead of ``growths`` (not both)."""
     wire: Any = field(default=None, repr=False)
     """The ``StepRequest`` message this command was read from, when it came over gRPC: the
     journal stores its bytes (one serialization) instead of encoding the command."""
-    """The growths in column form, instead of ``growths`` (not both)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -430,6 +433,10 @@ class StepResult:
     """True when answered from memory (a retried step id)."""
     grants: GrowthGrants | None = None
     """Growths granted one page each, as columns (None: every outcome is in ``listed``)."""
+    revoked_request_ids: tuple[str, ...] = ()
+    """The client's requests the step named (grown or in the batch) that an admin freed
+    and that the client has not freed since (sorted): their growths got NO_CAPACITY, the
+    batch left them out. Freeing one is accepted as done."""
 
     @property
     def results(self) -> tuple[AllocationOutcome, ...]:
@@ -450,6 +457,7 @@ class StepResult:
             self.last_event_seq,
             self.publish_error,
             self.is_retry,
+            self.revoked_request_ids,
         )
 
     def __eq__(self, other: object) -> bool:
@@ -523,6 +531,11 @@ class ClientRecord:
     num_steps: int = 0
     identity: str = ""
     """The certificate subject this registration is bound to ("": none)."""
+    revoked: set[str] = field(default_factory=set)
+    """This scheduler's requests an admin freed (``ForceFreeCommand``) that its steps have
+    not named since: the next step that frees one has that free accepted as done, one that
+    grows it gets NO_CAPACITY (the scheduler preempts it), one whose batch lists it has it
+    left out; an admission of the id, or a free, ends it."""
 
 
 # A step is validated whole, up front, against the core's own running requests (its
@@ -957,6 +970,9 @@ class ServiceState:
                 f"step_id {cmd.step_id} is older than client {client.client_id!r}'s last "
                 f"step {client.last_step_id}"
             )
+        frees = cmd.frees
+        revoked: set[str] = set()
+        revoked_growths: tuple[Growth, ...] = ()
         try:
             if cmd.growth_columns is not None and cmd.growths:
                 raise InvalidArgument("a step carries growths or growth_columns, not both")
@@ -965,18 +981,39 @@ class ServiceState:
                 # A handful of growths: the per-growth path costs less than the arrays.
                 columns.check_shape()
                 growths, columns = columns.growths(), None
-            will_publish = self._validate_step(client, cmd, growths, columns)
+            if client.revoked:
+                revoked = _named_revoked(client.revoked, cmd, growths, columns)
+                if revoked:
+                    if columns is not None:
+                        columns.check_shape()
+                        growths, columns = columns.growths(), None
+                    frees = tuple(r for r in frees if r not in revoked)
+                    revoked_growths = tuple(g for g in growths if g.request_id in revoked)
+                    growths = tuple(g for g in growths if g.request_id not in revoked)
+            will_publish = self._validate_step(client, cmd, frees, growths, columns, revoked)
         except PagekeeperError:
             self.counters.num_steps_rejected += 1
             raise
 
         # -- mutations: nothing below raises a PagekeeperError for this step as a whole --
         manager = self.manager
-        for request_id in cmd.frees:
+        for request_id in frees:
             manager.free(request_id)
             client.request_ids.discard(request_id)
         outcomes: list[AllocationOutcome] = []
         left_out: set[str] = set()
+        if revoked:
+            # Requests an admin freed: a free is done already; a growth cannot have pages.
+            for growth in revoked_growths:
+                outcomes.append(
+                    AllocationOutcome(
+                        growth.request_id,
+                        AllocationStatus.NO_CAPACITY,
+                        reason=_REVOKED_REASON.format(growth.request_id),
+                    )
+                )
+            left_out |= revoked
+            client.revoked -= set(cmd.frees)
         for growth in growths:
             outcome = self._apply_growth(growth)
             if outcome is None:
@@ -991,9 +1028,12 @@ class ServiceState:
             if granted[0]:
                 grants = GrowthGrants(columns.request_ids, *granted, len(outcomes))
         for admission in cmd.admissions:
+            client.revoked.discard(admission.request_id)
             outcome = self._apply_admission(client, admission)
             if outcome.status is not AllocationStatus.OK:
                 left_out.add(admission.request_id)
+            else:
+                left_out.discard(admission.request_id)
             outcomes.append(outcome)
 
         is_published, slot, publish_error = False, -1, ""
@@ -1007,6 +1047,7 @@ class ServiceState:
             # the same ordering constraint on later steps.
             self._last_published_step_seq = cmd.step_id
 
+        still_revoked = tuple(sorted(revoked & client.revoked)) if revoked else ()
         client.last_step_id = cmd.step_id
         client.expires_at = cmd.now + client.lease_ttl_s
         client.num_steps += 1
@@ -1022,6 +1063,7 @@ class ServiceState:
             num_free_pages=manager.pool.num_free_pages,
             last_event_seq=self._last_event_seq,
             publish_error=publish_error,
+            revoked_request_ids=still_revoked,
         )
         client.last_step_result = result
         self._after_mutation(cmd, result)
@@ -1032,15 +1074,32 @@ class ServiceState:
         self,
         client: ClientRecord,
         cmd: StepCommand,
+        frees: tuple[str, ...],
         growths: tuple[Growth, ...],
         columns: GrowthColumns | None,
+        revoked: set[str],
     ) -> bool:
         """Check the whole step against the state as it will be when each part applies;
-        raise on the first problem. Returns whether the batch will be published."""
+        raise on the first problem. Returns whether the batch will be published.
+        ``frees`` and ``growths`` leave out those of ``revoked``, the client's requests an
+        admin freed that the step names (each at most once, and not both freed and grown;
+        in the batch they are left out)."""
         limits = self.limits
         max_len = self.pool_config.max_model_len
         num_growths = len(growths) if columns is None else len(columns)
         num_items = len(cmd.frees) + num_growths + len(cmd.admissions)
+        if revoked:
+            num_items = len(cmd.frees) + len(cmd.growths) + len(cmd.admissions)
+            if cmd.growth_columns is not None:
+                num_items += len(cmd.growth_columns)
+            named = [r for r in cmd.frees if r in revoked]
+            named += [g.request_id for g in cmd.growths if g.request_id in revoked]
+            if cmd.growth_columns is not None:
+                named += [r for r in cmd.growth_columns.request_ids if r in revoked]
+            if len(set(named)) != len(named):
+                raise InvalidArgument(
+                    f"request {_first_repeat(named)!r} is named twice (freed or grown) in one step"
+                )
         if num_items > limits.max_requests_per_step:
             raise ResourceExhausted(
                 f"{num_items} frees + growths + admissions exceed max_requests_per_step "
@@ -1049,7 +1108,7 @@ class ServiceState:
         requests = self._requests
         owner = client.client_id
         freed: set[str] = set()
-        for request_id in cmd.frees:
+        for request_id in frees:
             self._check_owned(request_id, owner)
             if request_id in freed:
                 raise InvalidArgument(f"request {request_id!r} is freed twice in one step")
@@ -1095,10 +1154,10 @@ class ServiceState:
             raise InvalidArgument(f"request {dup!r} appears twice in the batch")
         # Grown and admitted requests were checked above (owned, not freed); the rest must be
         # the client's and stay (set operations; the loop only names the first problem).
-        rest = in_batch - grown - admitted
+        rest = in_batch - grown - admitted - revoked
         if rest & freed or not rest <= client.request_ids:
             for request_id in batch_ids:
-                if request_id in grown or request_id in admitted:
+                if request_id in grown or request_id in admitted or request_id in revoked:
                     continue
                 if request_id in freed:
                     raise InvalidArgument(f"request {request_id!r} is freed and in the batch")
@@ -1487,6 +1546,8 @@ class ServiceState:
         owner = self._clients.get(record.owner)
         if owner is not None:
             owner.request_ids.discard(cmd.request_id)
+            if owner.role is ClientRole.SCHEDULER:
+                owner.revoked.add(cmd.request_id)
         self._after_mutation(cmd)
 
     # -- recovery ----------------------------------------------------------------------
@@ -1965,10 +2026,15 @@ def step_result_to_tree(result: StepResult) -> list[Any]:
         result.last_event_seq,
         result.publish_error,
         result.is_retry,
+        # Only when set: step results without them stay as they were.
+        *([list(result.revoked_request_ids)] if result.revoked_request_ids else []),
     ]
 
 
 def step_result_from_tree(tree: list[Any]) -> StepResult:
+    revoked: list[Any] = []
+    if isinstance(tree, list) and len(tree) == 10:
+        *tree, revoked = tree
     (
         step_id,
         outcomes,
@@ -2000,7 +2066,24 @@ def step_result_from_tree(tree: list[Any]) -> StepResult:
         last_event_seq=int(last_event_seq),
         publish_error=str(publish_error),
         is_retry=bool(is_retry),
+        revoked_request_ids=tuple(str(r) for r in revoked),
     )
+
+
+def _named_revoked(
+    revoked: set[str],
+    cmd: StepCommand,
+    growths: tuple[Growth, ...],
+    columns: GrowthColumns | None,
+) -> set[str]:
+    """The ids of ``revoked`` that ``cmd`` frees, grows or lists in its batch."""
+    named = revoked.intersection(cmd.frees)
+    named.update(g.request_id for g in growths if g.request_id in revoked)
+    if columns is not None:
+        named |= revoked.intersection(columns.request_ids)
+    if cmd.batch is not None:
+        named |= revoked.intersection(cmd.batch.request_ids)
+    return named
 
 
 def _client_to_tree(c: ClientRecord) -> list[Any]:
@@ -2019,14 +2102,16 @@ def _client_to_tree(c: ClientRecord) -> list[Any]:
         c.last_step_id,
         None if c.last_step_result is None else step_result_to_tree(c.last_step_result),
         c.num_steps,
-        # Only when bound: snapshots of pools without client certificates stay as they were.
-        *([c.identity] if c.identity else []),
+        # Only when set: snapshots without them stay as they were (an identity may be "").
+        *([c.identity, sorted(c.revoked)] if c.revoked else [c.identity] if c.identity else []),
     ]
 
 
 def _client_from_tree(tree: list[Any]) -> ClientRecord:
-    identity = ""
-    if isinstance(tree, list) and len(tree) == 15:
+    identity, revoked = "", []
+    if isinstance(tree, list) and len(tree) == 16:
+        *tree, identity, revoked = tree
+    elif isinstance(tree, list) and len(tree) == 15:
         *tree, identity = tree
     (
         client_id,
@@ -2060,4 +2145,5 @@ def _client_from_tree(tree: list[Any]) -> ClientRecord:
         last_step_result=None if last_result is None else step_result_from_tree(last_result),
         num_steps=int(num_steps),
         identity=str(identity),
+        revoked={str(r) for r in revoked},
     )

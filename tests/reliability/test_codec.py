@@ -306,7 +306,7 @@ def test_snapshot_knows_every_attribute():
     assert {f.name for f in dataclasses.fields(ClientRecord)} == {
         "client_id", "role", "name", "device", "generation", "lease_ttl_s", "registered_at",
         "expires_at", "kernel_support", "kernel_block_sizes", "request_ids", "last_step_id",
-        "last_step_result", "num_steps", "identity",
+        "last_step_result", "num_steps", "identity", "revoked",
     }  # fmt: skip
 
 

@@ -134,6 +134,7 @@ def test_workload_exercises_what_recovery_must_keep():
     live, workload = new_state(FULL_POOL), Workload(11, FULL_POOL)
     seen: set[str] = set()
     for _ in range(1500):
+        revoked_before = {c.client_id: set(c.revoked) for c in live.clients()}
         command, result = workload.run_one(live)
         name = type(command).__name__
         if isinstance(result, Exception):
@@ -143,6 +144,10 @@ def test_workload_exercises_what_recovery_must_keep():
         if name == "StepCommand":
             if result.is_retry:
                 seen.add("retry")
+            if result.revoked_request_ids:
+                seen.add("revoked")  # grown or listed by its owner after a force-free
+            if set(command.frees) & revoked_before.get(command.client_id, set()):
+                seen.add("revoked_freed")  # and its free accepted as done
             for outcome in result.results:
                 seen.add(outcome.status.value)
                 if outcome.num_cached_tokens:
@@ -159,6 +164,8 @@ def test_workload_exercises_what_recovery_must_keep():
         "ConfigureLimitsCommand",
         "ResetPrefixCacheCommand",
         "retry",
+        "revoked",
+        "revoked_freed",
         "no_capacity",
         "cache_hit",
     ):

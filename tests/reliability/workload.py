@@ -254,8 +254,11 @@ class Workload:
                 if worker.client_id == command.client_id:
                     worker.client_id, worker.generation = "", 0
         elif isinstance(command, ForceFreeCommand):
-            for sched in self.schedulers:
-                sched.running.pop(command.request_id, None)
+            # Half the time the owner's view stays stale: it grows the request on (answered
+            # NO_CAPACITY), preempts and frees it (accepted as done), as a scheduler would.
+            if self.rng.random() < 0.5:
+                for sched in self.schedulers:
+                    sched.running.pop(command.request_id, None)
         elif isinstance(command, ExpireLeasesCommand):
             for cid in result.expired_client_ids:
                 self._forget(cid)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import urllib.parse
 
 import numpy as np
 import pytest
@@ -184,12 +185,73 @@ def test_admin_force_free_and_reset(pagekeeper_server, running):
     assert freed.json() == {"request_id": a, "owner": sched.client_id}
     assert http.get(f"/v1/requests/{a}").status_code == 404
     assert http.delete(f"/v1/requests/{a}", headers=headers).status_code == 404
-    # The owner learns it through NOT_FOUND on its next use of the id.
-    reply = sched.step(growths=[])
-    assert reply.results == []
     # The client's own count follows.
     mine = {c["client_id"]: c for c in http.get("/v1/clients").json()}[sched.client_id]
     assert mine["num_requests"] == 1
+    # The owner's next free of it is accepted as done (a stale view refuses no step).
+    reply = sched.step(free_request_ids=[a])
+    assert list(reply.results) == []
+    assert http.get(f"/v1/requests/{a}").status_code == 404
+
+
+def test_owner_client_steps_on_after_a_force_free(server_factory):
+    """The real client, its request freed by an admin under it: the queued free goes
+    through, a decode of the other request and the batch too; a decode of the freed one is
+    answered NO_CAPACITY (the scheduler preempts it) instead of a refused step resent
+    forever."""
+    from pagekeeper_client import PagekeeperClient
+
+    server = server_factory("--num-pages", "64", admin_token="adm")
+    http = server.http()
+    admin = {"Authorization": "Bearer adm"}
+    with PagekeeperClient(server.grpc_address, local_socket=None) as client:
+        client.register("scheduler", name="owner")
+        for rid, start in (("v", 100), ("o", 200), ("w", 300)):
+            client.admit(rid, list(range(start, start + 40)))
+        client.step()
+        assert http.delete("/v1/requests/v", headers=admin).status_code == 200
+        client.free_later("v")
+        client.step(batch=["o"])
+        assert not client.has_request("v")
+        assert http.delete("/v1/requests/w", headers=admin).status_code == 200
+        # Its decode fits its pages: answered here; the step's batch tells the client.
+        assert client.allocate_slots("w", 1, new_token_ids=[7]).is_local
+        result = client.step(batch=["o", "w"])
+        assert result.revoked_request_ids == ("w",)
+        assert result.unscheduled_request_ids == ("w",)
+        # From then on the client answers it NO_CAPACITY (the scheduler preempts it) ...
+        refused = client.allocate_slots("w", 1, new_token_ids=[8])
+        assert refused.status.name == "NO_CAPACITY" and "admin" in refused.reason
+        # ... and its free is accepted.
+        client.free("w")
+        assert client.step(batch=["o"]).revoked_request_ids == ()
+        assert [r["request_id"] for r in http.get("/v1/requests").json()["items"]] == ["o"]
+        # A growth the service sees (a page needed) is refused there with the reason.
+        assert http.delete("/v1/requests/o", headers=admin).status_code == 200
+        grown = client.allocate_slots("o", 40, new_token_ids=list(range(40)), sync=True)
+        assert grown.status.name == "NO_CAPACITY" and "admin" in grown.reason
+        client.free("o")
+        client.step()
+        assert http.get("/v1/requests").json()["items"] == []
+
+
+def test_request_ids_with_a_slash(pagekeeper_server):
+    """Ids are any 1-256 bytes: one holding "/" is read and force-freed by its %2F form,
+    as the dashboard sends it."""
+    sched = Scheduler(pagekeeper_server, "slash")
+    rid = f"{sched.client_id}/tenant/a b?#"
+    assert sched.admit(rid, list(range(5000, 5040))).status == pb.ALLOCATION_STATUS_OK
+    http = pagekeeper_server.http()
+    quoted = "/v1/requests/" + urllib.parse.quote(rid, safe="")
+    got = http.get(quoted, params={"kernel_block_size": 16})
+    assert got.status_code == 200 and got.json()["request_id"] == rid
+    freed = http.delete(quoted, headers=pagekeeper_server.admin_headers)
+    assert freed.status_code == 200 and freed.json()["request_id"] == rid
+    assert http.get(quoted).status_code == 404
+    sched.stub.Unregister(
+        pb.UnregisterRequest(client_id=sched.client_id, generation=sched.generation),
+        metadata=sched.md,
+    )
 
 
 def test_admin_disabled_without_a_token(server_factory):

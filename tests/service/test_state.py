@@ -29,6 +29,7 @@ from pagekeeper.state import (
     ForceFreeCommand,
     GroupKernelSupport,
     Growth,
+    GrowthColumns,
     HeartbeatCommand,
     KernelBackend,
     Limits,
@@ -351,6 +352,98 @@ def test_force_free_and_pages_view():
         state.force_free(ForceFreeCommand(0.0, "a"))
     with pytest.raises(NotFound):
         state.page(64)
+
+
+def test_owner_of_a_force_freed_request_keeps_stepping():
+    """An admin's free leaves its owner's view behind: the owner's next free of it is
+    accepted as done, a growth of it gets NO_CAPACITY (the scheduler preempts it), a batch
+    listing it leaves it out; nothing refuses the whole step (which the client would resend
+    forever). The id can be admitted again; a snapshot and a replay keep the revocation."""
+    state = make_state()
+    me = scheduler(state)
+    other = scheduler(state)
+    step(state, me, 1, admissions=(Admission("v", tokens(0, 40)), Admission("o", tokens(500, 20))))
+    free_before = state.manager.pool.num_free_pages
+    state.force_free(ForceFreeCommand(1.0, "v"))
+    assert state.manager.pool.num_free_pages == free_before + 3
+    assert state.client(me[0]).revoked == {"v"}
+    # Another client naming it learns only that it holds no pages.
+    with pytest.raises(NotFound):
+        step(state, other, 1, frees=("v",))
+    # Named twice (freed and grown): refused whole, as any such step.
+    with pytest.raises(InvalidArgument, match="named twice"):
+        step(state, me, 2, frees=("v",), growths=(Growth("v", 1, tokens(40, 1)),))
+    # A growth of it: NO_CAPACITY, the rest of the step applies; the batch leaves it out.
+    r = step(
+        state,
+        me,
+        2,
+        growths=(Growth("v", 1, tokens(40, 1)), Growth("o", 1, tokens(520, 1))),
+        batch=Batch(("v", "o")),
+    )
+    assert [(o.request_id, o.status) for o in r.results] == [("v", AllocationStatus.NO_CAPACITY)]
+    assert r.unscheduled_request_ids == ("v",)
+    assert state.manager.requests["o"].num_computed_tokens == 21
+    snap = state.snapshot_state()
+    twin = ServiceState(PoolConfig(num_pages=64, max_model_len=512), debug_invariants=True)
+    twin.restore_state(snap)
+    assert twin.client(me[0]).revoked == {"v"}
+    # Its free (the preemption) is accepted and ends the revocation; a second one is not.
+    free_now = state.manager.pool.num_free_pages
+    r = step(state, me, 3, frees=("v",), batch=Batch(("o",)))
+    assert r.results == () and state.manager.pool.num_free_pages == free_now
+    assert state.client(me[0]).revoked == set()
+    with pytest.raises(NotFound):
+        step(state, me, 4, frees=("v",))
+    # Revoked again, then admitted again under the same id: a fresh request.
+    step(state, me, 4, admissions=(Admission("w", tokens(900, 20)),))
+    state.force_free(ForceFreeCommand(2.0, "w"))
+    r = step(state, me, 5, admissions=(Admission("w", tokens(900, 20)),), batch=Batch(("w", "o")))
+    assert r.results[0].status is AllocationStatus.OK and r.unscheduled_request_ids == ()
+    assert state.client(me[0]).revoked == set() and "w" in state.client(me[0]).request_ids
+    # Leaving drops what is left: nothing outlives its client.
+    state.force_free(ForceFreeCommand(3.0, "w"))
+    state.unregister(UnregisterCommand(4.0, me[0], me[1]))
+    state.check_invariants()
+
+
+def test_a_revoked_request_among_growth_columns():
+    """Decodes in column form (the client's usual step) with one revoked row: that row gets
+    NO_CAPACITY, every other row its token, as in message form."""
+    state = make_state(num_pages=256)
+    me = scheduler(state)
+    ids = [f"r{i}" for i in range(12)]
+    step(
+        state, me, 1, admissions=tuple(Admission(r, tokens(100 * i, 20)) for i, r in enumerate(ids))
+    )
+    state.force_free(ForceFreeCommand(1.0, "r5"))
+    r = step(
+        state,
+        me,
+        2,
+        growth_columns=GrowthColumns.decodes(ids, np.arange(12, dtype=np.int32)),
+        batch=Batch(tuple(ids)),
+    )
+    assert [(o.request_id, o.status) for o in r.results] == [("r5", AllocationStatus.NO_CAPACITY)]
+    assert r.unscheduled_request_ids == ("r5",)
+    assert all(state.manager.requests[x].num_computed_tokens == 21 for x in ids if x != "r5")
+    state.check_invariants()
+
+
+def test_revocations_replay_alike():
+    live = make_state()
+    me = scheduler(live)
+    log = [
+        StepCommand(1.0, me[0], me[1], 1, admissions=(Admission("v", tokens(0, 40)),)),
+        ForceFreeCommand(2.0, "v"),
+        StepCommand(3.0, me[0], me[1], 2, growths=(Growth("v", 1, tokens(40, 1)),)),
+        StepCommand(4.0, me[0], me[1], 3, frees=("v",)),
+    ]
+    answers = [live.apply(c) for c in log]
+    replayed = make_state()
+    scheduler(replayed)
+    assert [replayed.apply(c) for c in log] == answers
+    assert replayed.client(me[0]).revoked == live.client(me[0]).revoked == set()
 
 
 def test_events_buffer_is_bounded_by_bytes_too():

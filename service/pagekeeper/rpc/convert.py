@@ -355,6 +355,7 @@ def step_result_to_pb(
         last_event_seq=result.last_event_seq,
         publish_error=result.publish_error,
         is_retry=result.is_retry,
+        revoked_request_ids=result.revoked_request_ids,
     )
     add = response.results.add  # built in place: no copy of each result into the response
     outcomes: Sequence[AllocationOutcome] = result.listed

@@ -64,7 +64,8 @@ async def list_requests(
 
 
 @router.get(
-    "/v1/requests/{request_id}",
+    # ``:path``: an id may hold "/" (sent as %2F, which the router would split on).
+    "/v1/requests/{request_id:path}",
     response_model=RequestDetail,
     summary="One request's pages per group; ?kernel_block_size=N adds its kernel tables.",
     responses=problem_responses(400, 404),
@@ -97,9 +98,16 @@ async def get_request(
 
 
 @router.delete(
-    "/v1/requests/{request_id}",
+    "/v1/requests/{request_id:path}",
     response_model=FreedRequest,
     summary="Admin: free a request's pages, whoever owns it.",
+    description=(
+        "For a request whose owner is gone or stuck. Its owner learns it at its next step "
+        "that names the request: a growth is answered NO_CAPACITY, the batch leaves it out, "
+        "the answer's `revoked_request_ids` lists it, and the owner's free of it is accepted "
+        "as done. A live engine may still write the request's KV into those pages until "
+        "then, while the pool can hand them to another request."
+    ),
     dependencies=[AdminDep],
     responses=problem_responses(401, 403, 404),
 )

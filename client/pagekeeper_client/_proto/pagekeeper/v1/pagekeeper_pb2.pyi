@@ -432,7 +432,7 @@ class AllocationResult(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., status: _Optional[_Union[AllocationStatus, str]] = ..., num_cached_tokens: _Optional[int] = ..., new_page_ids: _Optional[_Iterable[bytes]] = ..., hit_page_ids: _Optional[_Iterable[bytes]] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("step_id", "results", "is_published", "published_slot", "unscheduled_request_ids", "num_free_pages", "last_event_seq", "publish_error", "is_retry", "grants")
+    __slots__ = ("step_id", "results", "is_published", "published_slot", "unscheduled_request_ids", "num_free_pages", "last_event_seq", "publish_error", "is_retry", "grants", "revoked_request_ids")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     IS_PUBLISHED_FIELD_NUMBER: _ClassVar[int]
@@ -443,6 +443,7 @@ class StepResponse(_message.Message):
     PUBLISH_ERROR_FIELD_NUMBER: _ClassVar[int]
     IS_RETRY_FIELD_NUMBER: _ClassVar[int]
     GRANTS_FIELD_NUMBER: _ClassVar[int]
+    REVOKED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     results: _containers.RepeatedCompositeFieldContainer[AllocationResult]
     is_published: bool
@@ -453,7 +454,8 @@ class StepResponse(_message.Message):
     publish_error: str
     is_retry: bool
     grants: GrowthGrants
-    def __init__(self, step_id: _Optional[int] = ..., results: _Optional[_Iterable[_Union[AllocationResult, _Mapping]]] = ..., is_published: _Optional[bool] = ..., published_slot: _Optional[int] = ..., unscheduled_request_ids: _Optional[_Iterable[str]] = ..., num_free_pages: _Optional[int] = ..., last_event_seq: _Optional[int] = ..., publish_error: _Optional[str] = ..., is_retry: _Optional[bool] = ..., grants: _Optional[_Union[GrowthGrants, _Mapping]] = ...) -> None: ...
+    revoked_request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step_id: _Optional[int] = ..., results: _Optional[_Iterable[_Union[AllocationResult, _Mapping]]] = ..., is_published: _Optional[bool] = ..., published_slot: _Optional[int] = ..., unscheduled_request_ids: _Optional[_Iterable[str]] = ..., num_free_pages: _Optional[int] = ..., last_event_seq: _Optional[int] = ..., publish_error: _Optional[str] = ..., is_retry: _Optional[bool] = ..., grants: _Optional[_Union[GrowthGrants, _Mapping]] = ..., revoked_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GrowthGrants(_message.Message):
     __slots__ = ("growth_index", "num_pages", "page_ids")
