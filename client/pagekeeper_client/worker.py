@@ -191,10 +191,17 @@ class WorkerTableView:
             self._client.heartbeat()
         except FailedPreconditionError:
             self._client.reregister()
-        descriptor = self._client.ring
-        if descriptor is None:
+        if self._client.ring is None:
             raise RingClosed("the service no longer publishes tables for this worker")
-        if self._descriptor is not None and descriptor.generation == self._descriptor.generation:
+        return self._follow()
+
+    def _follow(self) -> bool:
+        """Re-open when the client last heard of another ring than the mapped one (its
+        lease renewal brings the service's current descriptor): one the service re-created,
+        or a restarted service's, whose predecessor never closed the old one. Returns
+        whether it did."""
+        descriptor = self._client.ring
+        if descriptor is None or descriptor == self._descriptor or self._is_closed:
             return False
         log.info(
             "ring generation %d -> %d (%s)",
@@ -232,6 +239,10 @@ class WorkerTableView:
                 if not self._refresh():
                     raise
                 continue
+            except StepTimeout:
+                if not self._follow():
+                    raise
+                continue
             tables = tuple(step.table(g, k) for g, k in enumerate(self.kernel_block_sizes))
             return WorkerTables(step.step_seq, step.epoch, step.num_reqs, tables)
 
@@ -249,9 +260,15 @@ class WorkerTableView:
                 if not self._refresh():
                     raise
                 continue
+            except StepTimeout:
+                if not self._follow():
+                    raise
+                continue
 
     def latest_step(self) -> int:
-        """The last step published to the ring (-1 before the first)."""
+        """The last step published to the ring (-1 before the first), following the
+        service to a new ring as :meth:`wait` does."""
+        self._follow()
         view = self._current()
         try:
             return view.latest_step()

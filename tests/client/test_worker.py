@@ -102,6 +102,28 @@ def test_worker_follows_a_recreated_ring(server_factory, transport):
             assert first.view.num_reopens == 1
 
 
+@pytest.mark.parametrize("transport", ["shm", "cpu_ipc"])
+def test_worker_polling_latest_steps_follows_a_recreated_ring(server_factory, transport):
+    """A worker that follows published steps by polling (``wait_next``, as the example
+    worker does) re-maps when the ring is re-created, as ``wait`` does; it polled the closed
+    ring's last step forever before."""
+    server = server_factory("--num-pages", "64", publish_transport=transport)
+    with (
+        register_worker(server.grpc_address, "cpu", {0: [16]}) as first,
+        PagekeeperClient(server.grpc_address) as scheduler,
+    ):
+        scheduler.register("scheduler")
+        scheduler.admit("p-a", tokens(5, 40))
+        one = scheduler.step(batch=["p-a"]).step_id
+        assert first.view.wait_next(-1, timeout=10) == one
+        with register_worker(server.grpc_address, "cpu", {0: [4]}):
+            scheduler.allocate_slots("p-a", 1, new_token_ids=[1])
+            two = scheduler.step(batch=["p-a"]).step_id
+            assert first.view.wait_next(one, timeout=10) == two
+            assert first.view.num_reopens == 1
+            check_step(first.view.wait(two, timeout=10), scheduler, [("p-a", 40, 41)], 16)
+
+
 def test_worker_registration_errors(server_factory):
     server = server_factory("--num-pages", "32", publish_transport="shm")
     with pytest.raises(FailedPreconditionError, match="group 0") as exc:

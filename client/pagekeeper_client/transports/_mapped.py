@@ -130,8 +130,15 @@ class SeqlockReader:
         return self._layout
 
     def latest_step(self) -> int:
-        """The last step the publisher finished writing (-1 before the first)."""
+        """The last step the publisher finished writing (-1 before the first). Raises
+        :class:`RingClosed` once the publisher closed the ring: no later step will come
+        (a closed shm ring still serves the steps in it to :meth:`wait`)."""
         self._check_open()
+        if self._control.state == STATE_CLOSED:
+            raise RingClosed(
+                f"{self._descriptor.kind} ring generation {self._descriptor.generation} is "
+                f"closed (last published step {self._control.last_step})"
+            )
         return self._control.last_step
 
     def is_current(self, step_seq: int) -> bool:
