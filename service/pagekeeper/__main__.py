@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -21,14 +22,21 @@ from collections.abc import Sequence
 from pagekeeper import __version__
 from pagekeeper.core.errors import ConfigError
 from pagekeeper.logs import configure_logging
-from pagekeeper.settings import OPTIONS, Settings, load_settings, to_json, to_toml
+from pagekeeper.settings import (
+    OPTIONS,
+    Settings,
+    load_settings,
+    misspelled_env,
+    to_json,
+    to_toml,
+)
+
+log = logging.getLogger("pagekeeper")
 
 EXIT_CONFIG = 2
 EXIT_START = 1
 EXIT_DATA = 3
 EXIT_DURABILITY = 4
-
-_BOOL_PATHS = {"server.debug_invariants", "pool.enable_prefix_caching"}
 
 
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
@@ -36,7 +44,7 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("settings (override the file and PAGEKEEPER_* env vars)")
     for option in OPTIONS:
         kwargs: dict[str, object] = {"dest": option.path, "default": None, "help": option.help}
-        if option.path in _BOOL_PATHS:
+        if option.is_switch:
             # `--debug-invariants` alone means true; `--debug-invariants=false` also works.
             kwargs.update(nargs="?", const="true", metavar="BOOL")
         else:
@@ -76,11 +84,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"pagekeeper: bad configuration: {exc.field}: {exc.reason}", file=sys.stderr)
         return EXIT_CONFIG
+    typos = misspelled_env(os.environ)
     if ns.command == "config":
+        for name, meant in typos:
+            print(f"pagekeeper: {name} is not a setting ({meant}?): ignored", file=sys.stderr)
         sys.stdout.write(to_toml(settings) if ns.format == "toml" else to_json(settings) + "\n")
         return 0
 
     configure_logging(settings.log_level, settings.log_format)
+    for name, meant in typos:
+        log.warning("%s is not a setting (%s?): ignored", name, meant)
     from pagekeeper.auth import load_server_tokens
     from pagekeeper.durability import Durability, DurabilityError
     from pagekeeper.runtime import build_runtime

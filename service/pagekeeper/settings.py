@@ -22,6 +22,7 @@ The TOML file mirrors :meth:`Settings.to_dict`::
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import os
@@ -67,6 +68,12 @@ class Settings:
     accepted, re-read when it changes (rotation without a restart; ``pagekeeper.auth``)."""
     admin_token_file: str | None = None
     """The same for ``admin_token``."""
+    http_read_auth: bool = False
+    """Require a bearer token (the service's or the admin's) on the HTTP reads too: every
+    ``/v1/...`` route (pool, pages, requests, clients, events with their prompt token ids,
+    lookup, the dashboard's data). ``/healthz``, ``/readyz``, ``/metrics`` and the dashboard
+    page itself stay open. Off (the default): reads are open to whoever reaches the HTTP
+    address, which is loopback unless configured otherwise."""
     tls_cert_file: str | None = None
     """PEM certificate chain: gRPC and HTTP are served over TLS with it (None: plaintext,
     for loopback and trusted networks). Needs ``tls_key_file``."""
@@ -165,6 +172,12 @@ class Settings:
                 raise ConfigError(f"server.{name}", "must not contain a NUL character")
             if getattr(self, name) is not None and getattr(self, f"{name}_file") is not None:
                 raise ConfigError(f"server.{name}_file", f"set {name} or {name}_file, not both")
+        if self.http_read_auth and not (
+            self.token or self.token_file or self.admin_token or self.admin_token_file
+        ):
+            raise ConfigError(
+                "server.http_read_auth", "needs a token: set token or token_file (or the admin's)"
+            )
         self._validate_kv_events()
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             missing = "tls_key_file" if self.tls_key_file is None else "tls_cert_file"
@@ -269,6 +282,7 @@ class Settings:
             "admin_token": secret(self.admin_token),
             "token_file": self.token_file,
             "admin_token_file": self.admin_token_file,
+            "http_read_auth": self.http_read_auth,
             "tls_cert_file": self.tls_cert_file,
             "tls_key_file": self.tls_key_file,
             "tls_client_ca_file": self.tls_client_ca_file,
@@ -379,6 +393,11 @@ class Option:
     help: str
 
     @property
+    def is_switch(self) -> bool:
+        """A yes/no setting (its flag alone means yes)."""
+        return self.parse is _parse_bool
+
+    @property
     def env(self) -> str:
         key = self.path.split(".", 1)[1]
         if self.path.startswith("publish."):
@@ -398,6 +417,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("server.admin_token", str, "bearer token for HTTP admin endpoints (default: token)"),
     Option("server.token_file", str, "file of accepted bearer tokens, one a line (re-read)"),
     Option("server.admin_token_file", str, "file of accepted admin tokens, one a line"),
+    Option(
+        "server.http_read_auth",
+        _parse_bool,
+        "require the token on HTTP reads too (/v1/...; health, metrics, the page stay open)",
+    ),
     Option("server.tls_cert_file", str, "PEM certificate chain: serve gRPC and HTTP over TLS"),
     Option("server.tls_key_file", str, "PEM private key of the TLS certificate"),
     Option(
@@ -477,6 +501,49 @@ def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
         tree_value = _parse(option, raw, source=option.env)
         _set(tree, option.path, tree_value)
     return tree
+
+
+# Variables the client, workers, the compose file and tools read (not settings of the
+# service): never taken for a misspelled setting.
+OTHER_ENV = frozenset(
+    ENV_PREFIX + name
+    for name in (
+        "CONFIG",
+        "TLS_CA_FILE",
+        "TLS_CLIENT_CERT_FILE",
+        "TLS_CLIENT_KEY_FILE",
+        "FEED_ADDRESS",
+        "WORKER_DEVICE",
+        "WORKER_BACKENDS",
+        "SCHEDULER_STEPS",
+        "SCHEDULER_MAX_RUNNING",
+        "SCHEDULER_WORKERS",
+        "PUBLISH_HOST",
+        "HTTP_PORT",
+        "GRPC_PORT",
+        "NATIVE_HASHING",
+        "NATIVE_POOL",
+        "NATIVE_CLIENT",
+        "VLLM_VENV",
+        "VLLM_ENGINE",
+        "PROPERTY_SCALE",
+    )
+)
+
+
+def misspelled_env(environ: Mapping[str, str]) -> list[tuple[str, str]]:
+    """``(variable, the setting's variable it is probably meant as)`` for each
+    ``PAGEKEEPER_*`` variable that names no setting but nearly names one (a typo is ignored
+    like any variable the service does not read: clients, workers and tools read others)."""
+    known = [option.env for option in OPTIONS]
+    out = []
+    for name in sorted(environ):
+        if not name.startswith(ENV_PREFIX) or name in known or name in OTHER_ENV:
+            continue
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.9)
+        if close:
+            out.append((name, close[0]))
+    return out
 
 
 def _parse(option: Option, raw: str, *, source: str) -> Any:

@@ -121,6 +121,9 @@ def test_mamba_pages_are_never_split() -> None:
         (64, [[0]]),
         (64, [["16"]]),
         (64, [[16.0]]),
+        (1056, [16, 32, 64]),  # one backend's sizes not in a list of backends
+        (64, "16"),
+        (64, [["16"], "32"]),
     ],
 )
 def test_choose_kernel_block_size_rejects_bad_input(page_size: object, backends: list) -> None:

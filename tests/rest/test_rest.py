@@ -167,6 +167,7 @@ def test_admin_needs_the_admin_token(pagekeeper_server, running):
     for method, path in (("POST", "/v1/admin/reset-prefix-cache"), ("DELETE", f"/v1/requests/{a}")):
         missing = http.request(method, path)
         assert missing.status_code == 401 and missing.headers["content-type"] == PROBLEM
+        assert missing.headers["www-authenticate"].startswith("Bearer")
         # The gRPC token is not the admin token.
         wrong = http.request(
             method, path, headers={"Authorization": f"Bearer {pagekeeper_server.token}"}
@@ -252,6 +253,18 @@ def test_request_ids_with_a_slash(pagekeeper_server):
         pb.UnregisterRequest(client_id=sched.client_id, generation=sched.generation),
         metadata=sched.md,
     )
+
+
+def test_routing_errors_are_problems_too(pagekeeper_server):
+    http = pagekeeper_server.http()
+    wrong = http.put("/v1/pool")
+    assert wrong.status_code == 405 and wrong.headers["content-type"] == PROBLEM
+    assert wrong.headers["allow"] == "GET"
+    body = wrong.json()
+    assert body["type"] == "about:blank" and body["title"] == "Method Not Allowed"
+    assert body["status"] == 405
+    missing = http.get("/v1/no-such-thing")
+    assert missing.status_code == 404 and missing.json()["type"].endswith("/not_found")
 
 
 def test_admin_disabled_without_a_token(server_factory):

@@ -507,3 +507,54 @@ def test_a_stream_ends_when_its_token_is_revoked(
     message = next(kept)
     assert [e.WhichOneof("event") for e in message.events] == ["all_cleared"]
     kept.cancel()
+
+
+# -- HTTP reads ---------------------------------------------------------------------------------
+
+
+def test_http_read_auth_needs_a_token_to_be_set() -> None:
+    with pytest.raises(ConfigError) as exc:
+        load_settings(environ={"PAGEKEEPER_HTTP_READ_AUTH": "1"})
+    assert exc.value.field == "server.http_read_auth"
+    assert load_settings(environ={"PAGEKEEPER_HTTP_READ_AUTH": "1", "PAGEKEEPER_TOKEN": "t"})
+
+
+def test_http_reads_need_a_token_when_asked(server_factory) -> None:
+    """With http_read_auth the data routes answer 401 (with the scheme) without the service
+    or admin token; health, readiness, metrics, the dashboard page and its aggregate time
+    series stay open. Without it (every other test's server) reads are open."""
+    server = server_factory("--http-read-auth", token="calls", admin_token="adm")
+    http = server.http()
+    guarded = [
+        ("GET", "/v1/pool"),
+        ("GET", "/v1/pages?limit=2"),
+        ("GET", "/v1/pages/1"),
+        ("GET", "/v1/requests"),
+        ("GET", "/v1/requests/nope"),
+        ("GET", "/v1/clients"),
+        ("GET", "/v1/events?since=0"),
+        ("POST", "/v1/lookup"),
+        ("GET", "/v1/dashboard/page-map?bins=8"),
+        ("GET", "/v1/dashboard/requests"),
+    ]
+    for method, path in guarded:
+        body = {"token_ids": [1, 2, 3]} if method == "POST" else None
+        refused = http.request(method, path, json=body)
+        assert refused.status_code == 401, path
+        assert refused.headers["www-authenticate"].startswith("Bearer"), path
+        assert (
+            http.request(
+                method, path, json=body, headers={"Authorization": "Bearer wrong"}
+            ).status_code
+            == 401
+        ), path
+        for token in ("calls", "adm"):
+            answer = http.request(
+                method, path, json=body, headers={"Authorization": f"Bearer {token}"}
+            )
+            assert answer.status_code in (200, 404), (path, answer.text)
+    for path in ("/healthz", "/readyz", "/metrics", "/", "/v1/dashboard/samples"):
+        assert http.get(path).status_code == 200, path
+    # The admin endpoints keep their own token.
+    reset = http.post("/v1/admin/reset-prefix-cache", headers={"Authorization": "Bearer calls"})
+    assert reset.status_code == 401

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from pagekeeper.auth import load_server_tokens
 from pagekeeper.core.config import GroupKind
 from pagekeeper.core.errors import ConfigError
 from pagekeeper.settings import OPTIONS, Settings, load_settings, read_toml, to_json, to_toml
+from tests.helpers.server import clean_env
 
 TOML = """
 [server]
@@ -132,3 +138,39 @@ def test_settings_validate_on_construction():
         with pytest.raises(ConfigError, match="NUL") as exc:
             Settings(**{field: "a\0b"})
         assert exc.value.field == f"server.{field}"
+
+
+def test_a_misspelled_variable_is_named(tmp_path):
+    """A typo in a PAGEKEEPER_* variable is ignored like any variable the service does not
+    read, but named (clients, workers and tools read variables of their own: no warning)."""
+    from pagekeeper.settings import OTHER_ENV, misspelled_env
+
+    env = {
+        "PAGEKEEPER_DURABLITY": "none",
+        "PAGEKEEPER_NUM_PAGE": "8",
+        "PAGEKEEPER_WORKER_DEVICE": "cpu",
+        "PAGEKEEPER_TLS_CA_FILE": "/x",
+        "PAGEKEEPER_DURABILITY": "process",
+        "PAGEKEEPER_CONFIG": "/y",
+    }
+    assert misspelled_env(env) == [
+        ("PAGEKEEPER_DURABLITY", "PAGEKEEPER_DURABILITY"),
+        ("PAGEKEEPER_NUM_PAGE", "PAGEKEEPER_NUM_PAGES"),
+    ]
+    # Every variable the project's other readers use is known as theirs.
+    root = Path(__file__).resolve().parents[2]
+    sources = [*root.glob("client/**/*.py"), *root.glob("scripts/*"), root / "docker-compose.yml"]
+    used = set()
+    for path in sources:
+        used |= set(re.findall(r"PAGEKEEPER_[A-Z0-9_]*[A-Z0-9]", path.read_text(errors="replace")))
+    assert misspelled_env(dict.fromkeys(used, "")) == []
+    assert used <= OTHER_ENV | {o.env for o in OPTIONS}, used - OTHER_ENV
+    done = subprocess.run(
+        [sys.executable, "-m", "pagekeeper", "config"],
+        env=clean_env({"PAGEKEEPER_DURABLITY": "none"}),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0
+    assert "PAGEKEEPER_DURABLITY is not a setting (PAGEKEEPER_DURABILITY?)" in done.stderr

@@ -90,7 +90,14 @@ def _accepts(sizes: Sequence[KernelBlockSizeSpec], size: int) -> bool:
 
 
 def _check_backends(backends: Sequence[Sequence[KernelBlockSizeSpec]]) -> None:
+    if isinstance(backends, str | bytes) or not isinstance(backends, Sequence):
+        raise InvalidArgument(f"backends must be a list of size lists, got {backends!r}")
     for i, sizes in enumerate(backends):
+        if isinstance(sizes, str | bytes) or not isinstance(sizes, Sequence):
+            raise InvalidArgument(
+                f"backend {i} must list its kernel block sizes (e.g. [[16, 32]] for one "
+                f"backend), got {sizes!r}"
+            )
         if len(sizes) == 0:
             raise InvalidArgument(
                 f"backend {i} lists no kernel block sizes (use MultipleOf(1) for any size)"

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
+from http import HTTPStatus
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -18,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagekeeper import __version__
 from pagekeeper.core.errors import ErrorCode, PagekeeperError
 from pagekeeper.errors_map import PROBLEM_CONTENT_TYPE, http_problem, problem
+from pagekeeper.rest.deps import ReaderDep
 from pagekeeper.rest.routers import admin, clients, events, health, lookup, metrics, pages, pool
 from pagekeeper.rest.routers import requests as requests_router
 from pagekeeper.rest.routers.dashboard import install as install_dashboard
@@ -34,8 +36,13 @@ Errors are RFC 9457 problem bodies (`application/problem+json`). Admin endpoints
 """
 
 
-def _problem_response(status: int, body: dict[str, object]) -> JSONResponse:
-    return JSONResponse(body, status_code=status, media_type=PROBLEM_CONTENT_TYPE)
+def _problem_response(
+    status: int, body: dict[str, object], headers: Mapping[str, str] | None = None
+) -> JSONResponse:
+    if status == 401:
+        # RFC 9110: a 401 names the scheme it wants.
+        headers = {**(headers or {}), "WWW-Authenticate": 'Bearer realm="pagekeeper"'}
+    return JSONResponse(body, status_code=status, media_type=PROBLEM_CONTENT_TYPE, headers=headers)
 
 
 def create_app(runtime: Runtime) -> FastAPI:
@@ -74,11 +81,18 @@ def create_app(runtime: Runtime) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = ErrorCode.NOT_FOUND if exc.status_code == 404 else ErrorCode.INVALID_ARGUMENT
-        body = problem(code, str(exc.detail))
-        body["status"] = exc.status_code
-        body["title"] = "Not found" if exc.status_code == 404 else "HTTP error"
-        return _problem_response(exc.status_code, body)
+        if exc.status_code == 404:
+            body = problem(ErrorCode.NOT_FOUND, str(exc.detail))
+        else:
+            # Routing's own answers (405 Method Not Allowed, ...): no type of ours fits, so
+            # RFC 9457's "about:blank" with the status phrase; its headers (Allow) kept.
+            body = {
+                "type": "about:blank",
+                "title": HTTPStatus(exc.status_code).phrase,
+                "status": exc.status_code,
+                "detail": str(exc.detail),
+            }
+        return _problem_response(exc.status_code, body, exc.headers)
 
     @app.exception_handler(Exception)
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -101,7 +115,10 @@ def create_app(runtime: Runtime) -> FastAPI:
         )
         return response
 
-    for module in (health, pool, pages, requests_router, clients, events, lookup, admin, metrics):
+    for module in (health, admin, metrics):
         app.include_router(module.router)
+    # The reads: open unless http_read_auth (then a token, the service's or the admin's).
+    for module in (pool, pages, requests_router, clients, events, lookup):
+        app.include_router(module.router, dependencies=[ReaderDep])
     install_dashboard(app)  # GET /, /dashboard/static/..., /v1/dashboard/...
     return app

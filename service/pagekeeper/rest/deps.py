@@ -28,8 +28,9 @@ StateDep = Annotated[ServiceState, Depends(get_state)]
 _bearer = HTTPBearer(
     auto_error=False,
     description=(
-        "The admin token (PAGEKEEPER_ADMIN_TOKEN or one in PAGEKEEPER_ADMIN_TOKEN_FILE, "
-        "else the service token)."
+        "Admin endpoints: the admin token (PAGEKEEPER_ADMIN_TOKEN or one in "
+        "PAGEKEEPER_ADMIN_TOKEN_FILE, else the service token). Reads: none, unless the "
+        "service runs with http_read_auth (then the service token or the admin token)."
     ),
 )
 
@@ -52,4 +53,21 @@ async def require_admin(
         raise Unauthenticated("invalid bearer token")
 
 
+async def require_reader(
+    runtime: RuntimeDep,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+) -> None:
+    """With ``http_read_auth``: reads need ``Authorization: Bearer <token>``, the service
+    token or the admin token. Without it, nothing to check."""
+    if not runtime.settings.http_read_auth:
+        return
+    if credentials is None:
+        raise Unauthenticated("missing 'Authorization: Bearer <token>' header (http_read_auth)")
+    given = credentials.credentials.encode()
+    tokens = runtime.tokens
+    if not any(h is not None and h.accepts(given) for h in (tokens.calls, tokens.admin)):
+        raise Unauthenticated("invalid bearer token")
+
+
 AdminDep = Depends(require_admin)
+ReaderDep = Depends(require_reader)

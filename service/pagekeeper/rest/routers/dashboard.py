@@ -39,7 +39,7 @@ from pagekeeper.dashboard import (
     build_page_map,
     format_sse,
 )
-from pagekeeper.rest.deps import RuntimeDep
+from pagekeeper.rest.deps import ReaderDep, RuntimeDep
 from pagekeeper.rest.schemas import Model
 from pagekeeper.runtime import Runtime
 
@@ -202,6 +202,7 @@ async def static_file(relative: str) -> FileResponse:
 
 @router.get(
     "/v1/dashboard/page-map",
+    dependencies=[ReaderDep],
     response_model=PageMapModel,
     summary="Per group and per bin, pages in each state (the dashboard's page map).",
 )
@@ -241,6 +242,7 @@ async def page_map(
 
 @router.get(
     "/v1/dashboard/requests",
+    dependencies=[ReaderDep],
     response_model=LargestRequests,
     summary="The running requests that hold the most pages.",
 )

@@ -85,14 +85,33 @@
     return `${Math.floor(seconds / 3600)} h ${Math.floor((seconds % 3600) / 60)} m`;
   }
 
+  // A service started with http_read_auth wants a bearer token on its data: asked once
+  // (on the first 401), kept for this tab only.
+  const TOKEN_KEY = "pagekeeper-token";
+  let token = sessionStorage.getItem(TOKEN_KEY);
+
   async function getJSON(url) {
-    const response = await fetch(url, { headers: { Accept: "application/json" } });
-    if (!response.ok) {
-      const error = new Error(`${url}: HTTP ${response.status}`);
-      error.status = response.status;
-      throw error;
+    for (let asked = false; ; asked = true) {
+      const used = token;
+      const headers = { Accept: "application/json" };
+      if (used) headers.Authorization = `Bearer ${used}`;
+      const response = await fetch(url, { headers });
+      if (response.status === 401 && !asked) {
+        if (token === used) {
+          const given = window.prompt("This pagekeeper needs a token to show its data:");
+          if (!given) throw Object.assign(new Error(`${url}: HTTP 401`), { status: 401 });
+          token = given.trim();
+          sessionStorage.setItem(TOKEN_KEY, token);
+        }
+        continue; // with the new token (another call's, or this one's)
+      }
+      if (!response.ok) {
+        const error = new Error(`${url}: HTTP ${response.status}`);
+        error.status = response.status;
+        throw error;
+      }
+      return response.json();
     }
-    return response.json();
   }
 
   // -- shared state ----------------------------------------------------------------------
