@@ -422,3 +422,31 @@ def test_the_dashboard_shows_mutual_tls_and_certificate_bindings(
         assert console_errors(driver) == []
     finally:
         server.stop()
+
+
+def test_the_dashboard_asks_for_the_token_when_reads_need_one(driver: Any, tmp_path: Path) -> None:
+    """With http_read_auth the page itself loads, its data answers 401: the dashboard asks
+    for the token once, then shows the pool and says reads need a token."""
+    from selenium.webdriver.support import expected_conditions
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    server = launch(tmp_path / "srv", "--num-pages", "64", "--http-read-auth", token="tok")
+    try:
+        driver.get(server.http_url + "/")
+        WebDriverWait(driver, WAIT_S).until(expected_conditions.alert_is_present())
+        prompt = driver.switch_to.alert
+        assert "token" in prompt.text
+        prompt.send_keys("tok")
+        prompt.accept()
+        ops = wait_until(lambda: driver.execute_script(OPS_JS), "the header chips")
+        assert ops["auth"]["text"] == "token · reads too", ops["auth"]
+        assert "HTTP reads need a token" in ops["auth"]["title"]
+        wait_until(
+            lambda: driver.execute_script(
+                "return document.getElementById('page-map').dataset.ready === 'true'"
+            ),
+            "the page map, fetched with the token",
+        )
+        assert driver.execute_script("return sessionStorage.getItem('pagekeeper-token')") == "tok"
+    finally:
+        server.stop()

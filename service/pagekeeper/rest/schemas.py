@@ -138,6 +138,9 @@ class AuthModel(Model):
         description="The bearer token every gRPC call and same-node connection presents."
     )
     admin: TokensModel = Field(description="The bearer token of the HTTP admin endpoints.")
+    http_read_auth: bool = Field(
+        description="Whether HTTP reads (/v1/...) need the service or admin token too."
+    )
 
 
 class KvEventsModel(Model):

@@ -102,7 +102,11 @@ async def get_pool(runtime: RuntimeDep) -> PoolView:
         durability=_durability(runtime),
         tls=_tls(runtime),
         kv_events=_kv_events(runtime),
-        auth=AuthModel(calls=_tokens(runtime.tokens.calls), admin=_tokens(runtime.tokens.admin)),
+        auth=AuthModel(
+            calls=_tokens(runtime.tokens.calls),
+            admin=_tokens(runtime.tokens.admin),
+            http_read_auth=runtime.settings.http_read_auth,
+        ),
     )
 
 

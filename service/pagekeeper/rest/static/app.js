@@ -227,13 +227,16 @@
     const chip = $("ops-auth");
     const calls = auth.calls;
     chip.dataset.auth = calls.source;
-    const title = `calls: ${describeTokens(calls)} · admin: ${describeTokens(auth.admin)}`;
+    chip.dataset.reads = auth.http_read_auth ? "token" : "open";
+    const reads = auth.http_read_auth ? "HTTP reads need a token" : "HTTP reads are open";
+    const title = `calls: ${describeTokens(calls)} · admin: ${describeTokens(auth.admin)} · ${reads}`;
+    const also = auth.http_read_auth ? " · reads too" : "";
     if (calls.source === "none") {
       setChip(chip, "no token", "muted", `${title} (gRPC calls need no bearer token)`);
     } else if (calls.source === "inline") {
-      setChip(chip, "token", "ok", title);
+      setChip(chip, `token${also}`, "ok", title);
     } else {
-      setChip(chip, `token file · ${fmtInt(calls.num_tokens)}`, "ok", title);
+      setChip(chip, `token file · ${fmtInt(calls.num_tokens)}${also}`, "ok", title);
     }
   }
 
