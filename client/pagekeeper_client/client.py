@@ -62,7 +62,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Generic, TypeVar
 
@@ -812,6 +812,8 @@ class _DecodePlan:
 
     growths: list[_PendingGrowth]
     held: list[_Tracked]
+    revoked: list[str] = field(default_factory=list)
+    """Rows of requests an admin freed: planned as nothing, answered NO_CAPACITY."""
 
 
 def _unhold(held: Sequence[_Tracked]) -> None:
@@ -1131,6 +1133,19 @@ class SchedulerState:
         if len(token_ids) != n:
             raise InvalidArgumentError(f"{len(token_ids)} token ids for {n} decoding requests")
         num_lookahead_tokens = _check_int32("num_lookahead_tokens", num_lookahead_tokens)
+        revoked = self.revoked
+        if revoked and not revoked.isdisjoint(request_ids):
+            # Their pages are gone: nothing to plan; the next step answers them NO_CAPACITY.
+            if len(set(request_ids)) != n:
+                raise InvalidArgumentError("a request decodes twice in one call")
+            rows = [i for i, r in enumerate(request_ids) if r not in revoked]
+            plan = self.plan_decodes(
+                [request_ids[i] for i in rows],
+                [int(token_ids[i]) for i in rows],
+                num_lookahead_tokens,
+            )
+            plan.revoked = [r for r in request_ids if r in revoked]
+            return plan
         token_bytes = encode_i32(token_ids)
         requests = self.requests
         # The C check hands back the requests, or the index of a row the Python check must
@@ -1244,11 +1259,19 @@ class SchedulerState:
         _unhold(plan.held)
 
     def queue_decodes(self, plan: _DecodePlan) -> list[str]:
-        """Queue planned decodes; returns the ids that need a new page."""
+        """Queue planned decodes; returns the ids that need a new page (and those of
+        revoked requests, whose NO_CAPACITY comes with the next step's results)."""
         growths = plan.growths
         self._growths.extend(growths)
         self._held.extend(plan.held)
         need_pages = [g.request_id for g in growths if not g.is_local]
+        for request_id in plan.revoked:
+            answer = self.revoked_answer(request_id)
+            assert answer is not None
+            self._carried.append(
+                AllocationResult(request_id, AllocationStatus.NO_CAPACITY, reason=answer.reason)
+            )
+            need_pages.append(request_id)
         if need_pages and self.free_pages_bound is not None:
             self.free_pages_bound -= sum(g.num_pages_needed for g in growths)
         return need_pages
@@ -1359,7 +1382,6 @@ class SchedulerState:
             raise NotFoundError(self._missing(request_id))
         self._frees.append(_PendingFree(request_id, t))
         self._freeing.add(request_id)
-        self.revoked.discard(request_id)
 
     # -- steps --------------------------------------------------------------------------
     def prepare_step(
@@ -1432,6 +1454,7 @@ class SchedulerState:
         self._admissions = self._admissions[num_admissions:]
         for f in prepared.frees:
             self._freeing.discard(f.request_id)
+            self.revoked.discard(f.request_id)
         requests = self.requests
         out: list[AllocationResult] = []
         num_local = 0
@@ -1615,7 +1638,6 @@ class SchedulerState:
             if f.tracked is not None:
                 self.requests[f.request_id] = f.tracked
         self._frees, self._growths, self._admissions = [], [], []
-        self.revoked.intersection_update(self.requests)
         self._admitting.clear()
         self._freeing.clear()
         self._carried.clear()

@@ -47,6 +47,7 @@ from pagekeeper_client.types import BackendSpec, PoolConfig
 log = logging.getLogger("pagekeeper_client.worker")
 
 _POLL_MIN_S = 20e-6
+_REOPEN_TRIES = 5
 _POLL_MAX_S = 1e-3
 
 
@@ -186,14 +187,26 @@ class WorkerTableView:
 
     def _refresh(self) -> bool:
         """Ask the service for the current ring; re-open if it changed. Returns whether a
-        new ring was opened."""
-        try:
-            self._client.heartbeat()
-        except FailedPreconditionError:
-            self._client.reregister()
-        if self._client.ring is None:
-            raise RingClosed("the service no longer publishes tables for this worker")
-        return self._follow()
+        new ring was opened. A ring replaced again before it could be opened (workers
+        joining one after another) is asked for again, a few times."""
+        for attempt in range(_REOPEN_TRIES):
+            try:
+                self._client.heartbeat()
+            except FailedPreconditionError:
+                self._client.reregister()
+            descriptor = self._client.ring
+            if descriptor is None:
+                raise RingClosed("the service no longer publishes tables for this worker")
+            if descriptor == self._descriptor:
+                return False
+            try:
+                self._reopen(descriptor)
+                return True
+            except (RingClosed, DescriptorError):
+                if attempt == _REOPEN_TRIES - 1:
+                    raise
+                time.sleep(_POLL_MIN_S * 2**attempt)
+        raise AssertionError("unreachable")
 
     def _follow(self) -> bool:
         """Re-open when the client last heard of another ring than the mapped one (its
@@ -203,6 +216,14 @@ class WorkerTableView:
         descriptor = self._client.ring
         if descriptor is None or descriptor == self._descriptor or self._is_closed:
             return False
+        try:
+            self._reopen(descriptor)
+        except (RingClosed, DescriptorError):
+            # Re-created again since the client heard of it: ask for the current one.
+            return self._refresh()
+        return True
+
+    def _reopen(self, descriptor: RingDescriptor) -> None:
         log.info(
             "ring generation %d -> %d (%s)",
             self._descriptor.generation if self._descriptor else 0,
@@ -211,7 +232,6 @@ class WorkerTableView:
         )
         self._open(descriptor)
         self.num_reopens += 1
-        return True
 
     def _current(self) -> TableView:
         if self._is_closed:

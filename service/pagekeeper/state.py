@@ -437,6 +437,10 @@ class StepResult:
     """The client's requests the step named (grown or in the batch) that an admin freed
     and that the client has not freed since (sorted): their growths got NO_CAPACITY, the
     batch left them out. Freeing one is accepted as done."""
+    names_revoked: bool = False
+    """The step named (freed, grew or batched) a request an admin freed: a version that
+    does not know revocations would refuse it, so its journal record is of a version such
+    a reader refuses whole. Only on the applied answer (not compared, not stored)."""
 
     @property
     def results(self) -> tuple[AllocationOutcome, ...]:
@@ -1064,6 +1068,7 @@ class ServiceState:
             last_event_seq=self._last_event_seq,
             publish_error=publish_error,
             revoked_request_ids=still_revoked,
+            names_revoked=bool(revoked),
         )
         client.last_step_result = result
         self._after_mutation(cmd, result)
@@ -1088,14 +1093,21 @@ class ServiceState:
         max_len = self.pool_config.max_model_len
         num_growths = len(growths) if columns is None else len(columns)
         num_items = len(cmd.frees) + num_growths + len(cmd.admissions)
+        revoked_freed: set[str] = set()
+        revoked_grown: set[str] = set()
         if revoked:
+            # The same rules as for a running request: once freed or grown, not both;
+            # grown, then not admitted; freed, then not in the batch (unless admitted).
             num_items = len(cmd.frees) + len(cmd.growths) + len(cmd.admissions)
             if cmd.growth_columns is not None:
                 num_items += len(cmd.growth_columns)
             named = [r for r in cmd.frees if r in revoked]
-            named += [g.request_id for g in cmd.growths if g.request_id in revoked]
+            revoked_freed = set(named)
+            grown_ids = [g.request_id for g in cmd.growths if g.request_id in revoked]
             if cmd.growth_columns is not None:
-                named += [r for r in cmd.growth_columns.request_ids if r in revoked]
+                grown_ids += [r for r in cmd.growth_columns.request_ids if r in revoked]
+            revoked_grown = set(grown_ids)
+            named += grown_ids
             if len(set(named)) != len(named):
                 raise InvalidArgument(
                     f"request {_first_repeat(named)!r} is named twice (freed or grown) in one step"
@@ -1132,7 +1144,7 @@ class ServiceState:
             request_id = _check_id(admission.request_id, "request_id")
             if request_id in admitted:
                 raise InvalidArgument(f"request {request_id!r} is admitted twice in one step")
-            if request_id in grown:
+            if request_id in grown or request_id in revoked_grown:
                 raise InvalidArgument(f"request {request_id!r} is both grown and admitted")
             if request_id in requests and request_id not in freed:
                 raise AlreadyExists(f"request {request_id!r} already holds pages")
@@ -1152,6 +1164,9 @@ class ServiceState:
         if len(in_batch) != len(batch_ids):
             dup = _first_repeat(batch_ids)
             raise InvalidArgument(f"request {dup!r} appears twice in the batch")
+        freed_listed = (in_batch & revoked_freed) - admitted
+        if freed_listed:
+            raise InvalidArgument(f"request {min(freed_listed)!r} is freed and in the batch")
         # Grown and admitted requests were checked above (owned, not freed); the rest must be
         # the client's and stay (set operations; the loop only names the first problem).
         rest = in_batch - grown - admitted - revoked

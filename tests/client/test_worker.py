@@ -124,6 +124,27 @@ def test_worker_polling_latest_steps_follows_a_recreated_ring(server_factory, tr
             check_step(first.view.wait(two, timeout=10), scheduler, [("p-a", 40, 41)], 16)
 
 
+def test_worker_follows_a_ring_recreated_twice_in_a_row(server_factory):
+    """Workers joining one after another: the first worker's client heard of the second
+    ring (a heartbeat) when a third replaced it; the view re-maps to the current one."""
+    server = server_factory("--num-pages", "64", publish_transport="shm")
+    with (
+        register_worker(server.grpc_address, "cpu", {0: [16]}) as first,
+        PagekeeperClient(server.grpc_address) as scheduler,
+    ):
+        scheduler.register("scheduler")
+        scheduler.admit("t-a", tokens(5, 40))
+        one = scheduler.step(batch=["t-a"]).step_id
+        assert first.view.wait_next(-1, timeout=10) == one
+        with register_worker(server.grpc_address, "cpu", {0: [4]}):
+            first.client.heartbeat()  # as its lease renewal would
+            with register_worker(server.grpc_address, "cpu", {0: [8]}):
+                scheduler.allocate_slots("t-a", 1, new_token_ids=[1])
+                two = scheduler.step(batch=["t-a"]).step_id
+                assert first.view.wait_next(one, timeout=10) == two
+                check_step(first.view.wait(two, timeout=10), scheduler, [("t-a", 40, 41)], 16)
+
+
 def test_worker_registration_errors(server_factory):
     server = server_factory("--num-pages", "32", publish_transport="shm")
     with pytest.raises(FailedPreconditionError, match="group 0") as exc:

@@ -519,7 +519,7 @@ def test_a_step_read_over_grpc_is_journaled_as_its_request_bytes():
         b"\x0a\x02" + header.pack(1.0, 8, 0, 0) + wire,
         b"\x0a\x02" + header.pack(1.0, 1, 0, 1 << 30) + wire,
         b"\x0a\x02" + header.pack(1.0, 1, 0, 2) + b"\xff\xfe" + wire,
-        b"\x0a\x03" + header.pack(1.0, 1, 0, 0) + wire,
+        b"\x0a\x04" + header.pack(1.0, 1, 0, 0) + wire,  # 3: a step naming a revoked id
     ):
         with pytest.raises(RecordDecodeError):
             decode_command(bad)
@@ -618,3 +618,48 @@ def test_records_with_a_leaf_replaced_are_refused_or_decoded_never_crash():
     finally:
         tracemalloc.stop()
     assert refused > 100 and decoded + refused == 12 * len(bodies)
+
+
+def test_a_step_naming_a_revoked_request_is_a_version_an_older_reader_refuses(monkeypatch):
+    """A pagekeeper from before revocations would refuse such a step on replay (NOT_FOUND),
+    take the record for damage and drop it with every record after it: the step is written
+    as a version of its kind that reader does not know, so it refuses the data dir instead.
+    Steps that name no revoked request stay as every version wrote them."""
+    from pagekeeper.durability.commands import KIND_STEP
+    from pagekeeper.rpc import convert
+    from pagekeeper_client._proto.pagekeeper.v1 import pagekeeper_pb2 as pb
+
+    state = new_state(HYBRID_POOL)
+    reg = state.register(RegisterCommand(now=0.0, role=ClientRole.SCHEDULER))
+    me = {"client_id": reg.client_id, "generation": reg.generation}
+
+    def wire_step(step_id: int, **fields: object) -> tuple[StepCommand, StepResult]:
+        request = pb.StepRequest(step_id=step_id, **me, **fields)  # type: ignore[arg-type]
+        command = convert.step_from_pb(pb.StepRequest.FromString(request.SerializeToString()), 1.0)
+        return command, state.step(command)
+
+    ids = np.arange(40, dtype="<i4").tobytes()
+    admit = wire_step(1, admissions=[pb.Admission(request_id="v", token_ids=ids)])
+    assert encode_command(*admit)[:2] == bytes((KIND_STEP_WIRE, 2))
+    state.force_free(ForceFreeCommand(2.0, "v"))
+    wire = wire_step(2, free_request_ids=["v"])
+    assert wire[1].names_revoked and wire[1].results == ()
+    body = encode_command(*wire)
+    assert body[:2] == bytes((KIND_STEP_WIRE, 3))
+    assert decode_command(body)[0].frees == ("v",)
+    tree_command = dataclasses.replace(wire[0], wire=None)
+    tree_body = encode_command(tree_command, wire[1])
+    assert tree_body[:2] == bytes((KIND_STEP, 2))
+    assert decode_command(tree_body)[0].frees == ("v",)
+    assert encode_command(tree_command, dataclasses.replace(wire[1], names_revoked=False))[
+        :2
+    ] == bytes((KIND_STEP, 1))
+    # What the readers before revocations knew: step_wire 1 and 2, step 1.
+    monkeypatch.setattr(
+        commands, "READABLE_VERSIONS", {KIND_STEP_WIRE: (1, 2), KIND_RESUME_LEASES: (1, 2, 3)}
+    )
+    assert decode_command(encode_command(*admit))[0].admissions[0].request_id == "v"
+    with pytest.raises(RecordFromNewerVersion, match="step_wire record version 3"):
+        decode_command(body)
+    with pytest.raises(RecordFromNewerVersion, match="step record version 2"):
+        decode_command(tree_body)

@@ -223,6 +223,14 @@ def test_owner_client_steps_on_after_a_force_free(server_factory):
         # From then on the client answers it NO_CAPACITY (the scheduler preempts it) ...
         refused = client.allocate_slots("w", 1, new_token_ids=[8])
         assert refused.status.name == "NO_CAPACITY" and "admin" in refused.reason
+        # ... in a decode step too (nothing planned for it; NO_CAPACITY with the step) ...
+        assert client.allocate_decodes(["w", "o"], [9, 10]) == ["w"]
+        decoded = client.step(batch=["o"])
+        assert [(r.request_id, r.status.name) for r in decoded.results] == [("w", "NO_CAPACITY")]
+        # ... while a free of it is queued and the queue dropped, too ...
+        client.free_later("w")
+        client.discard_queued()
+        assert client.allocate_slots("w", 1, new_token_ids=[8]).status.name == "NO_CAPACITY"
         # ... and its free is accepted.
         client.free("w")
         assert client.step(batch=["o"]).revoked_request_ids == ()

@@ -370,9 +370,21 @@ def test_owner_of_a_force_freed_request_keeps_stepping():
     # Another client naming it learns only that it holds no pages.
     with pytest.raises(NotFound):
         step(state, other, 1, frees=("v",))
-    # Named twice (freed and grown): refused whole, as any such step.
+    # Named twice (freed and grown; grown and admitted; freed and in the batch): refused
+    # whole, as for a running request.
     with pytest.raises(InvalidArgument, match="named twice"):
         step(state, me, 2, frees=("v",), growths=(Growth("v", 1, tokens(40, 1)),))
+    with pytest.raises(InvalidArgument, match="both grown and admitted"):
+        step(
+            state,
+            me,
+            2,
+            growths=(Growth("v", 1, tokens(40, 1)),),
+            admissions=(Admission("v", tokens(0, 8)),),
+        )
+    with pytest.raises(InvalidArgument, match="freed and in the batch"):
+        step(state, me, 2, frees=("v",), batch=Batch(("v", "o")))
+    assert state.client(me[0]).revoked == {"v"}
     # A growth of it: NO_CAPACITY, the rest of the step applies; the batch leaves it out.
     r = step(
         state,

@@ -97,6 +97,12 @@ class RecordFromNewerVersion(RecordDecodeError):
 _WIRE_HEADER = struct.Struct("<dBqI")
 _WIRE_HAS_PUBLICATION, _WIRE_PUBLISHED = 1, 2
 STEP_WIRE_VERSION = 2
+# A step that names a request an admin freed (``StepResult.names_revoked``) is the next
+# version of its kind, the same layout: a pagekeeper from before revocations would refuse
+# the step on replay (NOT_FOUND), take it for damage and drop it with every record after
+# it; a version it does not know makes it refuse the data dir instead.
+STEP_WIRE_REVOKED_VERSION = 3
+STEP_TREE_REVOKED_VERSION = 2
 # ``resume_leases``: version 1 [now] (extend; [now, 1] a cap, as one day's development build
 # wrote it), version 2 [now, mode] (cap, exact; development builds also wrote [now] for
 # exact and [now, 3, by] for a shift), version 3 [now, by] (shift).
@@ -138,7 +144,8 @@ def _resume_from_tree(version: int, tree: Any) -> ResumeLeasesCommand:
 
 
 READABLE_VERSIONS = {
-    KIND_STEP_WIRE: (1, STEP_WIRE_VERSION),
+    KIND_STEP: (1, STEP_TREE_REVOKED_VERSION),
+    KIND_STEP_WIRE: (1, STEP_WIRE_VERSION, STEP_WIRE_REVOKED_VERSION),
     KIND_RESUME_LEASES: (1, RESUME_MODE_VERSION, RESUME_SHIFT_VERSION),
 }
 """The record versions a kind reads (any other kind: ``VERSION`` only)."""
@@ -149,14 +156,17 @@ def _encode_step_wire(command: StepCommand, result: StepResult | None) -> bytes:
     # tree (~6 µs less a step).
     wire = command.wire
     assert wire is not None
+    version = STEP_WIRE_VERSION
     if result is None:
         flags, slot, error = 0, 0, b""
     else:
         flags = _WIRE_HAS_PUBLICATION | (_WIRE_PUBLISHED if result.is_published else 0)
         slot, error = result.published_slot, result.publish_error.encode()
+        if result.names_revoked:
+            version = STEP_WIRE_REVOKED_VERSION
     return b"".join(
         (
-            bytes((KIND_STEP_WIRE, STEP_WIRE_VERSION)),
+            bytes((KIND_STEP_WIRE, version)),
             _WIRE_HEADER.pack(command.now, flags, slot, len(error)),
             error,
             wire.SerializeToString(),
@@ -172,6 +182,8 @@ def encode_command(command: Command, result: Any = None) -> bytes:
         return _encode_step_wire(command, result)
     elif isinstance(command, StepCommand):
         kind, tree = KIND_STEP, _step_to_tree(command, result)
+        if result is not None and result.names_revoked:
+            return bytes((kind, STEP_TREE_REVOKED_VERSION)) + encode(tree)
     elif isinstance(command, HeartbeatCommand):
         kind, tree = KIND_HEARTBEAT, [command.now, command.client_id, command.generation]
     elif isinstance(command, RegisterCommand):
@@ -225,7 +237,7 @@ def decode_command(body: bytes | memoryview) -> tuple[Command, Publication | Non
         raise RecordFromNewerVersion(
             f"{KIND_NAMES[kind]} record version {version} is not {' or '.join(map(str, readable))}"
         )
-    if kind == KIND_STEP_WIRE and version == STEP_WIRE_VERSION:
+    if kind == KIND_STEP_WIRE and version in (STEP_WIRE_VERSION, STEP_WIRE_REVOKED_VERSION):
         return _step_wire_from_body(memoryview(body)[2:])
     try:
         tree = decode(memoryview(body)[2:])
