@@ -1897,6 +1897,11 @@ class _ClientCore(Generic[_Local]):
         return self._require().pool.page_sizes
 
     # -- the mirror -----------------------------------------------------------------------
+    def is_revoked(self, request_id: str) -> bool:
+        """Whether an admin freed this running request (the service says so in every step's
+        answer until it is freed): its pages are gone; preempt it and free it."""
+        return request_id in self._scheduler().revoked
+
     def discard_queued(self) -> int:
         """Drop the queue (after a step the service refused as a whole) and undo it in the
         client's view; returns how many operations were dropped."""

@@ -347,8 +347,8 @@ class StepResult:
     """Client side: growths answered locally (no new page) that this step carries, and the
     decodes held back since the previous step (their tokens travel later)."""
     revoked_request_ids: tuple[str, ...] = ()
-    """This client's requests the step grew or listed in its batch that an admin freed
-    (``DELETE /v1/requests/{id}``): their pages are gone. From now on the client answers
+    """This client's requests an admin freed (``DELETE /v1/requests/{id}``) that it has not
+    freed since, in every answer until it does: their pages are gone. The client answers
     their ``allocate_slots`` NO_CAPACITY; preempt and free them (the free is accepted)."""
 
     def by_request(self) -> dict[str, AllocationResult]:

@@ -702,6 +702,11 @@ class PagekeeperKVCacheManager:
         request_id = request.request_id
         target = request.num_computed_tokens + num_new_tokens
         num_slots = min(target + num_lookahead_tokens, self.max_model_len)
+        if self.client.is_revoked(request_id):
+            # An admin freed it on the service (its pages may be another's now): no room,
+            # so the engine preempts it and frees it, which the service takes as done.
+            self.stats.num_no_capacity += 1
+            return None
         if cdiv(num_slots, self.page_size) <= len(state.page_ids):
             # The request's pages cover it: answered here, reported later (no call).
             self.stats.num_local_growths += 1

@@ -33,6 +33,7 @@ A step, in the order it is applied::
 from __future__ import annotations
 
 import bisect
+import logging
 import math
 import time
 from collections import deque
@@ -57,6 +58,7 @@ from pagekeeper.core.errors import (
     ResourceExhausted,
 )
 from pagekeeper.core.events import KVEvent, event_nbytes
+from pagekeeper.core.hashing import validate_extra_keys
 from pagekeeper.core.manager import PageManager
 from pagekeeper.core.tables import MultipleOf, choose_kernel_block_size, expand_to_kernel_blocks
 from pagekeeper.core.types import (
@@ -73,6 +75,8 @@ from pagekeeper.publish.api import RingDescriptor
 
 MAX_ID_BYTES = 256
 """Longest request or client id accepted (UTF-8 bytes)."""
+
+log = logging.getLogger("pagekeeper.state")
 
 
 class ClientRole(StrEnum):
@@ -180,6 +184,7 @@ class Growth:
 # Fewer growths than this in column form take the per-growth path (cheaper than the
 # column form's fixed cost of a few dozen numpy calls).
 _MIN_COLUMN_GROWTHS = 8
+MAX_STEP_ID = 2**63 - 1
 _REVOKED_REASON = (
     "request {!r} was freed by an admin (DELETE /v1/requests/...); preempt it and free it"
 )
@@ -434,9 +439,9 @@ class StepResult:
     grants: GrowthGrants | None = None
     """Growths granted one page each, as columns (None: every outcome is in ``listed``)."""
     revoked_request_ids: tuple[str, ...] = ()
-    """The client's requests the step named (grown or in the batch) that an admin freed
-    and that the client has not freed since (sorted): their growths got NO_CAPACITY, the
-    batch left them out. Freeing one is accepted as done."""
+    """The client's requests an admin freed that it has not freed since (sorted), on every
+    answer until it frees them: a growth of one gets NO_CAPACITY, a batch leaves it out,
+    and freeing it is accepted as done."""
     names_revoked: bool = False
     """The step named (freed, grew or batched) a request an admin freed: a version that
     does not know revocations would refuse it, so its journal record is of a version such
@@ -960,8 +965,10 @@ class ServiceState:
         client = self._client(cmd.client_id, cmd.generation, cmd.now)
         if client.role is not ClientRole.SCHEDULER:
             raise PermissionDenied(f"client {client.client_id!r} is a worker; only schedulers step")
-        if not isinstance(cmd.step_id, int) or cmd.step_id < 1:
-            raise InvalidArgument(f"step_id must be >= 1, got {cmd.step_id!r}")
+        if not isinstance(cmd.step_id, int) or not 1 <= cmd.step_id <= MAX_STEP_ID:
+            # The wire's uint64 goes further; the journal, snapshots and ring slots hold
+            # signed 64-bit words.
+            raise InvalidArgument(f"step_id must be in [1, 2**63 - 1], got {cmd.step_id!r}")
         if cmd.step_id <= client.last_step_id:
             stored = client.last_step_result
             if cmd.step_id == client.last_step_id and stored is not None:
@@ -1051,7 +1058,7 @@ class ServiceState:
             # the same ordering constraint on later steps.
             self._last_published_step_seq = cmd.step_id
 
-        still_revoked = tuple(sorted(revoked & client.revoked)) if revoked else ()
+        still_revoked = tuple(sorted(client.revoked)) if client.revoked else ()
         client.last_step_id = cmd.step_id
         client.expires_at = cmd.now + client.lease_ttl_s
         client.num_steps += 1
@@ -1458,6 +1465,12 @@ class ServiceState:
                 )
             if not all(hashes):
                 raise InvalidArgument(f"request {rid!r}: page hashes must be non-empty")
+            if len(set(hashes)) != len(hashes):
+                # A chain never repeats (each hash covers the whole prefix); a repeat would
+                # put one cached page at two places of the table.
+                raise InvalidArgument(
+                    f"request {rid!r}: page hash {_first_repeat(hashes).hex()} repeats"
+                )
         _validate_extra_keys(admission.extra_keys, rid, tokens.shape[0])
 
     def _apply_growth(self, growth: Growth) -> AllocationOutcome | None:
@@ -1530,11 +1543,23 @@ class ServiceState:
                     if key not in seen:
                         seen.add(key)
                         tables.append(table)
+            if tables and len(tables[0].slot_mapping) > self.limits.max_tokens_per_step:
+                # Counted here when the batch did not say its scheduled tokens.
+                raise ResourceExhausted(
+                    f"{len(tables[0].slot_mapping)} scheduled tokens exceed "
+                    f"max_tokens_per_step {self.limits.max_tokens_per_step}"
+                )
             slot = self.sink.publish(step_id, tables)
         except PagekeeperError as exc:
             # The allocations stand (they were answered); only the publication failed.
             self.counters.num_publish_errors += 1
             return False, -1, exc.message
+        except Exception as exc:
+            # Not expected (a bug, or a transport's own failure): the step's changes are
+            # made and must be answered and journaled whole, so it is reported, not raised.
+            log.exception("publishing step %d failed", step_id)
+            self.counters.num_publish_errors += 1
+            return False, -1, f"internal error while publishing: {type(exc).__name__}: {exc}"
         self.counters.num_published += 1
         return True, slot, ""
 
@@ -1932,6 +1957,10 @@ def _release(kernel_sets: dict[tuple[int, ...], int], sizes: tuple[int, ...]) ->
 def _validate_extra_keys(extra: ExtraKeys | None, rid: str, num_tokens: int) -> None:
     if extra is None:
         return
+    try:
+        validate_extra_keys(extra)  # what hashing requires, whether or not it hashes
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"request {rid!r}: {exc.message}") from None
     for mm in extra.mm_inputs:
         if not mm.identifier:
             raise InvalidArgument(f"request {rid!r}: a multimodal input needs an identifier")

@@ -93,9 +93,27 @@ def _bad_steps(owner: Scheduler, other: Scheduler):
     )
     yield (
         grpc.StatusCode.INVALID_ARGUMENT,
-        "step_id must be >= 1",
+        "step_id must be in [1, 2**63 - 1], got 0",
         owner,
         pb.StepRequest(client_id=owner.client_id, generation=owner.generation, step_id=0),
+    )
+    yield (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "step_id must be in [1, 2**63 - 1], got 9223372036854775808",
+        owner,
+        pb.StepRequest(client_id=owner.client_id, generation=owner.generation, step_id=2**63),
+    )
+    yield (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "repeats",
+        owner,
+        owner.request(
+            admissions=[
+                pb.Admission(
+                    request_id="rep", token_ids=i32(list(range(40))), page_hashes=[b"h" * 32] * 2
+                )
+            ]
+        ),
     )
     yield (
         grpc.StatusCode.NOT_FOUND,

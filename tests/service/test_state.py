@@ -17,6 +17,7 @@ from pagekeeper.core.errors import (
     ResourceExhausted,
 )
 from pagekeeper.core.events import PageStored, TokenRun, event_nbytes
+from pagekeeper.core.types import ExtraKeys, MultiModalKey
 from pagekeeper.publication import PublicationHub
 from pagekeeper.publish.api import RingDescriptor, RingGeometry
 from pagekeeper.state import (
@@ -492,3 +493,81 @@ def test_events_buffer_reports_falling_behind():
     assert page.fell_behind and [e.seq for e in page.events] == [3, 4, 5]
     assert not state.events_since(2, 100).fell_behind
     assert state.events_since(5, 100).events == ()
+
+
+def _snapshot_bytes(state: ServiceState) -> bytes:
+    """The state as a snapshot holds it, its counters aside (a refused step is counted)."""
+    from pagekeeper.durability.snapshot import encode_snapshot
+
+    tree = state.snapshot_state()
+    tree["counters"] = None
+    return encode_snapshot(tree)
+
+
+def test_inputs_refused_whole_before_anything_changes():
+    """Found by an adversarial review: each was accepted, or applied part-way, before."""
+    state = make_state()
+    me = scheduler(state)
+    step(state, me, 1, admissions=(Admission("a", tokens(0, 40)),))
+    before = _snapshot_bytes(state)
+    h = b"\x11" * 32
+    overlapping = ExtraKeys(
+        mm_inputs=(MultiModalKey("i1", 0, 4), MultiModalKey("i2", 2, 4)),
+    )
+    for kw, match in (
+        # Step ids the journal, snapshots and ring words (int64) cannot hold.
+        ({"admissions": (Admission("b", tokens(0, 8)),)}, "step_id"),
+        # A chain never repeats: a repeat mapped one cached page into two table slots.
+        ({"admissions": (Admission("b", tokens(0, 40), page_hashes=(h, h)),)}, "repeats"),
+        # Placeholders sorted and disjoint, checked up front (the free of "a" was applied
+        # and the admission REJECTED before; with caching off it was accepted).
+        (
+            {
+                "frees": ("a",),
+                "admissions": (Admission("b", tokens(0, 8), extra_keys=overlapping),),
+            },
+            "must not overlap",
+        ),
+        (
+            {"admissions": (Admission("b", tokens(0, 8), extra_keys=ExtraKeys(lora_path="/p")),)},
+            "lora_path",
+        ),
+    ):
+        step_id = 2**63 if match == "step_id" else 2
+        with pytest.raises(InvalidArgument, match=match):
+            step(state, me, step_id, **kw)
+        assert _snapshot_bytes(state) == before, match
+    assert step(state, me, 2**63 - 1, frees=("a",)).step_id == 2**63 - 1
+    _snapshot_bytes(state)  # still encodes
+    nocache = ServiceState(
+        PoolConfig(num_pages=64, max_model_len=512, enable_prefix_caching=False), Limits()
+    )
+    other = scheduler(nocache)
+    with pytest.raises(InvalidArgument, match="must not overlap"):
+        step(nocache, other, 1, admissions=(Admission("b", tokens(0, 8), extra_keys=overlapping),))
+
+
+class _BrokenSink(FakePublisher):
+    def publish(self, step_seq, tables):  # type: ignore[no-untyped-def]
+        raise RuntimeError("the transport broke")
+
+
+def test_publication_failures_and_token_limits_are_publish_errors():
+    """The allocations of a step stand once made: a publication that fails for any reason
+    (here a transport raising, or more scheduled tokens than max_tokens_per_step when the
+    batch did not count them) is the answer's publish_error, and the step is complete."""
+    pool = PoolConfig(num_pages=64, groups=(GroupConfig(page_size=32),), max_model_len=256)
+    for factory, limits, match in (
+        (_BrokenSink, Limits(), "the transport broke"),
+        (FakePublisher, Limits(max_tokens_per_step=32), "max_tokens_per_step 32"),
+    ):
+        hub = PublicationHub(
+            pool, transport="shm", depth=2, max_num_reqs=8, max_num_tokens=64, factory=factory
+        )
+        state = ServiceState(pool, limits, sink=hub, debug_invariants=True)
+        me = scheduler(state)
+        support = (GroupKernelSupport(0, (KernelBackend("k", (16,)),)),)
+        state.register(RegisterCommand(now=0.0, role=ClientRole.WORKER, kernel_support=support))
+        r = step(state, me, 1, admissions=(Admission("a", tokens(0, 40)),), batch=Batch(("a",)))
+        assert not r.is_published and match in r.publish_error
+        assert state.client(me[0]).last_step_id == 1 and "a" in state.request_ids()

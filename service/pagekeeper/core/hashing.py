@@ -83,6 +83,7 @@ __all__ = [
     "native_hashing",
     "none_hash",
     "page_extra_keys",
+    "validate_extra_keys",
 ]
 
 SHA256_CBOR: Final = "sha256_cbor"
@@ -174,7 +175,9 @@ def encode_cbor(obj: CborValue) -> bytes:
 # --------------------------------------------------------------------------------------
 # Extra keys (vLLM's generate_block_hash_extra_keys)
 # --------------------------------------------------------------------------------------
-def _validate_extra_keys(extra_keys: ExtraKeys) -> None:
+def validate_extra_keys(extra_keys: ExtraKeys) -> None:
+    """InvalidArgument unless ``extra_keys`` is what hashing takes (types; LoRA path only
+    with a name; placeholders sorted and disjoint)."""
     if not isinstance(extra_keys, ExtraKeys):
         raise InvalidArgument(f"extra_keys must be ExtraKeys, got {type(extra_keys).__name__}")
     if extra_keys.lora_name is not None and not isinstance(extra_keys.lora_name, str):
@@ -218,7 +221,7 @@ def page_extra_keys(
     """
     if extra_keys is None:
         return None
-    _validate_extra_keys(extra_keys)
+    validate_extra_keys(extra_keys)
     return run_extra_keys(extra_keys, page_index, 1, page_size)[0]
 
 
@@ -302,7 +305,7 @@ class _CompiledKeys:
 
     def __init__(self, extra_keys: ExtraKeys | None) -> None:
         if extra_keys is not None:
-            _validate_extra_keys(extra_keys)
+            validate_extra_keys(extra_keys)
         ek = extra_keys or ExtraKeys()
         self.lora = (
             encode_cbor(("lora", ek.lora_name, ek.lora_path)) if ek.lora_name is not None else b""

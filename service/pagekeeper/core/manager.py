@@ -124,6 +124,9 @@ def _checked_hashes(page_hashes: Sequence[bytes]) -> list[bytes]:
     hashes = list(page_hashes)
     if set(map(type, hashes)) - {bytes} or not all(hashes):
         raise InvalidArgument("page hashes must be non-empty bytes")
+    if len(set(hashes)) != len(hashes):
+        # A chain never repeats; a repeat would map one cached page into two table slots.
+        raise InvalidArgument("page hashes must not repeat (each covers its whole prefix)")
     return hashes
 
 
