@@ -393,3 +393,40 @@ def test_journal_usage_counts_the_segments_in_use_and_those_waiting_to_go(tmp_pa
     assert log.checkpoint()
     assert log.journal_usage() == (0, 0) and not any((tmp_path / JOURNAL_DIR).iterdir())
     log.close()
+
+
+def test_a_segment_left_with_its_header_alone_is_made_anew(tmp_path):
+    """A kill between a segment's creation and its first record (or a power loss that
+    kept only its header) leaves a segment with no record. The next start recovers up to
+    the record before it; its first append made the same segment again and failed (the file
+    exists): the service refused every change, after every restart (found by `make crash`).
+    Now that segment is made anew; one that holds a record is never written over."""
+    from pagekeeper.durability.log import _SEGMENT_HEADER, _SEGMENT_MAGIC, LogError
+
+    for level in (DurabilityLevel.PROCESS, DurabilityLevel.FSYNC):
+        directory = tmp_path / level.value
+        directory.mkdir()
+        log = CommandLog(directory, level)
+        for seq in range(1, 11):
+            log.append(seq, _body(seq))
+        log.close()
+        empty = directory / JOURNAL_DIR / f"segment-{11:020d}.pkj"
+        empty.write_bytes(_SEGMENT_HEADER.pack(_SEGMENT_MAGIC, 11))
+        log = CommandLog(directory, level)
+        assert log.last_seq() == 10
+        log.append(11, _body(11))
+        log.append(12, _body(12))
+        _assert_records(log, 12)
+        log.close()
+        reopened = CommandLog(directory, level)
+        _assert_records(reopened, 12)
+        # A segment that holds records under the name a new one would take: refused.
+        reopened._close_segment()
+        try:
+            reopened._start_segment(11)
+        except LogError as exc:
+            assert "already holds records" in str(exc)
+        else:
+            raise AssertionError("a segment holding records was replaced")
+        _assert_records(reopened, 12)
+        reopened.close()

@@ -602,6 +602,8 @@ class CommandLog:
         if created and synced:
             _fsync_path(self.journal_dir.parent)
         path = self.journal_dir / f"segment-{seq:020d}.pkj"
+        if path.exists():
+            self._drop_empty_segment(seq, path)
         # Owner-only: the records hold every admitted prompt's token ids.
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC
         fd = os.open(path, flags, 0o600)
@@ -618,6 +620,16 @@ class CommandLog:
         self._segments.append((seq, path))
         self._segment_fd = fd
         self._segment_size = _SEGMENT_HEADER.size
+
+    def _drop_empty_segment(self, seq: int, path: Path) -> None:
+        """A kill between a segment's creation and its first record leaves the segment
+        holding its header alone (found, and kept, at the next start): it is made anew
+        (creating it again would fail, and every append after a restart with it). One
+        that holds a record is never replaced: appending there would fork the journal."""
+        if any(True for _ in self._segment_records(seq, path)):
+            raise LogError(f"journal segment {path} already holds records from {seq}")
+        path.unlink(missing_ok=True)
+        self._segments = [(first, p) for first, p in self._segments if p != path]
 
     def _close_segment(self) -> None:
         fd, self._segment_fd = self._segment_fd, None
