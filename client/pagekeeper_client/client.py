@@ -698,6 +698,8 @@ class _Tracked:
     held: bytes = b""
     """Tokens of held-back decodes (int32 LE): counted here, not yet sent. Each needed
     nothing from the service; they travel with the request's next growth."""
+    is_revoked: bool = False
+    """An admin freed it on the service (``revoked_request_ids``): its pages are gone."""
 
 
 @dataclass(slots=True, eq=False)
@@ -875,8 +877,10 @@ class SchedulerState:
         self._admitting: dict[str, _PendingAdmission] = {}
         self._freeing: set[str] = set()
         self.revoked: set[str] = set()
-        """Running requests an admin freed, as the service said (``revoked_request_ids``):
-        their ``allocate_slots`` is answered NO_CAPACITY here until they are freed."""
+        """Ids of running requests an admin freed, as the service said
+        (``revoked_request_ids``; the mark is the request's own, so a free or a new
+        admission under the id ends it): their ``allocate_slots`` is answered NO_CAPACITY
+        here until they are freed. A hint: an id may outlive its mark."""
         # Answers to queued operations that a synchronous call's step carried early; they
         # are reported by the next step()/flush() (callers look for them there).
         self._carried: list[AllocationResult] = []
@@ -918,9 +922,16 @@ class SchedulerState:
         return f"request {request_id!r} is not one of this client's running requests"
 
     # -- growth -------------------------------------------------------------------------
+    def is_revoked(self, request_id: str) -> bool:
+        """Whether ``request_id`` is a running request an admin freed."""
+        if request_id not in self.revoked:
+            return False
+        t = self.requests.get(request_id)
+        return t is not None and t.is_revoked
+
     def revoked_answer(self, request_id: str) -> SlotAllocation | None:
         """NO_CAPACITY for a request an admin freed (see :attr:`revoked`), else None."""
-        if request_id not in self.revoked:
+        if not self.is_revoked(request_id):
             return None
         return SlotAllocation(
             request_id,
@@ -1133,19 +1144,25 @@ class SchedulerState:
         if len(token_ids) != n:
             raise InvalidArgumentError(f"{len(token_ids)} token ids for {n} decoding requests")
         num_lookahead_tokens = _check_int32("num_lookahead_tokens", num_lookahead_tokens)
-        revoked = self.revoked
-        if revoked and not revoked.isdisjoint(request_ids):
-            # Their pages are gone: nothing to plan; the next step answers them NO_CAPACITY.
-            if len(set(request_ids)) != n:
-                raise InvalidArgumentError("a request decodes twice in one call")
-            rows = [i for i, r in enumerate(request_ids) if r not in revoked]
-            plan = self.plan_decodes(
-                [request_ids[i] for i in rows],
-                [int(token_ids[i]) for i in rows],
-                num_lookahead_tokens,
-            )
-            plan.revoked = [r for r in request_ids if r in revoked]
-            return plan
+        if self.revoked and not self.revoked.isdisjoint(request_ids):
+            revoked = [r for r in request_ids if self.is_revoked(r)]
+            if revoked:
+                # Their pages are gone: nothing to plan; the next step answers them
+                # NO_CAPACITY. The other rows are planned (and checked) as always.
+                if len(set(request_ids)) != n:
+                    raise InvalidArgumentError("a request decodes twice in one call")
+                gone = set(revoked)
+                rows = [i for i, r in enumerate(request_ids) if r not in gone]
+                kept_tokens = (
+                    token_ids[rows]
+                    if isinstance(token_ids, np.ndarray)
+                    else [token_ids[i] for i in rows]
+                )
+                plan = self.plan_decodes(
+                    [request_ids[i] for i in rows], kept_tokens, num_lookahead_tokens
+                )
+                plan.revoked = revoked
+                return plan
         token_bytes = encode_i32(token_ids)
         requests = self.requests
         # The C check hands back the requests, or the index of a row the Python check must
@@ -1485,8 +1502,11 @@ class SchedulerState:
             - sum(a.num_pages_bound for a in self._admissions)
         )
         revoked = tuple(response.revoked_request_ids)
-        if revoked:
-            self.revoked.update(r for r in revoked if r in requests)
+        for request_id in revoked:
+            t = requests.get(request_id)
+            if t is not None:
+                t.is_revoked = True
+                self.revoked.add(request_id)
         if not prepared.explicit:
             self._carried.extend(out)
             out = []
@@ -1900,7 +1920,7 @@ class _ClientCore(Generic[_Local]):
     def is_revoked(self, request_id: str) -> bool:
         """Whether an admin freed this running request (the service says so in every step's
         answer until it is freed): its pages are gone; preempt it and free it."""
-        return request_id in self._scheduler().revoked
+        return self._scheduler().is_revoked(request_id)
 
     def discard_queued(self) -> int:
         """Drop the queue (after a step the service refused as a whole) and undo it in the

@@ -330,9 +330,11 @@ class StepResult:
     step_id: int
     results: tuple[AllocationResult, ...]
     """Answers to the operations queued since the previous ``step()``/``flush()``,
-    including those a synchronous call sent early: the growths that got pages or were
-    refused (in call order), then the admissions. A growth not listed succeeded without
-    needing a page. A synchronous call's own answer is returned to it, not repeated here."""
+    including those a synchronous call sent early (first): the growths that got pages or
+    were refused (in call order), then the admissions. A growth not listed succeeded
+    without needing a page. A synchronous call's own answer is returned to it, not repeated
+    here. Decodes of revoked requests (``allocate_decodes``) are answered NO_CAPACITY by
+    the client itself, among the early answers."""
     is_published: bool = False
     published_slot: int = -1
     unscheduled_request_ids: tuple[str, ...] = ()

@@ -1059,6 +1059,13 @@ class ServiceState:
             self._last_published_step_seq = cmd.step_id
 
         still_revoked = tuple(sorted(client.revoked)) if client.revoked else ()
+        # What a reader without revocations would refuse: a revoked request freed, grown,
+        # or batched without being admitted again in this step.
+        names_revoked = bool(revoked) and (
+            bool(revoked_growths)
+            or not revoked.isdisjoint(cmd.frees)
+            or bool(revoked.difference(a.request_id for a in cmd.admissions))
+        )
         client.last_step_id = cmd.step_id
         client.expires_at = cmd.now + client.lease_ttl_s
         client.num_steps += 1
@@ -1075,7 +1082,7 @@ class ServiceState:
             last_event_seq=self._last_event_seq,
             publish_error=publish_error,
             revoked_request_ids=still_revoked,
-            names_revoked=bool(revoked),
+            names_revoked=names_revoked,
         )
         client.last_step_result = result
         self._after_mutation(cmd, result)
@@ -1543,11 +1550,13 @@ class ServiceState:
                     if key not in seen:
                         seen.add(key)
                         tables.append(table)
-            if tables and len(tables[0].slot_mapping) > self.limits.max_tokens_per_step:
-                # Counted here when the batch did not say its scheduled tokens.
+            # Counted here when the batch did not say its scheduled tokens (a Mamba group's
+            # table maps no slots: the attention groups' do).
+            num_tokens = max((len(t.slot_mapping) for t in tables), default=0)
+            if num_tokens > self.limits.max_tokens_per_step:
                 raise ResourceExhausted(
-                    f"{len(tables[0].slot_mapping)} scheduled tokens exceed "
-                    f"max_tokens_per_step {self.limits.max_tokens_per_step}"
+                    f"{num_tokens} scheduled tokens exceed max_tokens_per_step "
+                    f"{self.limits.max_tokens_per_step}"
                 )
             slot = self.sink.publish(step_id, tables)
         except PagekeeperError as exc:
@@ -1577,18 +1586,22 @@ class ServiceState:
         self._after_mutation(cmd)
         return before
 
-    def force_free(self, cmd: ForceFreeCommand) -> None:
+    def force_free(self, cmd: ForceFreeCommand) -> bool:
+        """Free a request whoever owns it; returns whether its owner (a scheduler) now has
+        a revocation to acknowledge (see :attr:`ClientRecord.revoked`)."""
         self._check_writable()
         record = self._requests.get(cmd.request_id)
         if record is None:
             raise NotFound(f"request {cmd.request_id!r} holds no pages")
         self.manager.free(cmd.request_id)
         owner = self._clients.get(record.owner)
+        revoked = owner is not None and owner.role is ClientRole.SCHEDULER
         if owner is not None:
             owner.request_ids.discard(cmd.request_id)
-            if owner.role is ClientRole.SCHEDULER:
+            if revoked:
                 owner.revoked.add(cmd.request_id)
-        self._after_mutation(cmd)
+        self._after_mutation(cmd, revoked)
+        return revoked
 
     # -- recovery ----------------------------------------------------------------------
     def resume_command(self, now: float) -> ResumeLeasesCommand:

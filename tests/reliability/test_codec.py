@@ -654,7 +654,13 @@ def test_a_step_naming_a_revoked_request_is_a_version_an_older_reader_refuses(mo
     assert encode_command(tree_command, dataclasses.replace(wire[1], names_revoked=False))[
         :2
     ] == bytes((KIND_STEP, 1))
-    # What the readers before revocations knew: step_wire 1 and 2, step 1.
+    # The force-free that left the revocation is a version of its own too.
+    assert encode_command(ForceFreeCommand(2.0, "v"), True)[:2] == bytes((7, 2))
+    assert encode_command(ForceFreeCommand(2.0, "v"), False)[:2] == bytes((7, 1))
+    assert decode_command(encode_command(ForceFreeCommand(2.0, "v"), True))[0] == (
+        ForceFreeCommand(2.0, "v")
+    )
+    # What the readers before revocations knew: step_wire 1 and 2, step 1, force_free 1.
     monkeypatch.setattr(
         commands, "READABLE_VERSIONS", {KIND_STEP_WIRE: (1, 2), KIND_RESUME_LEASES: (1, 2, 3)}
     )
@@ -663,3 +669,5 @@ def test_a_step_naming_a_revoked_request_is_a_version_an_older_reader_refuses(mo
         decode_command(body)
     with pytest.raises(RecordFromNewerVersion, match="step record version 2"):
         decode_command(tree_body)
+    with pytest.raises(RecordFromNewerVersion, match="force_free record version 2"):
+        decode_command(encode_command(ForceFreeCommand(2.0, "v"), True))

@@ -11,6 +11,7 @@ import pytest
 from pagekeeper.core.hashing import native_hashing
 from pagekeeper.core.pool import native_pool
 from pagekeeper_client._proto.pagekeeper.v1 import pagekeeper_pb2 as pb
+from pagekeeper_client.errors import InvalidArgumentError, NotFoundError
 from tests.helpers.grpc_util import Scheduler, from_i32, i32
 
 PROBLEM = "application/problem+json"
@@ -231,6 +232,16 @@ def test_owner_client_steps_on_after_a_force_free(server_factory):
         client.free_later("w")
         client.discard_queued()
         assert client.allocate_slots("w", 1, new_token_ids=[8]).status.name == "NO_CAPACITY"
+        # ... and not after a free of it queued, nor for a new request under its id.
+        with pytest.raises(InvalidArgumentError):  # the other rows are checked as ever
+            client.allocate_decodes(["w", "o"], np.array([9.5, 10.5]))
+        client.free_later("w")
+        with pytest.raises(NotFoundError):
+            client.allocate_slots("w", 1, new_token_ids=[8])
+        client.admit("w", list(range(300, 340)), sync=False)
+        assert not client.is_revoked("w")
+        client.step(batch=["o"])
+        assert client.allocate_slots("w", 1, new_token_ids=[8]).status.name == "OK"
         # ... and its free is accepted.
         client.free("w")
         assert client.step(batch=["o"]).revoked_request_ids == ()

@@ -408,11 +408,13 @@ def test_owner_of_a_force_freed_request_keeps_stepping():
     assert state.client(me[0]).revoked == set()
     with pytest.raises(NotFound):
         step(state, me, 4, frees=("v",))
-    # Revoked again, then admitted again under the same id: a fresh request.
+    # Revoked again, then admitted again under the same id: a fresh request (a step an
+    # older reader applies alike: not journaled as one it must refuse).
     step(state, me, 4, admissions=(Admission("w", tokens(900, 20)),))
-    state.force_free(ForceFreeCommand(2.0, "w"))
+    assert state.force_free(ForceFreeCommand(2.0, "w")) is True
     r = step(state, me, 5, admissions=(Admission("w", tokens(900, 20)),), batch=Batch(("w", "o")))
     assert r.results[0].status is AllocationStatus.OK and r.unscheduled_request_ids == ()
+    assert not r.names_revoked
     assert state.client(me[0]).revoked == set() and "w" in state.client(me[0]).request_ids
     # Leaving drops what is left: nothing outlives its client.
     state.force_free(ForceFreeCommand(3.0, "w"))
@@ -556,17 +558,26 @@ def test_publication_failures_and_token_limits_are_publish_errors():
     """The allocations of a step stand once made: a publication that fails for any reason
     (here a transport raising, or more scheduled tokens than max_tokens_per_step when the
     batch did not count them) is the answer's publish_error, and the step is complete."""
-    pool = PoolConfig(num_pages=64, groups=(GroupConfig(page_size=32),), max_model_len=256)
-    for factory, limits, match in (
-        (_BrokenSink, Limits(), "the transport broke"),
-        (FakePublisher, Limits(max_tokens_per_step=32), "max_tokens_per_step 32"),
+    full = PoolConfig(num_pages=64, groups=(GroupConfig(page_size=32),), max_model_len=256)
+    # A Mamba group first: its table maps no slots, the attention group's do.
+    hybrid = PoolConfig(
+        num_pages=64,
+        groups=(GroupConfig(kind=GroupKind.MAMBA, page_size=32), GroupConfig(page_size=32)),
+        max_model_len=256,
+    )
+    for pool, factory, limits, match in (
+        (full, _BrokenSink, Limits(), "the transport broke"),
+        (full, FakePublisher, Limits(max_tokens_per_step=32), "max_tokens_per_step 32"),
+        (hybrid, FakePublisher, Limits(max_tokens_per_step=32), "max_tokens_per_step 32"),
     ):
         hub = PublicationHub(
             pool, transport="shm", depth=2, max_num_reqs=8, max_num_tokens=64, factory=factory
         )
         state = ServiceState(pool, limits, sink=hub, debug_invariants=True)
         me = scheduler(state)
-        support = (GroupKernelSupport(0, (KernelBackend("k", (16,)),)),)
+        support = tuple(
+            GroupKernelSupport(g, (KernelBackend("k", (16, 32)),)) for g in range(len(pool.groups))
+        )
         state.register(RegisterCommand(now=0.0, role=ClientRole.WORKER, kernel_support=support))
         r = step(state, me, 1, admissions=(Admission("a", tokens(0, 40)),), batch=Batch(("a",)))
         assert not r.is_published and match in r.publish_error

@@ -103,6 +103,11 @@ STEP_WIRE_VERSION = 2
 # it; a version it does not know makes it refuse the data dir instead.
 STEP_WIRE_REVOKED_VERSION = 3
 STEP_TREE_REVOKED_VERSION = 2
+# A force-free that leaves its scheduler a revocation to acknowledge (the answer to
+# ``ServiceState.force_free`` is True) is version 2 of its kind, the same layout: an older
+# pagekeeper would replay it without one, and answer the owner's free of the request
+# NOT_FOUND (the step it then refuses, it drops with the records after it).
+FORCE_FREE_REVOKED_VERSION = 2
 # ``resume_leases``: version 1 [now] (extend; [now, 1] a cap, as one day's development build
 # wrote it), version 2 [now, mode] (cap, exact; development builds also wrote [now] for
 # exact and [now, 3, by] for a shift), version 3 [now, by] (shift).
@@ -145,6 +150,7 @@ def _resume_from_tree(version: int, tree: Any) -> ResumeLeasesCommand:
 
 READABLE_VERSIONS = {
     KIND_STEP: (1, STEP_TREE_REVOKED_VERSION),
+    KIND_FORCE_FREE: (1, FORCE_FREE_REVOKED_VERSION),
     KIND_STEP_WIRE: (1, STEP_WIRE_VERSION, STEP_WIRE_REVOKED_VERSION),
     KIND_RESUME_LEASES: (1, RESUME_MODE_VERSION, RESUME_SHIFT_VERSION),
 }
@@ -207,6 +213,8 @@ def encode_command(command: Command, result: Any = None) -> bytes:
         kind, tree = KIND_RESET_PREFIX_CACHE, [command.now]
     elif isinstance(command, ForceFreeCommand):
         kind, tree = KIND_FORCE_FREE, [command.now, command.request_id]
+        if result is True:
+            return bytes((kind, FORCE_FREE_REVOKED_VERSION)) + encode(tree)
     elif isinstance(command, ResumeLeasesCommand):
         # An exact resume is version 2 of the kind: a pagekeeper from before it refuses the
         # data dir (it would apply a plain resume, and replay the records after it into
