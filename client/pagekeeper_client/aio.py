@@ -466,6 +466,9 @@ class AsyncPagekeeperClient(_ClientCore[AsyncLocalChannel]):
         if state.must_flush_before_growth(request_id):
             self.stats.num_ordering_flushes += 1
             await self._send_step(None, None)
+            revoked = state.revoked_answer(request_id)  # the answer may have said so
+            if revoked is not None:
+                return revoked
         growth = state.plan_growth(
             request_id, num_new_tokens, new_token_ids, num_computed_tokens, num_lookahead_tokens
         )
@@ -473,6 +476,9 @@ class AsyncPagekeeperClient(_ClientCore[AsyncLocalChannel]):
             state.unplan_growth(growth)
             self.stats.num_ordering_flushes += 1
             await self._send_step(None, None)
+            revoked = state.revoked_answer(request_id)
+            if revoked is not None:
+                return revoked
             growth = state.plan_growth(
                 request_id, num_new_tokens, new_token_ids, num_computed_tokens, num_lookahead_tokens
             )

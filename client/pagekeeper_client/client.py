@@ -1069,6 +1069,9 @@ class SchedulerState:
             held = t.held
             if not held or t.pending is not None:
                 continue
+            if t.is_revoked:
+                # Its pages are gone: the tokens are moot (its free will drop them).
+                continue
             # Sent as the last held decode with the others' tokens before it: the service's
             # last-scheduled token is the one the last decode scheduled.
             growth = _PendingGrowth(
@@ -2394,6 +2397,10 @@ class PagekeeperClient(_ClientCore[LocalChannel]):
         if state.must_flush_before_growth(request_id):
             self.stats.num_ordering_flushes += 1
             self._send_step(None, None)
+            # The answer may have said an admin freed it.
+            revoked = state.revoked_answer(request_id)
+            if revoked is not None:
+                return revoked
         growth = state.plan_growth(
             request_id, num_new_tokens, new_token_ids, num_computed_tokens, num_lookahead_tokens
         )
@@ -2401,6 +2408,9 @@ class PagekeeperClient(_ClientCore[LocalChannel]):
             state.unplan_growth(growth)
             self.stats.num_ordering_flushes += 1
             self._send_step(None, None)
+            revoked = state.revoked_answer(request_id)
+            if revoked is not None:
+                return revoked
             growth = state.plan_growth(
                 request_id, num_new_tokens, new_token_ids, num_computed_tokens, num_lookahead_tokens
             )

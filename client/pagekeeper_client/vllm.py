@@ -443,6 +443,18 @@ class PagekeeperKVCacheManager:
         state.num_cached_pages = num_full
         return True
 
+    def _forget_unreported(self, request_id: str, state: _Pages) -> None:
+        """An admin freed the request on the service: the pages it filled here since its
+        last report were never cached there, so they leave the mirror (a prefix hit on them
+        would be predicted that the service does not answer), and there is nothing left to
+        report."""
+        self._dirty.pop(request_id, None)
+        kept = state.num_computed_sent // self.page_size
+        for page in state.page_ids[kept : state.num_cached_pages]:
+            if self._mirror.evict(page):
+                self._set_block_hash(page, None, None)
+        state.num_cached_pages = min(state.num_cached_pages, kept)
+
     def _report(self, upto: str | None = None, *, including: bool = False) -> None:
         """Queue (no call) the growths of requests whose local decodes filled a page, in the
         order they filled them, so the service caches those pages in vLLM's order before
@@ -459,13 +471,19 @@ class PagekeeperKVCacheManager:
             del dirty[request_id]
             state = self._requests[request_id]
             request = state.request
+            if self.client.is_revoked(request_id):
+                self._forget_unreported(request_id, state)
+                continue
             self.stats.num_reports += 1
-            self.client.allocate_slots(
+            got = self.client.allocate_slots(
                 request_id,
                 state.num_computed - state.num_computed_sent,
                 new_token_ids=request.all_token_ids[state.num_tokens_sent : request.num_tokens],
                 num_computed_tokens=state.num_computed_sent,
             )
+            if got.status is AllocationStatus.NO_CAPACITY and self.client.is_revoked(request_id):
+                self._forget_unreported(request_id, state)  # learnt from a flush just now
+                continue
             state.num_computed_sent = state.num_computed
             state.num_tokens_sent = request.num_tokens
             if request_id == upto:
@@ -705,6 +723,7 @@ class PagekeeperKVCacheManager:
         if self.client.is_revoked(request_id):
             # An admin freed it on the service (its pages may be another's now): no room,
             # so the engine preempts it and frees it, which the service takes as done.
+            self._forget_unreported(request_id, state)
             self.stats.num_no_capacity += 1
             return None
         if cdiv(num_slots, self.page_size) <= len(state.page_ids):
@@ -727,9 +746,11 @@ class PagekeeperKVCacheManager:
             sync=True,
         )
         if got.status is AllocationStatus.NO_CAPACITY:
-            # Nothing changed for it on the service: its report is still due, first in line.
             self.stats.num_no_capacity += 1
-            if state.num_cached_pages > state.num_computed_sent // self.page_size:
+            if self.client.is_revoked(request_id):
+                self._forget_unreported(request_id, state)
+            elif state.num_cached_pages > state.num_computed_sent // self.page_size:
+                # Nothing changed for it on the service: its report is still due, first.
                 self._dirty = {request_id: None, **self._dirty}
             return None
         if got.status is not AllocationStatus.OK or got.is_local:

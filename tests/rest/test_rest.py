@@ -190,10 +190,13 @@ def test_admin_force_free_and_reset(pagekeeper_server, running):
     # The client's own count follows.
     mine = {c["client_id"]: c for c in http.get("/v1/clients").json()}[sched.client_id]
     assert mine["num_requests"] == 1
+    assert mine["revoked_request_ids"] == [a]
     # The owner's next free of it is accepted as done (a stale view refuses no step).
     reply = sched.step(free_request_ids=[a])
     assert list(reply.results) == []
     assert http.get(f"/v1/requests/{a}").status_code == 404
+    mine = {c["client_id"]: c for c in http.get("/v1/clients").json()}[sched.client_id]
+    assert mine["revoked_request_ids"] == []
 
 
 def test_owner_client_steps_on_after_a_force_free(server_factory):
@@ -374,3 +377,35 @@ def test_grpc_and_rest_agree(pagekeeper_server, running):
     detail = pagekeeper_server.http().get(f"/v1/requests/{a}").json()
     assert from_i32(table.page_ids) == detail["page_ids"][0]
     assert i32(detail["page_ids"][0]) == table.page_ids
+
+
+def test_client_learns_a_revocation_from_a_flush_and_stops_sending_for_it(server_factory):
+    """A growth of a request queued before an admin freed it: the next allocate_slots of
+    it flushes that growth first, and the answer's revocation makes it NO_CAPACITY (it was
+    planned, and answered OK, anyway). Held decodes of a revoked request are not resent by
+    every flush."""
+    from pagekeeper_client import PagekeeperClient
+
+    server = server_factory("--num-pages", "64", admin_token="adm")
+    http = server.http()
+    admin = {"Authorization": "Bearer adm"}
+    with PagekeeperClient(server.grpc_address, local_socket=None) as client:
+        client.register("scheduler", name="owner")
+        client.admit("w", list(range(100, 140)))
+        client.admit("o", list(range(200, 240)))
+        client.step()
+        assert client.allocate_slots("w", 10, new_token_ids=list(range(10))).status.name == (
+            "PENDING"
+        )
+        assert http.delete("/v1/requests/w", headers=admin).status_code == 200
+        got = client.allocate_slots("w", 1, new_token_ids=[7])
+        assert got.status.name == "NO_CAPACITY" and client.is_revoked("w")
+        client.free("w")
+        # A decode held back before the mark arrived is not sent by every flush after it.
+        client.admit("x", list(range(300, 340)))
+        assert client.allocate_slots("x", 1, new_token_ids=[5]).is_local
+        assert http.delete("/v1/requests/x", headers=admin).status_code == 200
+        assert client.step(batch=["o"]).revoked_request_ids == ("x",)
+        assert client.flush() is None
+        client.free("x")
+        assert client.step().revoked_request_ids == ()

@@ -146,3 +146,118 @@ def test_vllm_engine_runs_on_pagekeeper(tmp_path: Path) -> None:
     )
     print(report)
     assert out.returncode == 0, f"{report}\n--- stderr (tail) ---\n{out.stderr[-4000:]}"
+
+
+def _stub_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The few vLLM classes the connector touches, as stand-ins (restored after the test)."""
+    import types
+
+    class KVCacheBlock:
+        def __init__(self, block_id: int) -> None:
+            self.block_id = block_id
+            self._block_hash = None
+            self._block_hash_num_tokens = None
+
+    class KVCacheBlocks:
+        def __init__(self, blocks: object) -> None:
+            self.blocks = blocks
+
+        def get_block_ids(self) -> tuple[list[int], ...]:
+            return tuple([b.block_id for b in g] for g in self.blocks)  # type: ignore[attr-defined]
+
+    class PrefixCacheStats:
+        pass
+
+    modules = {
+        name: types.ModuleType(name)
+        for name in (
+            "vllm", "vllm.v1", "vllm.v1.core", "vllm.v1.core.kv_cache_manager",
+            "vllm.v1.core.kv_cache_utils", "vllm.v1.metrics", "vllm.v1.metrics.stats",
+        )
+    }  # fmt: skip
+    modules["vllm.v1.core.kv_cache_manager"].KVCacheBlocks = KVCacheBlocks  # type: ignore[attr-defined]
+    modules["vllm.v1.core.kv_cache_utils"].KVCacheBlock = KVCacheBlock  # type: ignore[attr-defined]
+    modules["vllm.v1.metrics.stats"].PrefixCacheStats = PrefixCacheStats  # type: ignore[attr-defined]
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+
+
+class _Request:
+    """What the connector reads of a vLLM request (its own page hashes: sha256 chained)."""
+
+    def __init__(self, request_id: str, prompt: range) -> None:
+        self.request_id = request_id
+        self.all_token_ids = list(prompt)
+        self.num_prompt_tokens = len(self.all_token_ids)
+        self.num_computed_tokens = 0
+        self.cache_salt = None
+        self.lora_request = None
+        self.mm_features: list[object] = []
+        self.skip_reading_prefix_cache = False
+        self.num_preemptions = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def block_hashes(self) -> list[bytes]:
+        import hashlib
+
+        out, parent = [], b""
+        for i in range(self.num_tokens // 16):
+            page = repr(self.all_token_ids[i * 16 : (i + 1) * 16]).encode()
+            parent = hashlib.sha256(parent + page).digest()
+            out.append(parent)
+        return out
+
+
+def test_connector_after_an_admin_freed_its_request(server_factory, monkeypatch) -> None:
+    """Decodes filled a page here (mirrored, not yet reported) when an admin freed the
+    request: the connector answers its next growth None (the engine preempts it), forgets
+    the page the service never cached, and the request admitted again hits what the service
+    holds (it predicted a page the service did not have, and raised, before)."""
+    import types
+
+    from pagekeeper_client import PagekeeperClient
+
+    _stub_vllm(monkeypatch)
+    from pagekeeper_client.vllm import PagekeeperKVCacheManager
+
+    server = server_factory("--num-pages", "64", admin_token="adm")
+    with PagekeeperClient(server.grpc_address, local_socket=None) as client:
+        client.register("scheduler", name="engine")
+        manager = PagekeeperKVCacheManager(
+            client,
+            kv_cache_config=types.SimpleNamespace(num_blocks=64),
+            original=types.SimpleNamespace(
+                coordinator=types.SimpleNamespace(single_type_managers=())
+            ),
+            block_size=16,
+            max_model_len=client.pool.max_model_len,
+            enable_caching=True,
+            log_stats=False,
+            hash_algorithm="sha256",
+        )
+        request = _Request("r", range(1000, 1040))  # pages 0, 1 full, 2 partial
+        manager.get_computed_blocks(request)
+        assert manager.allocate_slots(request, 40) is not None
+        request.num_computed_tokens = 40
+        for t in range(8):  # page 2 fills here: mirrored, its report waits
+            request.all_token_ids.append(5000 + t)
+            assert manager.allocate_slots(request, 1) is not None
+            request.num_computed_tokens += 1
+        http = server.http()
+        assert http.delete("/v1/requests/r", headers={"Authorization": "Bearer adm"}).is_success
+        request.all_token_ids.append(6000)
+        assert manager.allocate_slots(request, 1) is None  # preempt it
+        assert client.is_revoked("r")
+        manager.free(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        manager.end_step()
+        blocks, hit = manager.get_computed_blocks(request)[:2]
+        assert hit == 32  # pages 0 and 1: the ones the service cached
+        assert manager.allocate_slots(request, request.num_tokens - hit, hit, blocks) is not None
+        manager.flush()
+        assert [r["request_id"] for r in http.get("/v1/requests").json()["items"]] == ["r"]

@@ -252,6 +252,10 @@ class ClientModel(Model):
         description="Workers: chosen kernel block size per group."
     )
     num_requests: int = Field(description="Schedulers: running requests it owns.")
+    revoked_request_ids: list[str] = Field(
+        description="Schedulers: its requests an admin freed that it has not freed since "
+        "(every step's answer lists them; a free of one is accepted as done)."
+    )
     last_step_id: int = Field(description="Schedulers: last step id applied.")
     num_steps: int = Field(description="Schedulers: steps applied.")
     identity: str = Field(

@@ -24,6 +24,7 @@ async def list_clients(runtime: RuntimeDep) -> list[ClientModel]:
             lease_remaining_s=c.expires_at - now,
             kernel_block_sizes=list(c.kernel_block_sizes),
             num_requests=len(c.request_ids),
+            revoked_request_ids=sorted(c.revoked),
             last_step_id=c.last_step_id,
             num_steps=c.num_steps,
             identity=c.identity,
