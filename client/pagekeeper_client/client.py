@@ -1510,6 +1510,11 @@ class SchedulerState:
             if t is not None:
                 t.is_revoked = True
                 self.revoked.add(request_id)
+            elif request_id not in self._freeing and request_id not in self._admitting:
+                # Not one of this client's (a scheduler that took the id over from another
+                # process): nothing to preempt; its free, queued here, acknowledges it.
+                self._frees.append(_PendingFree(request_id, None))
+                self._freeing.add(request_id)
         if not prepared.explicit:
             self._carried.extend(out)
             out = []

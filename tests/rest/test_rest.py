@@ -409,3 +409,27 @@ def test_client_learns_a_revocation_from_a_flush_and_stops_sending_for_it(server
         assert client.flush() is None
         client.free("x")
         assert client.step().revoked_request_ids == ()
+
+
+def test_a_scheduler_taking_an_id_over_acknowledges_revocations_it_never_knew(server_factory):
+    """A new process takes a scheduler's id over (its view is empty) while a revocation is
+    outstanding: the answer's revoked id is none of its requests, so the client frees it
+    with the next step, which ends the revocation (it could not be freed at all before)."""
+    from pagekeeper_client import PagekeeperClient
+
+    server = server_factory("--num-pages", "64", admin_token="adm")
+    http = server.http()
+    first = PagekeeperClient(server.grpc_address, local_socket=None)
+    first.register("scheduler", name="old")
+    first.admit("w", list(range(100, 140)))
+    first.step()
+    assert http.delete("/v1/requests/w", headers={"Authorization": "Bearer adm"}).is_success
+    old_id = first.client_id
+    first.close(unregister=False)
+    with PagekeeperClient(server.grpc_address, local_socket=None) as second:
+        second.register("scheduler", name="new", client_id=old_id)
+        assert second.step().revoked_request_ids == ("w",)
+        assert second.num_queued == 1  # the acknowledging free
+        assert second.step().revoked_request_ids == ()
+        mine = {c["client_id"]: c for c in http.get("/v1/clients").json()}[second.client_id]
+        assert mine["revoked_request_ids"] == []
