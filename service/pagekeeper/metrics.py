@@ -64,7 +64,13 @@ class StateCollector(Collector):
         yield gauge("requests", "Running requests.", stats.num_requests)
         yield gauge("usage_ratio", "Fraction of the pool in use.", stats.usage)
         yield gauge("prefix_hit_rate", "Prefix-cache hit rate in tokens.", stats.prefix_hit_rate)
-        yield gauge("clients", "Registered clients.", len(self.state.clients()))
+        clients = self.state.clients()
+        yield gauge("clients", "Registered clients.", len(clients))
+        yield gauge(
+            "revoked_requests",
+            "Requests an admin freed that their schedulers have not freed since.",
+            sum(len(c.revoked) for c in clients),
+        )
         yield gauge(
             "last_event_seq", "Sequence number of the latest KV event.", self.state.last_event_seq
         )

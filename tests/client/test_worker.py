@@ -19,6 +19,9 @@ from pagekeeper_client.transports._torch import cuda_available
 from tests.client._util import tokens
 
 PAGE = 16
+# Generous: a step is published in milliseconds, but a full `make test` beside other work
+# once took over 10 s to deliver one to a waiting worker.
+WAIT_S = 30.0
 
 
 def expected_slots(pages: list[int], start: int, stop: int) -> list[int]:
@@ -63,7 +66,7 @@ def test_worker_reads_each_step_on_every_transport(server_factory, transport):
         assert scheduler.admit("w-b", b, sync=False).status is AllocationStatus.PENDING
         first = scheduler.step(batch=["w-a", "w-b"])
         assert first.is_published and first.results[0].num_cached_tokens == 48
-        tables = w.view.wait(first.step_id, timeout=10)
+        tables = w.view.wait(first.step_id, timeout=WAIT_S)
         # w-a was admitted by its own (synchronous) step: the published batch schedules
         # what each row was last allocated for -- all of w-a, w-b after its cached prefix.
         check_step(tables, scheduler, [("w-a", 0, 58), ("w-b", 48, 68)], 8)
@@ -71,10 +74,10 @@ def test_worker_reads_each_step_on_every_transport(server_factory, transport):
             for rid in ("w-a", "w-b"):
                 scheduler.allocate_slots(rid, 1, new_token_ids=[n + 1])
             step = scheduler.step(batch=["w-b", "w-a"])
-            tables = w.view.wait(step.step_id, timeout=10)
+            tables = w.view.wait(step.step_id, timeout=WAIT_S)
             check_step(tables, scheduler, [("w-b", 68 + n, 69 + n), ("w-a", 58 + n, 59 + n)], 8)
         assert len(scheduler.page_ids("w-a")) == 5
-        arrays = w.view.wait_arrays(step.step_id, timeout=10)
+        arrays = w.view.wait_arrays(step.step_id, timeout=WAIT_S)
         assert arrays.table(0, 8).slot_mapping.tolist() == tables.table(0).slot_mapping.tolist()
 
 
@@ -88,7 +91,7 @@ def test_worker_follows_a_recreated_ring(server_factory, transport):
         scheduler.register("scheduler")
         scheduler.admit("rc-a", tokens(5, 40))
         step = scheduler.step(batch=["rc-a"])
-        check_step(first.view.wait(step.step_id, timeout=10), scheduler, [("rc-a", 0, 40)], 16)
+        check_step(first.view.wait(step.step_id, timeout=WAIT_S), scheduler, [("rc-a", 0, 40)], 16)
         # A worker with another kernel block size joins: the ring is re-created with a
         # second table; the first worker's next read finds its ring closed and re-maps.
         with register_worker(server.grpc_address, "cpu", [[KernelBackend(multiple_of=(4,))]]):
@@ -97,8 +100,8 @@ def test_worker_follows_a_recreated_ring(server_factory, transport):
             assert second.kernel_block_sizes == (4,)
             scheduler.allocate_slots("rc-a", 1, new_token_ids=[1])
             step = scheduler.step(batch=["rc-a"])
-            check_step(second.view.wait(step.step_id, timeout=10), scheduler, [("rc-a", 40, 41)], 4)
-            check_step(first.view.wait(step.step_id, timeout=10), scheduler, [("rc-a", 40, 41)], 16)
+            check_step(second.view.wait(step.step_id, timeout=WAIT_S), scheduler, [("rc-a", 40, 41)], 4)
+            check_step(first.view.wait(step.step_id, timeout=WAIT_S), scheduler, [("rc-a", 40, 41)], 16)
             assert first.view.num_reopens == 1
 
 
@@ -115,13 +118,13 @@ def test_worker_polling_latest_steps_follows_a_recreated_ring(server_factory, tr
         scheduler.register("scheduler")
         scheduler.admit("p-a", tokens(5, 40))
         one = scheduler.step(batch=["p-a"]).step_id
-        assert first.view.wait_next(-1, timeout=10) == one
+        assert first.view.wait_next(-1, timeout=WAIT_S) == one
         with register_worker(server.grpc_address, "cpu", {0: [4]}):
             scheduler.allocate_slots("p-a", 1, new_token_ids=[1])
             two = scheduler.step(batch=["p-a"]).step_id
-            assert first.view.wait_next(one, timeout=10) == two
+            assert first.view.wait_next(one, timeout=WAIT_S) == two
             assert first.view.num_reopens == 1
-            check_step(first.view.wait(two, timeout=10), scheduler, [("p-a", 40, 41)], 16)
+            check_step(first.view.wait(two, timeout=WAIT_S), scheduler, [("p-a", 40, 41)], 16)
 
 
 def test_worker_follows_a_ring_recreated_twice_in_a_row(server_factory):
@@ -135,14 +138,14 @@ def test_worker_follows_a_ring_recreated_twice_in_a_row(server_factory):
         scheduler.register("scheduler")
         scheduler.admit("t-a", tokens(5, 40))
         one = scheduler.step(batch=["t-a"]).step_id
-        assert first.view.wait_next(-1, timeout=10) == one
+        assert first.view.wait_next(-1, timeout=WAIT_S) == one
         with register_worker(server.grpc_address, "cpu", {0: [4]}):
             first.client.heartbeat()  # as its lease renewal would
             with register_worker(server.grpc_address, "cpu", {0: [8]}):
                 scheduler.allocate_slots("t-a", 1, new_token_ids=[1])
                 two = scheduler.step(batch=["t-a"]).step_id
-                assert first.view.wait_next(one, timeout=10) == two
-                check_step(first.view.wait(two, timeout=10), scheduler, [("t-a", 40, 41)], 16)
+                assert first.view.wait_next(one, timeout=WAIT_S) == two
+                check_step(first.view.wait(two, timeout=WAIT_S), scheduler, [("t-a", 40, 41)], 16)
 
 
 def test_worker_registration_errors(server_factory):
@@ -178,7 +181,7 @@ def test_gpu_worker_gets_device_tensors(server_factory):  # pragma: no cover - G
         scheduler.register("scheduler")
         scheduler.admit("gpu-a", tokens(6, 33))
         step = scheduler.step(batch=["gpu-a"])
-        tables = worker.view.wait(step.step_id, timeout=10)
+        tables = worker.view.wait(step.step_id, timeout=WAIT_S)
         assert tables.table(0).block_table.device.type == "cuda"
         torch.cuda.synchronize()
         pages = scheduler.page_ids("gpu-a").tolist()
@@ -207,7 +210,7 @@ def test_gpu_workers_read_the_services_cuda_ipc_ring(server_factory):  # pragma:
         scheduler.admit("g-b", prefix + tokens(3, 20))
         first = scheduler.step(batch=["g-a", "g-b"])
         for w in (w1, w2):
-            tables = w.wait(first.step_id, timeout=10)
+            tables = w.wait(first.step_id, timeout=WAIT_S)
             assert tables.table(0).block_table.device == torch.device("cuda:0")
             torch.cuda.current_stream().synchronize()
             check_step(tables, scheduler, [("g-a", 0, 58), ("g-b", 48, 68)], 8)
@@ -217,7 +220,7 @@ def test_gpu_workers_read_the_services_cuda_ipc_ring(server_factory):  # pragma:
                 scheduler.allocate_slots(rid, 1, new_token_ids=[n + 1])
             step = scheduler.step(batch=["g-b", "g-a"])
             for w in (w1, w2):
-                tables = w.wait(step.step_id, timeout=10)
+                tables = w.wait(step.step_id, timeout=WAIT_S)
                 ptrs.add(tables.table(0).block_table.data_ptr())
                 torch.cuda.current_stream().synchronize()
                 rows = [("g-b", 68 + n, 69 + n), ("g-a", 58 + n, 59 + n)]
@@ -229,7 +232,7 @@ def test_gpu_workers_read_the_services_cuda_ipc_ring(server_factory):  # pragma:
             scheduler.allocate_slots("g-a", 1, new_token_ids=[7])
             step = scheduler.step(batch=["g-a"])
             for w, kbs in ((w3, 4), (w1, 8)):
-                tables = w.wait(step.step_id, timeout=10)
+                tables = w.wait(step.step_id, timeout=WAIT_S)
                 torch.cuda.current_stream().synchronize()
                 check_step(tables, scheduler, [("g-a", 78, 79)], kbs)
             assert w1.view.num_reopens == 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 import urllib.parse
 
@@ -191,6 +192,8 @@ def test_admin_force_free_and_reset(pagekeeper_server, running):
     mine = {c["client_id"]: c for c in http.get("/v1/clients").json()}[sched.client_id]
     assert mine["num_requests"] == 1
     assert mine["revoked_request_ids"] == [a]
+    gauge = re.search(r"^pagekeeper_revoked_requests (\S+)$", http.get("/metrics").text, re.M)
+    assert gauge is not None and float(gauge.group(1)) >= 1  # the server is shared
     # The owner's next free of it is accepted as done (a stale view refuses no step).
     reply = sched.step(free_request_ids=[a])
     assert list(reply.results) == []
