@@ -100,8 +100,12 @@ def test_worker_follows_a_recreated_ring(server_factory, transport):
             assert second.kernel_block_sizes == (4,)
             scheduler.allocate_slots("rc-a", 1, new_token_ids=[1])
             step = scheduler.step(batch=["rc-a"])
-            check_step(second.view.wait(step.step_id, timeout=WAIT_S), scheduler, [("rc-a", 40, 41)], 4)
-            check_step(first.view.wait(step.step_id, timeout=WAIT_S), scheduler, [("rc-a", 40, 41)], 16)
+            check_step(
+                second.view.wait(step.step_id, timeout=WAIT_S), scheduler, [("rc-a", 40, 41)], 4
+            )
+            check_step(
+                first.view.wait(step.step_id, timeout=WAIT_S), scheduler, [("rc-a", 40, 41)], 16
+            )
             assert first.view.num_reopens == 1
 
 
