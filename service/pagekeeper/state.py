@@ -38,6 +38,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from itertools import pairwise
@@ -184,6 +185,7 @@ class Growth:
 # Fewer growths than this in column form take the per-growth path (cheaper than the
 # column form's fixed cost of a few dozen numpy calls).
 _MIN_COLUMN_GROWTHS = 8
+_NO_IDS: frozenset[str] = frozenset()
 MAX_STEP_ID = 2**63 - 1
 _REVOKED_REASON = (
     "request {!r} was freed by an admin (DELETE /v1/requests/...); preempt it and free it"
@@ -983,6 +985,7 @@ class ServiceState:
             )
         frees = cmd.frees
         revoked: set[str] = set()
+        revoked_frees: tuple[str, ...] = ()
         revoked_growths: tuple[Growth, ...] = ()
         try:
             if cmd.growth_columns is not None and cmd.growths:
@@ -998,10 +1001,13 @@ class ServiceState:
                     if columns is not None:
                         columns.check_shape()
                         growths, columns = columns.growths(), None
+                    revoked_frees = tuple(r for r in frees if r in revoked)
                     frees = tuple(r for r in frees if r not in revoked)
                     revoked_growths = tuple(g for g in growths if g.request_id in revoked)
                     growths = tuple(g for g in growths if g.request_id not in revoked)
-            will_publish = self._validate_step(client, cmd, frees, growths, columns, revoked)
+            will_publish = self._validate_step(
+                client, cmd, frees, growths, columns, revoked, revoked_frees, revoked_growths
+            )
         except PagekeeperError:
             self.counters.num_steps_rejected += 1
             raise
@@ -1024,7 +1030,7 @@ class ServiceState:
                     )
                 )
             left_out |= revoked
-            client.revoked -= set(cmd.frees)
+            client.revoked.difference_update(revoked_frees)
         for growth in growths:
             outcome = self._apply_growth(growth)
             if outcome is None:
@@ -1061,10 +1067,10 @@ class ServiceState:
         still_revoked = tuple(sorted(client.revoked)) if client.revoked else ()
         # What a reader without revocations would refuse: a revoked request freed, grown,
         # or batched without being admitted again in this step.
-        names_revoked = bool(revoked) and (
-            bool(revoked_growths)
-            or not revoked.isdisjoint(cmd.frees)
-            or bool(revoked.difference(a.request_id for a in cmd.admissions))
+        names_revoked = bool(
+            revoked_growths
+            or revoked_frees
+            or revoked.difference(a.request_id for a in cmd.admissions)
         )
         client.last_step_id = cmd.step_id
         client.expires_at = cmd.now + client.lease_ttl_s
@@ -1097,31 +1103,32 @@ class ServiceState:
         growths: tuple[Growth, ...],
         columns: GrowthColumns | None,
         revoked: set[str],
+        revoked_frees: tuple[str, ...],
+        revoked_growths: tuple[Growth, ...],
     ) -> bool:
         """Check the whole step against the state as it will be when each part applies;
         raise on the first problem. Returns whether the batch will be published.
-        ``frees`` and ``growths`` leave out those of ``revoked``, the client's requests an
-        admin freed that the step names (each at most once, and not both freed and grown;
-        in the batch they are left out)."""
+        ``revoked``: the client's requests an admin freed that the step names; ``frees``
+        and ``growths`` leave out theirs (``revoked_frees``, ``revoked_growths``), which
+        follow a running request's rules: each named at most once, not both freed and
+        grown, grown then not admitted, freed then not in the batch (unless admitted); in
+        the batch they are left out."""
         limits = self.limits
         max_len = self.pool_config.max_model_len
         num_growths = len(growths) if columns is None else len(columns)
-        num_items = len(cmd.frees) + num_growths + len(cmd.admissions)
-        revoked_freed: set[str] = set()
-        revoked_grown: set[str] = set()
+        num_items = (
+            len(frees)
+            + num_growths
+            + len(cmd.admissions)
+            + len(revoked_frees)
+            + len(revoked_growths)
+        )
+        revoked_freed: AbstractSet[str] = _NO_IDS
+        revoked_grown: AbstractSet[str] = _NO_IDS
         if revoked:
-            # The same rules as for a running request: once freed or grown, not both;
-            # grown, then not admitted; freed, then not in the batch (unless admitted).
-            num_items = len(cmd.frees) + len(cmd.growths) + len(cmd.admissions)
-            if cmd.growth_columns is not None:
-                num_items += len(cmd.growth_columns)
-            named = [r for r in cmd.frees if r in revoked]
-            revoked_freed = set(named)
-            grown_ids = [g.request_id for g in cmd.growths if g.request_id in revoked]
-            if cmd.growth_columns is not None:
-                grown_ids += [r for r in cmd.growth_columns.request_ids if r in revoked]
-            revoked_grown = set(grown_ids)
-            named += grown_ids
+            revoked_freed = set(revoked_frees)
+            revoked_grown = {g.request_id for g in revoked_growths}
+            named = [*revoked_frees, *(g.request_id for g in revoked_growths)]
             if len(set(named)) != len(named):
                 raise InvalidArgument(
                     f"request {_first_repeat(named)!r} is named twice (freed or grown) in one step"
@@ -1974,10 +1981,9 @@ def _validate_extra_keys(extra: ExtraKeys | None, rid: str, num_tokens: int) -> 
         validate_extra_keys(extra)  # what hashing requires, whether or not it hashes
     except InvalidArgument as exc:
         raise InvalidArgument(f"request {rid!r}: {exc.message}") from None
+    # Identifiers, offsets >= 0 and lengths >= 1 are hashing's checks above.
     for mm in extra.mm_inputs:
-        if not mm.identifier:
-            raise InvalidArgument(f"request {rid!r}: a multimodal input needs an identifier")
-        if mm.offset < 0 or mm.length < 1 or mm.offset + mm.length > num_tokens:
+        if mm.offset + mm.length > num_tokens:
             raise InvalidArgument(
                 f"request {rid!r}: multimodal range [{mm.offset}, {mm.offset + mm.length}) "
                 f"outside the request's {num_tokens} tokens"
