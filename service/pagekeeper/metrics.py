@@ -116,6 +116,11 @@ class StateCollector(Collector):
         yield counter(
             "expired_clients", "Clients dropped on lease expiry.", counters.num_expired_clients
         )
+        yield counter(
+            "force_frees",
+            "Requests freed by an operator (DELETE /v1/requests/{id}).",
+            counters.num_force_frees,
+        )
 
 
 class Metrics:

@@ -564,6 +564,8 @@ class ServiceCounters:
     num_publish_errors: int = 0
     num_registrations: int = 0
     num_expired_clients: int = 0
+    num_force_frees: int = 0
+    """Requests freed by an operator (``DELETE /v1/requests/{id}``), whoever owned them."""
     step_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=1024))
     """Apply time of the most recent steps (not including transport), for percentiles."""
 
@@ -1601,6 +1603,7 @@ class ServiceState:
         if record is None:
             raise NotFound(f"request {cmd.request_id!r} holds no pages")
         self.manager.free(cmd.request_id)
+        self.counters.num_force_frees += 1
         owner = self._clients.get(record.owner)
         revoked = owner is not None and owner.role is ClientRole.SCHEDULER
         if owner is not None:
@@ -1730,7 +1733,14 @@ class ServiceState:
                 _check_v1_requests(tree["requests"], manager)
             kernel_sets = {tuple(int(k) for k in sizes): int(n) for sizes, n in tree["kernel_sets"]}
             events = events_from_tree(tree["events"])
-            counters = {name: int(tree["counters"][name]) for name in _COUNTER_FIELDS}
+            counters = {
+                name: int(
+                    tree["counters"].get(name, 0)
+                    if name in _COUNTERS_ADDED_LATER
+                    else tree["counters"][name]
+                )
+                for name in _COUNTER_FIELDS
+            }
             next_number = int(tree["next_client_number"])
             last_published = int(tree["last_published_step_seq"])
             last_event_seq = int(tree["last_event_seq"])
@@ -2015,7 +2025,11 @@ _COUNTER_FIELDS = (
     "num_publish_errors",
     "num_registrations",
     "num_expired_clients",
+    "num_force_frees",
 )
+_COUNTERS_ADDED_LATER = frozenset({"num_force_frees"})
+"""Counters a snapshot from before them lacks: they restore as 0 (readers before them
+ignore the extra entry)."""
 
 
 def limits_to_tree(limits: Limits) -> dict[str, Any]:

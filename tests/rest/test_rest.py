@@ -194,6 +194,10 @@ def test_admin_force_free_and_reset(pagekeeper_server, running):
     assert mine["revoked_request_ids"] == [a]
     gauge = re.search(r"^pagekeeper_revoked_requests (\S+)$", http.get("/metrics").text, re.M)
     assert gauge is not None and float(gauge.group(1)) >= 1  # the server is shared
+    freed_total = re.search(
+        r"^pagekeeper_force_frees_total (\S+)$", http.get("/metrics").text, re.M
+    )
+    assert freed_total is not None and float(freed_total.group(1)) >= 1
     # The owner's next free of it is accepted as done (a stale view refuses no step).
     reply = sched.step(free_request_ids=[a])
     assert list(reply.results) == []

@@ -346,6 +346,7 @@ def test_force_free_and_pages_view():
     assert state.page(1).state is PageState.USED and state.page(0).state is PageState.NULL
     used, nxt = state.page_ids_in_state(PageState.USED, 0, 2)
     assert used == [1, 2] and nxt == 3
+    assert state.counters.num_force_frees == 0
     state.force_free(ForceFreeCommand(0.0, "a"))
     assert state.page(1).state is PageState.CACHED and state.page(3).state is PageState.FREE
     assert state.client(me[0]).request_ids == set()
@@ -353,6 +354,23 @@ def test_force_free_and_pages_view():
         state.force_free(ForceFreeCommand(0.0, "a"))
     with pytest.raises(NotFound):
         state.page(64)
+    assert state.counters.num_force_frees == 1  # the refused one is not counted
+
+
+def test_force_free_count_survives_a_snapshot_and_older_ones_start_it_at_zero():
+    state = make_state()
+    me = scheduler(state)
+    step(state, me, 1, admissions=(Admission("a", tokens(0, 40)),))
+    state.force_free(ForceFreeCommand(0.0, "a"))
+    snap = state.snapshot_state()
+    twin = make_state()
+    twin.restore_state(snap)
+    assert twin.counters.num_force_frees == 1
+    del snap["counters"]["num_force_frees"]  # a snapshot from before the counter
+    older = make_state()
+    older.restore_state(snap)
+    assert older.counters.num_force_frees == 0
+    assert older.counters.num_steps == state.counters.num_steps
 
 
 def test_owner_of_a_force_freed_request_keeps_stepping():
