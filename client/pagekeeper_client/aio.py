@@ -48,6 +48,7 @@ from pagekeeper_client.client import (
     register_request,
     registration_from_pb,
     ring_from_pb,
+    step_was_refused,
 )
 from pagekeeper_client.errors import (
     AlreadyExistsError,
@@ -420,7 +421,8 @@ class AsyncPagekeeperClient(_ClientCore[AsyncLocalChannel]):
         try:
             await self._send_step(None, None)
         except PagekeeperError:
-            state.withdraw_admission(admission)
+            if not self._is_unanswered(admission):  # one with no answer is sent again
+                state.withdraw_admission(admission)
             raise
         assert admission.result is not None
         return admission.result
@@ -499,7 +501,8 @@ class AsyncPagekeeperClient(_ClientCore[AsyncLocalChannel]):
         try:
             await self._send_step(None, None)
         except PagekeeperError:
-            state.withdraw_growth(growth)
+            if not self._is_unanswered(growth):
+                state.withdraw_growth(growth)
             raise
         result = growth.result
         if result is None:
@@ -558,7 +561,7 @@ class AsyncPagekeeperClient(_ClientCore[AsyncLocalChannel]):
         nothing to send."""
         state = self._scheduler()
         state.queue_held()
-        if not state.has_queued:
+        if not state.has_queued and self._unanswered is None:
             return None
         return await self._send_step(None, None, explicit=True)
 
@@ -572,6 +575,9 @@ class AsyncPagekeeperClient(_ClientCore[AsyncLocalChannel]):
         async with self._step_lock:
             state = self._scheduler()
             registration = self._require()
+            if self._unanswered is not None:
+                # First learn what it did (its answers come with this step's results).
+                await self._send_unanswered()
             step_id = self._next_step_id
             prepared = state.prepare_step(
                 client_id=registration.client_id,
@@ -582,10 +588,25 @@ class AsyncPagekeeperClient(_ClientCore[AsyncLocalChannel]):
                 explicit=explicit,
             )
             self._next_step_id = step_id + 1
-            response = await self._step_with_retry(prepared.request)
+            try:
+                response = await self._step_with_retry(prepared.request)
+            except BaseException as exc:  # a cancelled task too: the step may be applied
+                if not step_was_refused(exc):
+                    self._keep_unanswered(prepared, exc)
+                raise
             self._last_renewal = time.monotonic()
             self.stats.num_steps += 1
             return state.apply_step(prepared, response)
+
+    async def _send_unanswered(self) -> None:
+        """See :meth:`PagekeeperClient._send_unanswered`."""
+        try:
+            response = await self._step_with_retry(self._unanswered_request())
+        except BaseException as exc:
+            if step_was_refused(exc):
+                self._unanswered = None
+            raise
+        self._answered(response)
 
     async def _step_with_retry(self, request: pb.StepRequest) -> pb.StepResponse:
         deadline = time.monotonic() + self.retry_s

@@ -149,6 +149,29 @@ DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_RETRY_S = 10.0
 """How long a step keeps retrying while the service is UNAVAILABLE."""
 _RETRY_CODES = frozenset({grpc.StatusCode.UNAVAILABLE})
+_REFUSAL_CODES = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.ALREADY_EXISTS,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.OUT_OF_RANGE,
+        grpc.StatusCode.UNIMPLEMENTED,
+    }
+)
+"""The codes with which the service refuses a step whole, changing nothing."""
+
+
+def step_was_refused(error: BaseException) -> bool:
+    """Whether a failed ``Step`` surely changed nothing (the service refused it). Any other
+    failure -- no answer before the deadline, a connection that broke, a cancelled call,
+    an internal error -- leaves it unknown whether the service applied the step."""
+    return isinstance(error, PagekeeperError) and error.code in _REFUSAL_CODES
+
+
 # What travels over the same-node socket when there is one: the calls a scheduler waits on.
 # Registration, heartbeats (another thread) and streams stay on gRPC.
 _RESPONSES: dict[str, Any] = {
@@ -1811,6 +1834,10 @@ class _ClientCore(Generic[_Local]):
         self._register_args: dict[str, Any] = {}
         self._state: SchedulerState | None = None
         self._next_step_id = 1
+        self._unanswered: PreparedStep | None = None
+        """A step whose outcome is unknown (no answer came: a deadline, a broken connection,
+        a cancelled call). It is sent again, with its id and content, before any other
+        step: the service answers it from memory if it applied it, else applies it once."""
         self._last_renewal = 0.0
         self._ring: RingDescriptor | None = None
         self._ring_listeners: list[Callable[[RingDescriptor | None], None]] = []
@@ -1932,8 +1959,72 @@ class _ClientCore(Generic[_Local]):
 
     def discard_queued(self) -> int:
         """Drop the queue (after a step the service refused as a whole) and undo it in the
-        client's view; returns how many operations were dropped."""
-        return self._scheduler().discard_queued()
+        client's view; returns how many operations were dropped. Refused
+        (:class:`FailedPreconditionError`) while a step is unanswered: its operations may
+        have been applied, and ``flush()`` learns whether."""
+        state = self._scheduler()
+        unanswered = self._unanswered
+        if unanswered is not None:
+            raise FailedPreconditionError(
+                f"step {unanswered.request.step_id} got no answer and may have been applied: "
+                "flush() sends it again (with the same id) before the queue can be dropped"
+            )
+        return state.discard_queued()
+
+    @property
+    def has_unanswered_step(self) -> bool:
+        """Whether a step got no answer (its outcome is unknown); the next step, or
+        ``flush()``, sends it again first."""
+        return self._unanswered is not None
+
+    def _keep_unanswered(self, prepared: PreparedStep, error: BaseException) -> None:
+        """``prepared`` got no answer: keep it (its operations stay at the head of the
+        queue) to send again before anything else; what it answers comes with the results
+        of the next step that returns them, synchronous calls' answers included."""
+        prepared.explicit = False
+        for admission in prepared.admissions:
+            admission.is_sync = False
+        for growth in prepared.growths:
+            growth.is_sync = False
+        self._unanswered = prepared
+        self.stats.num_unanswered_steps += 1
+        step_id = prepared.request.step_id
+        log.warning(
+            "step %d got no answer (%s); it is sent again, with the same id, before the next step",
+            step_id,
+            getattr(error, "reason", None) or type(error).__name__,
+        )
+        error.add_note(
+            f"pagekeeper: step {step_id} may or may not have been applied; the client sends it "
+            "again, with the same id, before its next step (flush() does it now), and its "
+            "answers come with that step's results"
+        )
+
+    def _is_unanswered(self, entry: _PendingAdmission | _PendingGrowth) -> bool:
+        unanswered = self._unanswered
+        if unanswered is None:
+            return False
+        return any(e is entry for e in unanswered.admissions) or any(
+            e is entry for e in unanswered.growths
+        )
+
+    def _unanswered_request(self) -> pb.StepRequest:
+        """The unanswered step as it is sent again: the same id and content, under the
+        current generation (a takeover since keeps the client's last step and answer)."""
+        assert self._unanswered is not None
+        request = self._unanswered.request
+        request.generation = self._require().generation
+        return request
+
+    def _answered(self, response: pb.StepResponse) -> StepResult:
+        """Apply the answer to the unanswered step."""
+        prepared = self._unanswered
+        assert prepared is not None
+        self._unanswered = None
+        self._next_step_id = max(self._next_step_id, prepared.request.step_id + 1)
+        self._last_renewal = time.monotonic()
+        self.stats.num_steps += 1
+        return self._scheduler().apply_step(prepared, response)
 
     def has_request(self, request_id: str) -> bool:
         """Whether ``request_id`` is one of this client's running requests."""
@@ -2364,8 +2455,10 @@ class PagekeeperClient(_ClientCore[LocalChannel]):
         try:
             self._send_step(None, None)
         except PagekeeperError:
-            # Refused as a whole: this admission is not left queued (others stay).
-            state.withdraw_admission(admission)
+            # Refused as a whole: this admission is not left queued (others stay). One
+            # whose step got no answer stays: it is sent again.
+            if not self._is_unanswered(admission):
+                state.withdraw_admission(admission)
             raise
         assert admission.result is not None
         return admission.result
@@ -2436,7 +2529,8 @@ class PagekeeperClient(_ClientCore[LocalChannel]):
         try:
             self._send_step(None, None)
         except PagekeeperError:
-            state.withdraw_growth(growth)
+            if not self._is_unanswered(growth):
+                state.withdraw_growth(growth)
             raise
         result = growth.result
         if result is None:  # not listed: it fitted after all
@@ -2511,7 +2605,7 @@ class PagekeeperClient(_ClientCore[LocalChannel]):
         view is the client's; None when there is nothing to send."""
         state = self._scheduler()
         state.queue_held()
-        if not state.has_queued:
+        if not state.has_queued and self._unanswered is None:
             return None
         return self._send_step(None, None, explicit=True)
 
@@ -2549,6 +2643,9 @@ class PagekeeperClient(_ClientCore[LocalChannel]):
     ) -> StepResult:
         state = self._scheduler()
         registration = self._require()
+        if self._unanswered is not None:
+            # First learn what it did (its answers come with this step's results).
+            self._send_unanswered()
         step_id = self._next_step_id
         prepared = state.prepare_step(
             client_id=registration.client_id,
@@ -2560,10 +2657,26 @@ class PagekeeperClient(_ClientCore[LocalChannel]):
         )
         # The id is spent whatever happens: a later step must not reuse it for other content.
         self._next_step_id = step_id + 1
-        response = self._step_with_retry(prepared.request)
+        try:
+            response = self._step_with_retry(prepared.request)
+        except BaseException as exc:
+            if not step_was_refused(exc):
+                self._keep_unanswered(prepared, exc)
+            raise
         self._last_renewal = time.monotonic()
         self.stats.num_steps += 1
         return state.apply_step(prepared, response)
+
+    def _send_unanswered(self) -> None:
+        """Send the unanswered step again and apply its answer; a refusal of it (it changed
+        nothing) leaves its operations queued, as after any refused step."""
+        try:
+            response = self._step_with_retry(self._unanswered_request())
+        except BaseException as exc:
+            if step_was_refused(exc):
+                self._unanswered = None
+            raise
+        self._answered(response)
 
     def _step_with_retry(self, request: pb.StepRequest) -> pb.StepResponse:
         """Send a step; on UNAVAILABLE resend the SAME step id with backoff (the service

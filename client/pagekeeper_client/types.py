@@ -502,6 +502,8 @@ class ClientStats:
     """``allocate_slots(sync=True)`` calls that needed a page, answered without a call from
     the capacity bound (``defer_page_ids``)."""
     num_retries: int = 0
+    num_unanswered_steps: int = 0
+    """Steps that got no answer (outcome unknown), each sent again before the next step."""
     num_local_calls: int = 0
     """Unary calls that went over the same-node socket (counted in ``num_rpcs`` too)."""
     num_heartbeats: int = 0

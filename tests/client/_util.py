@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -97,12 +98,13 @@ class _FailedCall(grpc.RpcError, grpc.Call, grpc.Future):  # type: ignore[misc]
 
 
 class DropStepReplies(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]
-    """Make the next ``drops`` Step calls fail with UNAVAILABLE; with ``deliver=True`` the
-    request still reaches the service (the reply is what gets lost)."""
+    """Make the next ``drops`` Step calls fail with ``code`` (UNAVAILABLE); with
+    ``deliver=True`` the request still reaches the service (the reply is what gets lost)."""
 
     def __init__(self) -> None:
         self.drops = 0
         self.deliver = True
+        self.code = grpc.StatusCode.UNAVAILABLE
         self.step_ids: list[int] = []
 
     def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
@@ -114,7 +116,30 @@ class DropStepReplies(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]
         self.drops -= 1
         if self.deliver:
             continuation(details, request).result()
-        return _FailedCall(grpc.StatusCode.UNAVAILABLE, "injected: connection reset")
+        return _FailedCall(self.code, "injected: no answer")
+
+
+class CancelStepAfterDelivery(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    """The ``grpc.aio`` fault: the next ``drops`` Step calls reach the service (``deliver``)
+    and then the calling task is cancelled before it reads the answer."""
+
+    def __init__(self) -> None:
+        self.drops = 0
+        self.deliver = True
+        self.step_ids: list[int] = []
+
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        name = details.method
+        name = name.decode() if isinstance(name, bytes) else name
+        if not name.endswith("/Step"):
+            return await continuation(details, request)
+        self.step_ids.append(request.step_id)
+        if self.drops <= 0:
+            return await continuation(details, request)
+        self.drops -= 1
+        if self.deliver:
+            await (await continuation(details, request))
+        raise asyncio.CancelledError()
 
 
 def tokens(seed: int, n: int) -> list[int]:

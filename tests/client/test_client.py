@@ -13,6 +13,7 @@ from pagekeeper_client import (
     AllocationStatus,
     AlreadyExistsError,
     AsyncPagekeeperClient,
+    DeadlineExceededError,
     FailedPreconditionError,
     InvalidArgumentError,
     NotFoundError,
@@ -27,6 +28,7 @@ from pagekeeper_client._proto.pagekeeper.v1 import pagekeeper_pb2 as pb
 from pagekeeper_client.errors import error_from_rpc
 from tests.client._util import (
     AsyncCountingInterceptor,
+    CancelStepAfterDelivery,
     CountingInterceptor,
     DropStepReplies,
     tokens,
@@ -235,6 +237,88 @@ def test_unavailable_step_is_retried_with_the_same_id(connect, deliver):
     assert result.is_retry is deliver  # the service answered the retry from memory
     assert client.block_table(rid).num_tokens == 51
     client.free(rid)
+
+
+def _service_view(client, rid):
+    table = client.block_table(rid)
+    return table.page_ids.tolist(), table.num_tokens
+
+
+@pytest.mark.parametrize("deliver", [True, False], ids=["applied", "never-arrived"])
+def test_a_step_without_an_answer_is_sent_again_before_the_next(connect, deliver):
+    """A step that got no answer (a deadline, a connection broken past the retries) may or
+    may not have been applied: the client sends it again, with its id and content, before
+    anything else, so nothing is applied twice and nothing is lost."""
+    dropper = DropStepReplies()
+    dropper.code = grpc.StatusCode.DEADLINE_EXCEEDED
+    client = connect(interceptors=[dropper])
+    rid = f"unanswered-{deliver}"
+    assert client.admit(rid, tokens(80, 40)).ok  # 3 pages, 48 slots
+    got = client.allocate_slots(rid, 10, new_token_ids=list(range(100, 110)))  # a 4th page
+    assert got.status is AllocationStatus.PENDING
+    dropper.drops, dropper.deliver = 1, deliver
+    with pytest.raises(DeadlineExceededError) as failed:
+        client.step(batch=[rid])
+    assert any("again, with the same id" in note for note in failed.value.__notes__)
+    assert client.has_unanswered_step and client.stats.num_unanswered_steps == 1
+    with pytest.raises(FailedPreconditionError, match="flush"):
+        client.discard_queued()  # its operations may be applied: not undone blindly
+    lost_id = dropper.step_ids[-1]
+    result = client.step(batch=[rid])
+    assert dropper.step_ids[-2:] == [lost_id, lost_id + 1]  # the same step first, then this one
+    assert not client.has_unanswered_step
+    [grown] = result.results  # the growth's answer comes with this step's results
+    assert grown.request_id == rid and grown.ok and len(grown.new_page_ids[0]) == 1
+    pages, num_tokens = _service_view(client, rid)
+    assert num_tokens == 50 and pages == client.page_ids(rid).tolist()  # applied once
+
+    # A synchronous admission: the caller hears of the failure; the admission is sent
+    # again and its answer comes with the next step's results.
+    other = f"{rid}-b"
+    dropper.drops = 1
+    with pytest.raises(DeadlineExceededError):
+        client.admit(other, tokens(81, 20))
+    flushed = client.flush()
+    assert flushed is not None and [r.request_id for r in flushed.results] == [other]
+    assert flushed.results[0].ok and client.has_request(other)
+    assert _service_view(client, other)[0] == client.page_ids(other).tolist()
+
+    # A free: the next step neither frees it twice (NOT_FOUND forever) nor loses it.
+    dropper.drops = 1
+    client.free_later(rid)
+    with pytest.raises(DeadlineExceededError):
+        client.step()
+    client.step()
+    with pytest.raises(NotFoundError):
+        client.block_table(rid)
+    assert not client.has_request(rid)
+    client.free(other)
+
+
+@pytest.mark.parametrize("deliver", [True, False], ids=["applied", "never-arrived"])
+def test_async_step_cancelled_in_flight_is_sent_again(pagekeeper_server, deliver):
+    async def main() -> None:
+        canceller = CancelStepAfterDelivery()
+        async with AsyncPagekeeperClient(
+            pagekeeper_server.grpc_address,
+            token=pagekeeper_server.token,
+            interceptors=[canceller],
+        ) as client:
+            await client.register("scheduler", name="async-cancel")
+            rid = f"aio-cancel-{deliver}"
+            canceller.drops, canceller.deliver = 1, deliver
+            with pytest.raises(asyncio.CancelledError):
+                await client.admit(rid, tokens(82, 40))
+            assert client.has_unanswered_step
+            result = await client.step()
+            assert [r.request_id for r in result.results] == [rid] and result.results[0].ok
+            table = await client.block_table(rid)
+            assert table.page_ids.tolist() == client.page_ids(rid).tolist()
+            assert table.num_tokens == 40
+            assert canceller.step_ids[0] == canceller.step_ids[1]
+            await client.free(rid)
+
+    asyncio.run(main())
 
 
 def test_watch_events_streams_stored_pages(connect):
