@@ -1658,7 +1658,9 @@ class SchedulerState:
             skipped = group.num_skipped_tokens(num_hit) // group.page_size
             table = [0] * skipped + hits[skipped:] if skipped else hits
             pages.append(table + new)
-        num_new = admission.num_new_tokens or admission.num_tokens - num_hit
+        # As the service: a chunk larger than what the cache hit left is clamped to it.
+        rest = admission.num_tokens - num_hit
+        num_new = min(admission.num_new_tokens, rest) if admission.num_new_tokens else rest
         return _Tracked(admission.num_tokens, num_hit + num_new, pages)
 
     def withdraw_growth(self, growth: _PendingGrowth) -> None:

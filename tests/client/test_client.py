@@ -239,6 +239,25 @@ def test_unavailable_step_is_retried_with_the_same_id(connect, deliver):
     client.free(rid)
 
 
+def test_a_chunk_past_the_cache_hit_is_clamped_in_the_clients_view_too(connect):
+    """A chunked admission asks for up to ``num_new_tokens``; a cache hit that leaves fewer
+    clamps the chunk on the service, and the client's counts must follow."""
+    client = connect()
+    prompt = tokens(90, 100)
+    assert client.admit("clamp-a", prompt).ok
+    got = client.admit("clamp-b", prompt, num_new_tokens=48)
+    assert got.ok and got.num_cached_tokens == 96  # six full pages hit, 4 tokens left
+    view = client.request("clamp-b")
+    table = client.block_table("clamp-b")
+    assert view.num_tokens == table.num_tokens == 100
+    assert view.num_computed_tokens == table.num_computed_tokens == 100
+    grown = client.allocate_slots("clamp-b", 1, new_token_ids=[7], sync=True)  # decodes on
+    assert grown.ok
+    client.flush()
+    assert client.block_table("clamp-b").num_tokens == 101
+    client.free("clamp-a", "clamp-b")
+
+
 def _service_view(client, rid):
     table = client.block_table(rid)
     return table.page_ids.tolist(), table.num_tokens
