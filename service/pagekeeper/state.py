@@ -1841,6 +1841,11 @@ class ServiceState:
             raise InvalidArgument(
                 f"kernel_block_size {kbs} must be a positive divisor of page size {page_size}"
             )
+        if kbs != page_size and self.pool_config.groups[group_id].kind is GroupKind.MAMBA:
+            raise InvalidArgument(
+                f"group {group_id} holds mamba states, whose pages are never split: its "
+                f"kernel_block_size is the page size {page_size}, not {kbs}"
+            )
         pages = self.manager.page_table(request_id, group_id)
         return pages, expand_to_kernel_blocks(pages, page_size // kbs), kbs
 

@@ -6,6 +6,7 @@ import re
 import time
 import urllib.parse
 
+import grpc
 import numpy as np
 import pytest
 
@@ -319,6 +320,32 @@ def test_reset_over_http(server_factory):
     )
     events = http.get("/v1/events").json()["events"]
     assert events[-1]["type"] == "all_cleared"
+
+
+def test_kernel_tables_show_mamba_state_pages_whole(server_factory, tmp_path):
+    """``?kernel_block_size=N`` splits the attention groups' pages; a Mamba group's state
+    page stays whole, as workers get it (and GetBlockTable refuses to split it)."""
+    config = tmp_path / "hybrid.toml"
+    config.write_text(
+        "[pool]\nnum_pages = 64\nmax_model_len = 1024\n"
+        '[[pool.groups]]\nkind = "full"\npage_size = 64\n'
+        '[[pool.groups]]\nkind = "mamba"\npage_size = 64\n'
+    )
+    server = server_factory("--config", str(config))
+    sched = Scheduler(server)
+    sched.admit("hy", list(range(100)))
+    detail = server.http().get("/v1/requests/hy", params={"kernel_block_size": 16}).json()
+    [full, mamba] = detail["page_ids"]
+    assert len(full) == 2 and len(mamba) == 1
+    assert detail["kernel_block_ids"][0] == [p * 4 + i for p in full for i in range(4)]
+    assert detail["kernel_block_ids"][1] == mamba
+    with pytest.raises(grpc.RpcError) as refused:
+        sched.stub.GetBlockTable(
+            pb.GetBlockTableRequest(request_id="hy", group_id=1, kernel_block_size=16),
+            metadata=sched.md,
+        )
+    assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "never split" in refused.value.details()
 
 
 def test_metrics(pagekeeper_server, running):

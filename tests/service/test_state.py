@@ -187,6 +187,25 @@ def test_leases_expire_by_command_time():
         state.heartbeat(HeartbeatCommand(112.0, *me))
 
 
+def test_block_tables_never_split_a_mamba_state_page():
+    """Workers get a Mamba group's state pages whole (registration refuses a smaller kernel
+    block for it): GetBlockTable refuses to show them split."""
+    pool = PoolConfig(
+        num_pages=64,
+        groups=(GroupConfig(page_size=64), GroupConfig(kind=GroupKind.MAMBA, page_size=64)),
+        max_model_len=1024,
+    )
+    state = ServiceState(pool, Limits())
+    me = scheduler(state)
+    step(state, me, 1, admissions=(Admission("m", tokens(0, 100)),))
+    pages, kernel, kbs = state.block_table("m", 0, 16)
+    assert kbs == 16 and len(kernel) == 4 * len(pages)
+    pages, kernel, kbs = state.block_table("m", 1, 0)
+    assert kbs == 64 and kernel.tolist() == pages.tolist() and len(pages) == 1
+    with pytest.raises(InvalidArgument, match="mamba states, whose pages are never split"):
+        state.block_table("m", 1, 16)
+
+
 def test_client_limit_and_kernel_choice():
     pool = PoolConfig(
         num_pages=64,

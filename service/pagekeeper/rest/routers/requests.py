@@ -6,6 +6,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, Query
 
+from pagekeeper.core.config import GroupKind
 from pagekeeper.core.errors import InvalidArgument
 from pagekeeper.core.tables import expand_to_kernel_blocks
 from pagekeeper.rest.deps import AdminDep, RuntimeDep, StateDep
@@ -75,7 +76,14 @@ async def get_request(
     request_id: RequestIdPath,
     kernel_block_size: Annotated[
         int | None,
-        Query(ge=1, lt=2**20, description="Must divide every group's page size."),
+        Query(
+            ge=1,
+            lt=2**20,
+            description=(
+                "Must divide the page size of every attention group; a Mamba group's state "
+                "pages are never split (shown whole, as workers get them)."
+            ),
+        ),
     ] = None,
 ) -> RequestDetail:
     fields = _summary_fields(state, request_id)
@@ -83,6 +91,9 @@ async def get_request(
     if kernel_block_size is not None:
         kernel_ids = []
         for group, pages in zip(state.pool_config.groups, fields["page_ids"], strict=True):  # type: ignore[call-overload]
+            if group.kind is GroupKind.MAMBA:
+                kernel_ids.append(list(pages))
+                continue
             if group.page_size % kernel_block_size != 0:
                 raise InvalidArgument(
                     f"kernel_block_size {kernel_block_size} does not divide page size "
