@@ -238,6 +238,20 @@ def test_sliding_window_releases_pages_that_left_the_window():
     m.check_invariants()
 
 
+def test_build_batch_refuses_slots_in_pages_the_window_released():
+    """A batch scheduling tokens whose pages the window already released would write their
+    KV into the shared null page: refused, naming the row (later positions are fine)."""
+    m = sliding()
+    m.admit("a", list(range(16)))
+    m.allocate("a", 1, new_token_ids=[0])  # table [0, 0, 3, 4, 5], 17 tokens
+    with pytest.raises(InvalidArgument, match=r"'a'.*position 5.*already released"):
+        m.build_batch(["a"], num_scheduled_tokens=[12])  # tokens 5..16: page 1 is null
+    (t,) = m.build_batch(["a"], num_scheduled_tokens=[9])  # tokens 8..16: pages 3 4 5
+    assert t.slot_mapping.tolist() == [12, 13, 14, 15, 16, 17, 18, 19, 20]
+    (t,) = m.build_batch(["a"], num_scheduled_tokens=[0])  # nothing scheduled: no slot
+    assert t.slot_mapping.tolist() == []
+
+
 def test_sliding_window_hit_needs_enough_contiguous_pages():
     m = sliding(window=8)  # needs cdiv(7, 4) = 2 contiguous pages
     m.admit("a", list(range(21)))

@@ -28,6 +28,7 @@ from types import MappingProxyType
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from pagekeeper.core.config import GroupKind, PoolConfig
 from pagekeeper.core.errors import (
@@ -128,6 +129,34 @@ def _checked_hashes(page_hashes: Sequence[bytes]) -> list[bytes]:
         # A chain never repeats; a repeat would map one cached page into two table slots.
         raise InvalidArgument("page hashes must not repeat (each covers its whole prefix)")
     return hashes
+
+
+_RELEASING_KINDS = frozenset({GroupKind.SLIDING_WINDOW, GroupKind.CHUNKED_LOCAL})
+"""Attention groups whose leading pages go back to the pool (null in the table) once no
+later token attends to them."""
+
+
+def _check_no_released_slots(
+    request_ids: Sequence[str],
+    table: npt.NDArray[np.int32],
+    starts: npt.NDArray[np.int64],
+    counts: npt.NDArray[np.int64],
+    group: GroupManager,
+) -> None:
+    """Refuse a row whose scheduled tokens start in a page its window (or chunk) released:
+    their KV would be written into the null page. (Released pages are a prefix of the
+    table, so the first scheduled page decides.)"""
+    live = counts > 0
+    first = np.where(live, starts // group.page_size, 0)
+    heads = table[np.arange(len(first)), first]
+    bad = live & (heads == NULL_PAGE)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise InvalidArgument(
+            f"request {request_ids[i]!r}: its scheduled tokens start at position "
+            f"{int(starts[i])}, in a page group {group.group_id} ({group.config.kind.value}) "
+            "already released; only tokens from its last computed window on can be scheduled"
+        )
 
 
 class PageManager:
@@ -924,6 +953,8 @@ class PageManager:
         for g, kbs in zip(self.groups, kernel_block_sizes, strict=True):
             rows = np.fromiter((g.request_rows[r] for r in request_ids), np.int64, len(reqs))
             table, num_pages = g.rows.gather(rows)
+            if g.config.kind in _RELEASING_KINDS and n:
+                _check_no_released_slots(request_ids, table, starts, counts, g)
             is_stateful = g.config.kind is GroupKind.MAMBA and not g.config.enable_state_caching
             out.append(
                 build_batch_tables(
