@@ -148,6 +148,15 @@ class Settings:
         self.validate()
 
     def validate(self) -> None:
+        for name in ("http_read_auth", "debug_invariants"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                # A TOML string such as "false" is truthy: a switch takes true or false.
+                raise ConfigError(f"server.{name}", f"must be true or false, got {value!r}")
+        if not isinstance(self.publish_device, str):
+            raise ConfigError(
+                "publish.device", f"must be a string ('cuda:N'), got {self.publish_device!r}"
+            )
         for name in ("grpc_address", "http_address"):
             _check_address(name, getattr(self, name))
         if self.local_socket is not None:

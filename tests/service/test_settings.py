@@ -93,6 +93,18 @@ def test_printed_config_reads_back(tmp_path):
         ({"toml": "[pool]\n[[pool.groups]]\nkind = 'sliding_window'\n"}, "pool.groups[0].window"),
         ({"toml": "[pool]\n[[pool.groups]]\nkind = 'quantum'\n"}, "pool.groups[0].kind"),
         ({"toml": "[elsewhere]\n"}, "elsewhere"),
+        # A TOML string is truthy: "false" must not switch a feature on.
+        ({"toml": "[server]\ntoken = 't'\nhttp_read_auth = 'false'\n"}, "server.http_read_auth"),
+        ({"toml": "[server]\ndebug_invariants = 'off'\n"}, "server.debug_invariants"),
+        ({"toml": "[pool]\nenable_prefix_caching = 'false'\n"}, "pool.enable_prefix_caching"),
+        ({"toml": "[pool]\nmax_model_len = true\n"}, "pool.max_model_len"),
+        ({"toml": "[pool]\n[[pool.groups]]\npage_size = true\n"}, "pool.groups[0].page_size"),
+        (
+            {"toml": "[pool]\n[[pool.groups]]\nkind = 'mamba'\nenable_state_caching = 1\n"},
+            "pool.groups[0].enable_state_caching",
+        ),
+        ({"toml": "[pool]\n[[pool.groups]]\nname = 3\n"}, "pool.groups[0].name"),
+        ({"toml": "[publish]\ndevice = 3\n"}, "publish.device"),
         ({"toml": "this is = = not toml"}, "config"),
     ],
 )

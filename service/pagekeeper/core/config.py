@@ -30,6 +30,17 @@ class GroupKind(str, Enum):
     ``enable_state_caching``)."""
 
 
+def _is_int(value: object) -> bool:
+    """An int, and not a bool (``True`` is an int to Python, not a size to anyone)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_bool(field: str, value: object) -> None:
+    # A TOML string such as "false" is truthy: a switch takes true or false only.
+    if not isinstance(value, bool):
+        raise ConfigError(field, f"must be true or false, got {value!r}")
+
+
 @dataclass(frozen=True, slots=True)
 class GroupConfig:
     """One KV-cache group: layers that share a table layout."""
@@ -44,17 +55,17 @@ class GroupConfig:
     def validate(self, where: str) -> None:
         if not isinstance(self.kind, GroupKind):
             raise ConfigError(f"{where}.kind", f"unknown kind {self.kind!r}")
-        if not isinstance(self.page_size, int) or self.page_size < 1:
+        if not _is_int(self.page_size) or self.page_size < 1:
             raise ConfigError(
                 f"{where}.page_size", f"must be a positive int, got {self.page_size!r}"
             )
         if self.kind is GroupKind.SLIDING_WINDOW:
-            if not isinstance(self.window, int) or self.window < 1:
+            if not _is_int(self.window) or self.window < 1:
                 raise ConfigError(f"{where}.window", f"must be an int >= 1, got {self.window!r}")
         elif self.window is not None:
             raise ConfigError(f"{where}.window", "only a sliding_window group has a window")
         if self.kind is GroupKind.CHUNKED_LOCAL:
-            if not isinstance(self.chunk, int) or self.chunk < 1:
+            if not _is_int(self.chunk) or self.chunk < 1:
                 raise ConfigError(f"{where}.chunk", f"must be an int >= 1, got {self.chunk!r}")
             if self.chunk % self.page_size != 0:
                 raise ConfigError(
@@ -63,6 +74,9 @@ class GroupConfig:
                 )
         elif self.chunk is not None:
             raise ConfigError(f"{where}.chunk", "only a chunked_local group has a chunk")
+        _check_bool(f"{where}.enable_state_caching", self.enable_state_caching)
+        if not isinstance(self.name, str):
+            raise ConfigError(f"{where}.name", f"must be a string, got {self.name!r}")
         if self.enable_state_caching and self.kind is not GroupKind.MAMBA:
             raise ConfigError(f"{where}.enable_state_caching", "only a mamba group caches states")
 
@@ -100,8 +114,8 @@ class GroupConfig:
             page_size=data.get("page_size", 16),
             window=data.get("window"),
             chunk=data.get("chunk"),
-            enable_state_caching=bool(data.get("enable_state_caching", False)),
-            name=str(data.get("name", "")),
+            enable_state_caching=data.get("enable_state_caching", False),
+            name=data.get("name", ""),
         )
         group.validate(where)
         return group
@@ -121,11 +135,12 @@ class PoolConfig:
         self.validate()
 
     def validate(self) -> None:
-        if not isinstance(self.num_pages, int) or self.num_pages < 2:
+        if not _is_int(self.num_pages) or self.num_pages < 2:
             raise ConfigError(
                 "num_pages",
                 f"must be an int >= 2 (page 0 is the null page), got {self.num_pages!r}",
             )
+        _check_bool("enable_prefix_caching", self.enable_prefix_caching)
         if self.num_pages >= 2**31 - 1:
             raise ConfigError("num_pages", "must fit in int32")
         if not isinstance(self.groups, tuple) or not self.groups:
@@ -140,7 +155,7 @@ class PoolConfig:
             raise ConfigError(
                 "hash_algorithm", f"unknown {self.hash_algorithm!r}; one of {list(HASH_ALGORITHMS)}"
             )
-        if not isinstance(self.max_model_len, int) or self.max_model_len < 1:
+        if not _is_int(self.max_model_len) or self.max_model_len < 1:
             raise ConfigError(
                 "max_model_len", f"must be a positive int, got {self.max_model_len!r}"
             )
@@ -192,7 +207,7 @@ class PoolConfig:
         return cls(
             num_pages=data.get("num_pages", 4096),
             groups=groups,
-            enable_prefix_caching=bool(data.get("enable_prefix_caching", True)),
+            enable_prefix_caching=data.get("enable_prefix_caching", True),
             hash_algorithm=data.get("hash_algorithm", "sha256_cbor"),
             max_model_len=data.get("max_model_len", 8192),
         )
