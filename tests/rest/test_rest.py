@@ -270,19 +270,53 @@ def test_request_ids_with_a_slash(pagekeeper_server):
     """Ids are any 1-256 bytes: one holding "/" is read and force-freed by its %2F form,
     as the dashboard sends it."""
     sched = Scheduler(pagekeeper_server, "slash")
-    rid = f"{sched.client_id}/tenant/a b?#"
-    assert sched.admit(rid, list(range(5000, 5040))).status == pb.ALLOCATION_STATUS_OK
     http = pagekeeper_server.http()
-    quoted = "/v1/requests/" + urllib.parse.quote(rid, safe="")
-    got = http.get(quoted, params={"kernel_block_size": 16})
-    assert got.status_code == 200 and got.json()["request_id"] == rid
-    freed = http.delete(quoted, headers=pagekeeper_server.admin_headers)
-    assert freed.status_code == 200 and freed.json()["request_id"] == rid
-    assert http.get(quoted).status_code == 404
+    for k, rid in enumerate((f"{sched.client_id}/tenant/a b?#", f"{sched.client_id}\nline\r")):
+        tokens = list(range(5000 + 100 * k, 5040 + 100 * k))
+        assert sched.admit(rid, tokens).status == pb.ALLOCATION_STATUS_OK
+        quoted = "/v1/requests/" + urllib.parse.quote(rid, safe="")
+        got = http.get(quoted, params={"kernel_block_size": 16})
+        assert got.status_code == 200 and got.json()["request_id"] == rid
+        freed = http.delete(quoted, headers=pagekeeper_server.admin_headers)
+        assert freed.status_code == 200 and freed.json()["request_id"] == rid
+        assert http.get(quoted).status_code == 404
     sched.stub.Unregister(
         pb.UnregisterRequest(client_id=sched.client_id, generation=sched.generation),
         metadata=sched.md,
     )
+
+
+def test_request_walk_lists_each_live_request_once_while_others_come_and_go(server_factory):
+    """The /v1/requests cursor is a key (the last id returned), not a position: freeing
+    or admitting requests mid-walk neither skips nor repeats one that runs throughout."""
+    server = server_factory("--num-pages", "64")
+    sched = Scheduler(server)
+    for k, rid in enumerate("abcdef"):
+        sched.admit(rid, list(range(100 * k, 100 * k + 5)))
+    http = server.http()
+    first = http.get("/v1/requests", params={"limit": 2}).json()
+    assert [r["request_id"] for r in first["items"]] == ["a", "b"]
+    sched.free("a")  # a position cursor skipped "c" here
+    sched.admit("0", list(range(900, 905)))  # before the cursor: not listed, nothing repeats
+    seen, cursor = [], first["next_cursor"]
+    while cursor is not None:
+        page = http.get("/v1/requests", params={"limit": 2, "cursor": cursor}).json()
+        seen += [r["request_id"] for r in page["items"]]
+        cursor = page["next_cursor"]
+    assert seen == ["c", "d", "e", "f"]
+    for bad in ("x", "2", "k!!", "k" + "A" * 2000):
+        refused = http.get("/v1/requests", params={"cursor": bad})
+        assert refused.status_code == 400 and "invalid cursor" in refused.json()["detail"]
+    for bad in ("\u00b2", "\u2460", "\u0663"):  # digits to str.isdigit, not to the API
+        assert http.get("/v1/pages", params={"cursor": bad}).status_code == 400
+
+
+def test_http_method_label_is_bounded(pagekeeper_server):
+    http = pagekeeper_server.http()
+    for k in range(3):
+        assert http.request(f"BOGUS{k}", "/nope").status_code in (404, 405)
+    text = http.get("/metrics").text
+    assert 'method="BOGUS' not in text and 'method="other"' in text
 
 
 def test_routing_errors_are_problems_too(pagekeeper_server):

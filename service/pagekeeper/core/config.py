@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, TypeGuard
 
 from pagekeeper.core.errors import ConfigError
 
@@ -30,7 +30,7 @@ class GroupKind(str, Enum):
     ``enable_state_caching``)."""
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     """An int, and not a bool (``True`` is an int to Python, not a size to anyone)."""
     return isinstance(value, int) and not isinstance(value, bool)
 

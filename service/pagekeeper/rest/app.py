@@ -36,6 +36,9 @@ Errors are RFC 9457 problem bodies (`application/problem+json`). Admin endpoints
 """
 
 
+_KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"})
+
+
 def _problem_response(
     status: int, body: dict[str, object], headers: Mapping[str, str] | None = None
 ) -> JSONResponse:
@@ -110,7 +113,9 @@ def create_app(runtime: Runtime) -> FastAPI:
         route = request.scope.get("route")
         # Label by route template, never the raw path (ids would explode the label set).
         template = getattr(route, "path", "unmatched")
-        http_seconds.labels(request.method, template, str(response.status_code)).observe(
+        # Any token is a method to HTTP: only the known ones get a label of their own.
+        method = request.method if request.method in _KNOWN_METHODS else "other"
+        http_seconds.labels(method, template, str(response.status_code)).observe(
             time.perf_counter() - started
         )
         return response

@@ -31,7 +31,8 @@ def parse_cursor(cursor: str | None) -> int:
     """Cursors are opaque to clients; here they are a decimal position."""
     if cursor is None:
         return 0
-    if not cursor.isdigit() or len(cursor) > 12:
+    # ASCII digits only: str.isdigit() also takes "²" (which int() refuses) and "٣".
+    if not (cursor.isascii() and cursor.isdecimal()) or len(cursor) > 12:
         raise InvalidArgument(f"invalid cursor {cursor!r}")
     return int(cursor)
 

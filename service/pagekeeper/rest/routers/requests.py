@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import base64
+import bisect
 from typing import Annotated
 
 from fastapi import APIRouter, Path, Query
+from starlette.convertors import PathConvertor, register_url_convertor
 
 from pagekeeper.core.config import GroupKind
 from pagekeeper.core.errors import InvalidArgument
 from pagekeeper.core.tables import expand_to_kernel_blocks
 from pagekeeper.rest.deps import AdminDep, RuntimeDep, StateDep
-from pagekeeper.rest.routers.pages import parse_cursor
 from pagekeeper.rest.schemas import (
     FreedRequest,
     RequestDetail,
@@ -23,6 +25,17 @@ from pagekeeper.state import ForceFreeCommand
 router = APIRouter(tags=["requests"])
 
 MAX_LIMIT = 1000
+
+
+class _RequestIdConvertor(PathConvertor):
+    """A request id in a path: anything, "/" and line breaks included (gRPC takes any
+    string; ``:path``'s ``.*`` stops at a newline, which made such a request unreachable
+    and impossible to force-free)."""
+
+    regex = r"[\s\S]+"
+
+
+register_url_convertor("request_id", _RequestIdConvertor())
 RequestIdPath = Annotated[str, Path(min_length=1, max_length=256, description="Request id.")]
 
 
@@ -52,21 +65,39 @@ async def list_requests(
         str | None, Query(description="From a previous answer's next_cursor.")
     ] = None,
 ) -> RequestList:
-    start = parse_cursor(cursor)
-    ids = state.request_ids()
+    # In request id order, the cursor naming the last id returned: a walk lists every
+    # request that runs throughout it exactly once, whatever finishes or starts meanwhile.
+    ids = sorted(state.request_ids())
+    start = 0 if cursor is None else bisect.bisect_right(ids, _id_from_cursor(cursor))
     chunk = ids[start : start + limit]
     items = []
     for request_id in chunk:
         fields = _summary_fields(state, request_id)
         fields.pop("page_ids")
         items.append(RequestSummary(**fields))  # type: ignore[arg-type]
-    end = start + len(chunk)
-    return RequestList(items=items, next_cursor=str(end) if end < len(ids) else None)
+    more = start + len(chunk) < len(ids)
+    return RequestList(items=items, next_cursor=_cursor_after(chunk[-1]) if more else None)
+
+
+def _cursor_after(request_id: str) -> str:
+    """Opaque to clients: "k" and the last id returned, base64url."""
+    return "k" + base64.urlsafe_b64encode(request_id.encode()).decode().rstrip("=")
+
+
+def _id_from_cursor(cursor: str) -> str:
+    body = cursor[1:]
+    try:
+        if not cursor.startswith("k") or len(cursor) > 1024:
+            raise ValueError
+        padded = body + "=" * (-len(body) % 4)
+        return base64.b64decode(padded, altchars=b"-_", validate=True).decode()
+    except (ValueError, UnicodeDecodeError):  # binascii.Error is a ValueError
+        raise InvalidArgument(f"invalid cursor {cursor!r}") from None
 
 
 @router.get(
-    # ``:path``: an id may hold "/" (sent as %2F, which the router would split on).
-    "/v1/requests/{request_id:path}",
+    # An id may hold "/" (sent as %2F, which the router would split on) or a line break.
+    "/v1/requests/{request_id:request_id}",
     response_model=RequestDetail,
     summary="One request's pages per group; ?kernel_block_size=N adds its kernel tables.",
     responses=problem_responses(400, 404),
@@ -109,7 +140,7 @@ async def get_request(
 
 
 @router.delete(
-    "/v1/requests/{request_id:path}",
+    "/v1/requests/{request_id:request_id}",
     response_model=FreedRequest,
     summary="Admin: free a request's pages, whoever owns it.",
     description=(
