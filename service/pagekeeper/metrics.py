@@ -104,10 +104,14 @@ class StateCollector(Collector):
         yield counter("no_capacity", "Allocations answered no-capacity.", stats.num_no_capacity)
         yield counter("steps", "Steps applied.", counters.num_steps)
         yield counter(
-            "step_retries", "Steps answered from memory (retries).", counters.num_step_retries
+            "step_retries",
+            "Steps answered from memory (retries), since the process started.",
+            counters.num_step_retries,
         )
         yield counter(
-            "steps_rejected", "Steps rejected by validation.", counters.num_steps_rejected
+            "steps_rejected",
+            "Steps rejected by validation, since the process started.",
+            counters.num_steps_rejected,
         )
         yield counter("published", "Batches published.", counters.num_published)
         yield counter(

@@ -767,6 +767,11 @@ class ServiceState:
         if isinstance(command, StepCommand) and publication is not None:
             client = self._clients[command.client_id]
             published, slot, error = publication
+            # Counted as when it was first applied (the replay has no sink to publish to).
+            if published:
+                self.counters.num_published += 1
+            elif error:
+                self.counters.num_publish_errors += 1
             stored = replace(
                 result, is_published=published, published_slot=slot, publish_error=error
             )
@@ -1740,6 +1745,7 @@ class ServiceState:
                     else tree["counters"][name]
                 )
                 for name in _COUNTER_FIELDS
+                if name not in _PROCESS_COUNTERS
             }
             next_number = int(tree["next_client_number"])
             last_published = int(tree["last_published_step_seq"])
@@ -2033,6 +2039,11 @@ _COUNTER_FIELDS = (
     "num_force_frees",
 )
 _COUNTERS_ADDED_LATER = frozenset({"num_force_frees"})
+_PROCESS_COUNTERS = frozenset({"num_step_retries", "num_steps_rejected"})
+"""Counted since the process started: neither a retry (journaled as the lease renewal it
+is) nor a refused step (which changes nothing) is in the journal, so a restart could
+not count them alike after a clean stop and after a crash. Snapshots still hold them,
+for readers from before; a restore starts them at 0."""
 """Counters a snapshot from before them lacks: they restore as 0 (readers before them
 ignore the extra entry)."""
 

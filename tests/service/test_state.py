@@ -586,6 +586,57 @@ def test_inputs_refused_whole_before_anything_changes():
         step(nocache, other, 1, admissions=(Admission("b", tokens(0, 8), extra_keys=overlapping),))
 
 
+def test_replay_counts_publications_as_they_were_first_answered():
+    """A replay has no sink, but its published and failed publications count as the live
+    ones did (a crash must not reset them while the steps stay counted); retries and
+    refused steps are not in the journal and count since the process started."""
+    pool = PoolConfig(num_pages=64, groups=(GroupConfig(page_size=16),), max_model_len=256)
+    hub = PublicationHub(
+        pool, transport="shm", depth=2, max_num_reqs=8, max_num_tokens=64, factory=FakePublisher
+    )
+    live = ServiceState(pool, Limits(max_tokens_per_step=32), sink=hub, debug_invariants=True)
+    commands: list[tuple[object, tuple[bool, int, str] | None]] = []
+    register = RegisterCommand(now=0.0, role=ClientRole.SCHEDULER)
+    worker = RegisterCommand(
+        now=0.0,
+        role=ClientRole.WORKER,
+        kernel_support=(GroupKernelSupport(0, (KernelBackend("k", (16,)),)),),
+    )
+    me = (live.apply(register).client_id, 1)
+    live.apply(worker)
+    commands += [(register, None), (worker, None)]
+    for step_id, (rid, n) in enumerate((("a", 20), ("b", 40), ("c", 10)), start=1):
+        command = StepCommand(
+            1.0,
+            me[0],
+            me[1],
+            step_id,
+            admissions=(Admission(rid, tokens(step_id, n)),),
+            batch=Batch((rid,)),
+        )
+        result = live.apply(command)
+        commands.append(
+            (command, (result.is_published, result.published_slot, result.publish_error))
+        )
+    assert [c[1][0] for c in commands[2:]] == [True, False, True]  # b: 40 tokens > 32
+    live.apply(commands[-1][0])  # a retry
+    with pytest.raises(AlreadyExists):
+        step(live, me, 4, admissions=(Admission("c", tokens(9, 4)),))  # c runs: refused
+    counted = live.counters
+    assert (counted.num_published, counted.num_publish_errors) == (2, 1)
+    assert (counted.num_step_retries, counted.num_steps_rejected) == (1, 1)
+
+    replayed = ServiceState(pool, Limits(max_tokens_per_step=32), debug_invariants=True)
+    for command, publication in commands:
+        replayed.replay(command, publication)
+    restored = ServiceState(pool, Limits(max_tokens_per_step=32))
+    restored.restore_state(live.snapshot_state())
+    for twin in (replayed, restored):
+        assert twin.counters.num_steps == counted.num_steps == 3
+        assert (twin.counters.num_published, twin.counters.num_publish_errors) == (2, 1)
+        assert (twin.counters.num_step_retries, twin.counters.num_steps_rejected) == (0, 0)
+
+
 class _BrokenSink(FakePublisher):
     def publish(self, step_seq, tables):  # type: ignore[no-untyped-def]
         raise RuntimeError("the transport broke")

@@ -89,8 +89,12 @@ class PrefixCacheModel(Model):
 
 class StepsModel(Model):
     num_steps: int = Field(description="Steps applied.")
-    num_retries: int = Field(description="Retried steps answered from memory.")
-    num_rejected: int = Field(description="Steps rejected by validation (changed nothing).")
+    num_retries: int = Field(
+        description="Retried steps answered from memory, since the process started."
+    )
+    num_rejected: int = Field(
+        description="Steps rejected by validation (changed nothing), since the process started."
+    )
     num_published: int = Field(description="Batches published to workers.")
     num_no_capacity: int = Field(description="Allocations answered no-capacity.")
     apply_p50_ms: float = Field(description="Median time to apply a step (recent steps), ms.")
