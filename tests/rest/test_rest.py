@@ -392,6 +392,9 @@ def test_metrics(pagekeeper_server, running):
     )
     assert "pagekeeper_free_pages " in text and "pagekeeper_steps_total " in text
     assert "pagekeeper_step_apply_seconds_count" in text
+    # Recent-value gauges are labelled "stat": "quantile" belongs to summaries.
+    assert 'pagekeeper_durability_append_seconds{stat="p99"}' in text
+    assert "quantile=" not in text
     gauges = {
         line.split()[0]: float(line.split()[1])
         for line in text.splitlines()

@@ -92,8 +92,9 @@ class DurabilityCollector(Collector):
             )
         append = GaugeMetricFamily(
             "pagekeeper_durability_append_seconds",
-            "Commit time of recent records, by quantile.",
-            labels=["quantile"],
+            "Commit time of the last 4,096 records: their median (stat=p50), 99th "
+            "percentile (p99) and maximum (max). A gauge of recent values, not a summary.",
+            labels=["stat"],
         )
         for name, value in stats.append_percentiles().items():
             append.add_metric([name], value)
