@@ -63,6 +63,7 @@ _EXPORTS = {
     "AlreadyExistsError": "pagekeeper_client.errors",
     "PermissionDeniedError": "pagekeeper_client.errors",
     "FailedPreconditionError": "pagekeeper_client.errors",
+    "AbortedError": "pagekeeper_client.errors",
     "ResourceExhaustedError": "pagekeeper_client.errors",
     "UnauthenticatedError": "pagekeeper_client.errors",
     "UnavailableError": "pagekeeper_client.errors",
@@ -74,6 +75,7 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "AbortedError",
     "Admission",
     "AllCleared",
     "AllocationResult",
@@ -139,6 +141,7 @@ if TYPE_CHECKING:  # pragma: no cover - static names for type checkers and IDEs
     from pagekeeper_client.aio import AsyncPagekeeperClient
     from pagekeeper_client.client import ClientTLS, PagekeeperClient, RequestView
     from pagekeeper_client.errors import (
+        AbortedError,
         AlreadyExistsError,
         DeadlineExceededError,
         FailedPreconditionError,

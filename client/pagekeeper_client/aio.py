@@ -51,6 +51,7 @@ from pagekeeper_client.client import (
     step_was_refused,
 )
 from pagekeeper_client.errors import (
+    AbortedError,
     AlreadyExistsError,
     DeadlineExceededError,
     FailedPreconditionError,
@@ -295,7 +296,8 @@ class AsyncPagekeeperClient(_ClientCore[AsyncLocalChannel]):
                 self.lease_error = None
             except NotRegisteredError:
                 return
-            except NotFoundError as exc:
+            except (NotFoundError, AbortedError) as exc:
+                # See PagekeeperClient._heartbeat_loop: forgotten, or taken over.
                 if not self._is_closed:
                     self.lease_error = exc
                     log.error("lease renewal stopped: %s", exc)

@@ -72,6 +72,7 @@ import numpy as np
 from pagekeeper_client._proto.pagekeeper.v1 import pagekeeper_pb2 as pb
 from pagekeeper_client._proto.pagekeeper.v1 import pagekeeper_pb2_grpc as pb_grpc
 from pagekeeper_client.errors import (
+    AbortedError,
     AlreadyExistsError,
     DeadlineExceededError,
     FailedPreconditionError,
@@ -156,6 +157,7 @@ _REFUSAL_CODES = frozenset(
         grpc.StatusCode.ALREADY_EXISTS,
         grpc.StatusCode.PERMISSION_DENIED,
         grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.ABORTED,  # a newer registration took the id over (generation fence)
         grpc.StatusCode.RESOURCE_EXHAUSTED,
         grpc.StatusCode.UNAUTHENTICATED,
         grpc.StatusCode.OUT_OF_RANGE,
@@ -2294,9 +2296,11 @@ class PagekeeperClient(_ClientCore[LocalChannel]):
                 self.lease_error = None
             except NotRegisteredError:
                 return
-            except NotFoundError as exc:
+            except (NotFoundError, AbortedError) as exc:
                 # The service forgot this id (restarted, or the lease expired long ago and
-                # a scheduler's requests were freed): nothing left to renew.
+                # a scheduler's requests were freed), or another registration took the id
+                # over (ABORTED: registering again would fence that one in turn): nothing
+                # left to renew.
                 if not self._stop.is_set():
                     self.lease_error = exc
                     log.error("lease renewal stopped: %s", exc)

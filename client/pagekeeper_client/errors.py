@@ -120,6 +120,10 @@ class CancelledError(PagekeeperError):
 
 
 class AbortedError(PagekeeperError):
+    """A call under a registration another one has superseded (a newer registration took
+    the client id over: the generation fence). Nothing changed; this client is fenced off
+    and must not register the id again on its own."""
+
     code = grpc.StatusCode.ABORTED
 
 

@@ -42,6 +42,10 @@ ERROR_TABLE: dict[ErrorCode, ErrorMapping] = {
     ErrorCode.FAILED_PRECONDITION: ErrorMapping(
         grpc.StatusCode.FAILED_PRECONDITION, 409, "Failed precondition"
     ),
+    # A sequencer check: the call's registration generation is not the current one (a
+    # newer registration took the client id over). Not FAILED_PRECONDITION, whose lease
+    # case a client answers by registering again: a fenced client must not.
+    ErrorCode.ABORTED: ErrorMapping(grpc.StatusCode.ABORTED, 409, "Superseded"),
     ErrorCode.PERMISSION_DENIED: ErrorMapping(
         grpc.StatusCode.PERMISSION_DENIED, 403, "Permission denied"
     ),

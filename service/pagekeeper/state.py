@@ -57,6 +57,7 @@ from pagekeeper.core.errors import (
     PagekeeperError,
     PermissionDenied,
     ResourceExhausted,
+    Superseded,
 )
 from pagekeeper.core.events import KVEvent, event_nbytes
 from pagekeeper.core.hashing import validate_extra_keys
@@ -785,9 +786,14 @@ class ServiceState:
         if client is None:
             raise NotFound(f"client {client_id!r} is not registered (register first)")
         if generation != client.generation:
-            raise FailedPrecondition(
+            why = (
+                "a newer registration took the id over"
+                if generation < client.generation
+                else "that generation was never issued here: was the service's state reset?"
+            )
+            raise Superseded(
                 f"client {client_id!r}: generation {generation} is not the current "
-                f"registration {client.generation} (a newer registration took over)"
+                f"registration {client.generation} ({why}); this registration is fenced off"
             )
         if now > client.expires_at:
             raise FailedPrecondition(

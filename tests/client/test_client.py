@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from pagekeeper_client import (
+    AbortedError,
     AllocationStatus,
     AlreadyExistsError,
     AsyncPagekeeperClient,
@@ -215,6 +216,34 @@ def test_lease_is_renewed_in_the_background(server_factory):
         idle.step(batch=["lease-b"])  # still its request
         idle.flush()  # the held-back decode goes through
         assert idle.block_table("lease-b").num_tokens == 21
+
+
+def test_a_fenced_client_stops_renewing_instead_of_taking_its_id_back(server_factory):
+    """A successor took the id over (register(client_id=...)) while the predecessor still
+    runs: the predecessor's heartbeat is ABORTED, and its lease thread stops there. (It
+    registered again on the FAILED_PRECONDITION this used to be, fencing its successor
+    in turn: the two swapped generations until the zombie's free went through.)"""
+    server = server_factory("--lease-ttl-s", "0.6", "--num-pages", "64")
+    with (
+        PagekeeperClient(server.grpc_address, local_socket=None) as old,
+        PagekeeperClient(server.grpc_address, local_socket=None) as new,
+    ):
+        old.register("scheduler", lease_ttl=0.6)
+        old.admit("fence-a", tokens(95, 40))
+        new.register("scheduler", lease_ttl=0.6, client_id=old.client_id)
+        deadline = time.monotonic() + 10
+        while old.lease_error is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert isinstance(old.lease_error, AbortedError)
+        time.sleep(0.6)  # several renewal periods: nobody takes the id back
+        assert old.stats.num_reregistrations == 0 and new.stats.num_reregistrations == 0
+        assert new.generation == 2 and new.lease_error is None
+        old.free_later("fence-a")
+        with pytest.raises(AbortedError, match="newer registration took the id over"):
+            old.step()
+        assert not old.has_unanswered_step  # refused: nothing to send again
+        assert new.block_table("fence-a").num_tokens == 40  # the zombie freed nothing
+        old.discard_queued()
 
 
 @pytest.mark.parametrize("deliver", [True, False], ids=["reply-lost", "request-lost"])

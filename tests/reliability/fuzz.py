@@ -33,6 +33,7 @@ PRECISE = {
     grpc.StatusCode.ALREADY_EXISTS,
     grpc.StatusCode.RESOURCE_EXHAUSTED,
     grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.ABORTED,
     grpc.StatusCode.PERMISSION_DENIED,
 }
 

@@ -135,7 +135,7 @@ def test_ids_that_do_not_exist_or_belong_to_another_client(server, setup):
         ),
         (
             pb.StepRequest(client_id=other.client_id, generation=other.generation + 5, step_id=9),
-            E.FAILED_PRECONDITION,
+            E.ABORTED,
             "generation",
         ),
     ]
@@ -152,7 +152,7 @@ def test_ids_that_do_not_exist_or_belong_to_another_client(server, setup):
         server,
         stub.Unregister,
         pb.UnregisterRequest(client_id=other.client_id, generation=other.generation + 1),
-        E.FAILED_PRECONDITION,
+        E.ABORTED,
     )
     _refused(
         server,

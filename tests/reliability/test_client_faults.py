@@ -171,14 +171,12 @@ def test_stale_generation_cannot_touch_the_successors_pages(pagekeeper_server):
         old.request(admissions=[pb.Admission(request_id="gen-b", token_ids=i32(range(9)))]),
     ):
         error = status_of(old.stub.Step, request, metadata=server.metadata)
-        assert error == grpc.StatusCode.FAILED_PRECONDITION
+        assert error == grpc.StatusCode.ABORTED  # fenced off: not to register again
     for call, message in (
         (old.stub.Heartbeat, pb.HeartbeatRequest(client_id=old.client_id, generation=1)),
         (old.stub.Unregister, pb.UnregisterRequest(client_id=old.client_id, generation=1)),
     ):
-        assert status_of(call, message, metadata=server.metadata) == (
-            grpc.StatusCode.FAILED_PRECONDITION
-        )
+        assert status_of(call, message, metadata=server.metadata) == grpc.StatusCode.ABORTED
     assert state_digest(server) == before
     # The successor owns the request and frees it.
     old.generation = takeover.generation

@@ -190,7 +190,7 @@ def _bad_steps(owner: Scheduler, other: Scheduler):
         other.request(growth_columns=pb.GrowthColumns(request_ids=[a], new_token_ids=i32([1]))),
     )
     yield (
-        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.ABORTED,
         "is not the current registration",
         owner,
         pb.StepRequest(

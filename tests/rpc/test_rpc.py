@@ -237,9 +237,7 @@ def test_heartbeat_unregister_and_takeover(pagekeeper_server):
     assert takeover.generation == sched.generation + 1
     assert takeover.last_step_id == sched.step_id
     stale = sched.request(free_request_ids=["hb-a"])
-    assert (
-        status_of(sched.stub.Step, stale, metadata=sched.md) == grpc.StatusCode.FAILED_PRECONDITION
-    )
+    assert status_of(sched.stub.Step, stale, metadata=sched.md) == grpc.StatusCode.ABORTED
     sched.generation = takeover.generation
     gone = sched.stub.Unregister(
         pb.UnregisterRequest(client_id=sched.client_id, generation=sched.generation),

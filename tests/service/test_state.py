@@ -15,6 +15,7 @@ from pagekeeper.core.errors import (
     NotFound,
     PermissionDenied,
     ResourceExhausted,
+    Superseded,
 )
 from pagekeeper.core.events import PageStored, TokenRun, event_nbytes
 from pagekeeper.core.types import ExtraKeys, MultiModalKey
@@ -162,7 +163,7 @@ def test_ownership_roles_generations():
         RegisterCommand(now=0.0, role=ClientRole.SCHEDULER, client_id=owner[0])
     )
     assert takeover.generation == 2 and takeover.last_step_id == 1
-    with pytest.raises(FailedPrecondition, match="generation"):
+    with pytest.raises(Superseded, match="generation"):
         step(state, owner, 2, frees=("a",))
     with pytest.raises(FailedPrecondition, match="registered as scheduler"):
         state.register(RegisterCommand(now=0.0, role=ClientRole.WORKER, client_id=owner[0]))

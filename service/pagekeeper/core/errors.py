@@ -16,6 +16,7 @@ class ErrorCode(str, Enum):
     ALREADY_EXISTS = "already_exists"
     RESOURCE_EXHAUSTED = "resource_exhausted"
     FAILED_PRECONDITION = "failed_precondition"
+    ABORTED = "aborted"
     PERMISSION_DENIED = "permission_denied"
     UNAUTHENTICATED = "unauthenticated"
     INTERNAL = "internal"
@@ -63,6 +64,14 @@ class ResourceExhausted(PagekeeperError):
 
 class FailedPrecondition(PagekeeperError):
     code = ErrorCode.FAILED_PRECONDITION
+
+
+class Superseded(PagekeeperError):
+    """A call under a registration that is no longer the client id's current one (a newer
+    registration took the id over): the caller is fenced off, and must not register
+    again on its own (that would fence its successor in turn)."""
+
+    code = ErrorCode.ABORTED
 
 
 class PermissionDenied(PagekeeperError):
