@@ -254,7 +254,9 @@ class AsyncPagekeeperClient(_ClientCore[AsyncLocalChannel]):
         reply = await self._call(
             "Heartbeat",
             pb.HeartbeatRequest(
-                client_id=registration.client_id, generation=registration.generation
+                client_id=registration.client_id,
+                generation=registration.generation,
+                state_id=registration.state_id,
             ),
         )
         self.stats.num_heartbeats += 1
@@ -330,7 +332,9 @@ class AsyncPagekeeperClient(_ClientCore[AsyncLocalChannel]):
         reply = await self._call(
             "Unregister",
             pb.UnregisterRequest(
-                client_id=registration.client_id, generation=registration.generation
+                client_id=registration.client_id,
+                generation=registration.generation,
+                state_id=registration.state_id,
             ),
         )
         self._registration = None
@@ -584,6 +588,7 @@ class AsyncPagekeeperClient(_ClientCore[AsyncLocalChannel]):
             prepared = state.prepare_step(
                 client_id=registration.client_id,
                 generation=registration.generation,
+                state_id=registration.state_id,
                 step_id=step_id,
                 batch=batch,
                 num_scheduled_tokens=num_scheduled_tokens,

@@ -561,6 +561,7 @@ def registration_from_pb(msg: pb.RegisterClientResponse) -> Registration:
         ring=ring_from_pb(msg.ring) if msg.HasField("ring") else None,
         local_socket=msg.local_socket,
         local_ticket=msg.local_ticket,
+        state_id=msg.state_id,
     )
 
 
@@ -1438,6 +1439,7 @@ class SchedulerState:
         batch: Sequence[str] | None,
         num_scheduled_tokens: TokenIds | None,
         explicit: bool = True,
+        state_id: str = "",
     ) -> PreparedStep:
         """The ``StepRequest`` carrying the whole queue (and the batch, if any). The queue
         stays as it is until :meth:`apply_step` accepts the answer."""
@@ -1446,6 +1448,7 @@ class SchedulerState:
             client_id=client_id,
             generation=generation,
             step_id=step_id,
+            state_id=state_id,
             free_request_ids=[f.request_id for f in self._frees],
             admissions=[a.message for a in self._admissions],
             grants_in_columns=True,
@@ -2243,7 +2246,9 @@ class PagekeeperClient(_ClientCore[LocalChannel]):
         reply = self._call(
             "Heartbeat",
             pb.HeartbeatRequest(
-                client_id=registration.client_id, generation=registration.generation
+                client_id=registration.client_id,
+                generation=registration.generation,
+                state_id=registration.state_id,
             ),
         )
         self.stats.num_heartbeats += 1
@@ -2330,7 +2335,9 @@ class PagekeeperClient(_ClientCore[LocalChannel]):
         reply = self._call(
             "Unregister",
             pb.UnregisterRequest(
-                client_id=registration.client_id, generation=registration.generation
+                client_id=registration.client_id,
+                generation=registration.generation,
+                state_id=registration.state_id,
             ),
             timeout=timeout,
         )
@@ -2406,6 +2413,7 @@ class PagekeeperClient(_ClientCore[LocalChannel]):
             pb.WatchTablesRequest(
                 client_id=registration.client_id,
                 generation=registration.generation,
+                state_id=registration.state_id,
                 since_step_seq=since_step_seq,
             ),
             metadata=self._metadata,
@@ -2656,6 +2664,7 @@ class PagekeeperClient(_ClientCore[LocalChannel]):
         prepared = state.prepare_step(
             client_id=registration.client_id,
             generation=registration.generation,
+            state_id=registration.state_id,
             step_id=step_id,
             batch=batch,
             num_scheduled_tokens=num_scheduled_tokens,

@@ -244,6 +244,9 @@ class Registration:
     local_ticket: str = ""
     """With mutual TLS: what a same-node socket connection presents to act for this client
     ("": none needed)."""
+    state_id: str = ""
+    """The service's state this registration belongs to; sent back with every call for the
+    client, so a service whose state was reset refuses the old registration (NOT_FOUND)."""
 
 
 # -- step inputs ----------------------------------------------------------------------------

@@ -246,6 +246,34 @@ def test_a_fenced_client_stops_renewing_instead_of_taking_its_id_back(server_fac
         old.discard_queued()
 
 
+def test_a_registration_with_a_reset_state_is_refused_not_mistaken(server_factory):
+    """A service whose state starts empty again (durability none, a wiped data dir) gives
+    out the same client ids and generations: calls carry the registration's state id, so
+    the old client is told its state is gone instead of acting as the new one."""
+    first = server_factory("--durability", "none", "--num-pages", "64")
+    address = first.grpc_address
+    with PagekeeperClient(address, local_socket=None) as old:
+        old.register("scheduler")
+        assert old.registration.state_id
+        old.admit("reset-a", tokens(96, 40))
+        first.stop()
+        again = server_factory(
+            "--durability", "none", "--num-pages", "64", "--grpc-address", address
+        )
+        with PagekeeperClient(again.grpc_address, local_socket=None) as new:
+            new.register("scheduler")
+            assert (new.client_id, new.generation) == (old.client_id, old.generation)
+            assert new.registration.state_id != old.registration.state_id
+            new.admit("reset-a", tokens(97, 40))
+            old.free_later("reset-a")
+            with pytest.raises(NotFoundError, match="was reset"):
+                old.step()
+            with pytest.raises(NotFoundError, match="was reset"):
+                old.heartbeat()
+            assert new.block_table("reset-a").num_tokens == 40  # untouched by the old one
+            old.close(unregister=False)
+
+
 @pytest.mark.parametrize("deliver", [True, False], ids=["reply-lost", "request-lost"])
 def test_unavailable_step_is_retried_with_the_same_id(connect, deliver):
     dropper = DropStepReplies()

@@ -20,7 +20,7 @@ import grpc
 
 from pagekeeper import __version__
 from pagekeeper.auth import BearerTokens, PresentedToken
-from pagekeeper.core.errors import PagekeeperError, PermissionDenied
+from pagekeeper.core.errors import NotFound, PagekeeperError, PermissionDenied
 from pagekeeper.errors_map import grpc_status
 from pagekeeper.rpc import convert
 from pagekeeper.runtime import Runtime
@@ -148,12 +148,28 @@ class PagekeeperServicer(pb_grpc.PagekeeperServiceServicer):  # type: ignore[mis
         self.local_socket = ""
         """The same-node socket's absolute path once it listens (advertised at registration)."""
         self._ticket_key = b""
+        durability = runtime.durability
         if self._bind_identities:
             # Stable across restarts where the state is (a recovered registration's ticket
             # still opens the socket); a state that starts empty needs none.
-            durability = runtime.durability
             self._ticket_key = (
                 durability.secret("local_ticket") if durability is not None else os.urandom(32)
+            )
+        self.state_id = (
+            durability.secret("state_id") if durability is not None else os.urandom(32)
+        )[:8].hex()
+        """Names this service's state: kept with the data dir, new when the state starts
+        empty (see RegisterClientResponse.state_id)."""
+
+    def _check_state(self, client_id: str, state_id: str) -> None:
+        """A call naming another state of this service (registered before the state was
+        reset) is for a client that no longer exists here, even where the new state gave
+        out the same id and generation again."""
+        if state_id and state_id != self.state_id:
+            raise NotFound(
+                f"client {client_id!r} registered with state {state_id}, but this service's "
+                f"state is {self.state_id}: it was reset (a wiped data dir, or durability "
+                "none) and that registration and its requests are gone; register anew"
             )
 
     def local_ticket(self, client_id: str, identity: str) -> str:
@@ -245,6 +261,7 @@ class PagekeeperServicer(pb_grpc.PagekeeperServiceServicer):  # type: ignore[mis
             local_ticket=self.local_ticket(result.client_id, identity)
             if identity and self.local_socket
             else "",
+            state_id=self.state_id,
         )
         if result.ring is not None:
             response.ring.CopyFrom(convert.ring_to_pb(result.ring))
@@ -261,6 +278,7 @@ class PagekeeperServicer(pb_grpc.PagekeeperServiceServicer):  # type: ignore[mis
 
     @_unary
     def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> pb.HeartbeatResponse:
+        self._check_state(request.client_id, request.state_id)
         self._check_identity(request.client_id, context)
         result = self.state.heartbeat(
             HeartbeatCommand(self.runtime.now(), request.client_id, request.generation)
@@ -274,6 +292,7 @@ class PagekeeperServicer(pb_grpc.PagekeeperServiceServicer):  # type: ignore[mis
 
     @_unary
     def Unregister(self, request: pb.UnregisterRequest, context: Any) -> pb.UnregisterResponse:
+        self._check_state(request.client_id, request.state_id)
         self._check_identity(request.client_id, context)
         freed = self.state.unregister(
             UnregisterCommand(self.runtime.now(), request.client_id, request.generation)
@@ -284,6 +303,8 @@ class PagekeeperServicer(pb_grpc.PagekeeperServiceServicer):  # type: ignore[mis
     # -- the hot path -------------------------------------------------------------------
     @_unary
     def Step(self, request: pb.StepRequest, context: Any) -> pb.StepResponse:
+        if request.state_id:
+            self._check_state(request.client_id, request.state_id)
         self._check_identity(request.client_id, context)
         command = convert.step_from_pb(request, self.runtime.now())
         started = time.perf_counter()
@@ -374,6 +395,7 @@ class PagekeeperServicer(pb_grpc.PagekeeperServiceServicer):  # type: ignore[mis
     ) -> AsyncIterator[pb.WatchTablesResponse]:
         runtime, hub = self.runtime, self.runtime.hub
         try:
+            self._check_state(request.client_id, request.state_id)
             self._check_identity(request.client_id, context)
             client = self.state.check_client(request.client_id, request.generation, runtime.now())
         except PagekeeperError as exc:

@@ -278,7 +278,7 @@ class KernelBlockSize(_message.Message):
     def __init__(self, group_id: _Optional[int] = ..., kernel_block_size: _Optional[int] = ...) -> None: ...
 
 class RegisterClientResponse(_message.Message):
-    __slots__ = ("client_id", "generation", "lease_ttl_ms", "kernel_block_sizes", "ring", "pool", "limits", "last_step_id", "last_published_step_seq", "local_socket", "local_ticket")
+    __slots__ = ("client_id", "generation", "lease_ttl_ms", "kernel_block_sizes", "ring", "pool", "limits", "last_step_id", "last_published_step_seq", "local_socket", "local_ticket", "state_id")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
@@ -290,6 +290,7 @@ class RegisterClientResponse(_message.Message):
     LAST_PUBLISHED_STEP_SEQ_FIELD_NUMBER: _ClassVar[int]
     LOCAL_SOCKET_FIELD_NUMBER: _ClassVar[int]
     LOCAL_TICKET_FIELD_NUMBER: _ClassVar[int]
+    STATE_ID_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     generation: int
     lease_ttl_ms: int
@@ -301,15 +302,18 @@ class RegisterClientResponse(_message.Message):
     last_published_step_seq: int
     local_socket: str
     local_ticket: str
-    def __init__(self, client_id: _Optional[str] = ..., generation: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., kernel_block_sizes: _Optional[_Iterable[_Union[KernelBlockSize, _Mapping]]] = ..., ring: _Optional[_Union[RingDescriptor, _Mapping]] = ..., pool: _Optional[_Union[PoolConfig, _Mapping]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., last_step_id: _Optional[int] = ..., last_published_step_seq: _Optional[int] = ..., local_socket: _Optional[str] = ..., local_ticket: _Optional[str] = ...) -> None: ...
+    state_id: str
+    def __init__(self, client_id: _Optional[str] = ..., generation: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., kernel_block_sizes: _Optional[_Iterable[_Union[KernelBlockSize, _Mapping]]] = ..., ring: _Optional[_Union[RingDescriptor, _Mapping]] = ..., pool: _Optional[_Union[PoolConfig, _Mapping]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., last_step_id: _Optional[int] = ..., last_published_step_seq: _Optional[int] = ..., local_socket: _Optional[str] = ..., local_ticket: _Optional[str] = ..., state_id: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("client_id", "generation")
+    __slots__ = ("client_id", "generation", "state_id")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    STATE_ID_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     generation: int
-    def __init__(self, client_id: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
+    state_id: str
+    def __init__(self, client_id: _Optional[str] = ..., generation: _Optional[int] = ..., state_id: _Optional[str] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("lease_ttl_ms", "ring", "last_event_seq")
@@ -322,12 +326,14 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, lease_ttl_ms: _Optional[int] = ..., ring: _Optional[_Union[RingDescriptor, _Mapping]] = ..., last_event_seq: _Optional[int] = ...) -> None: ...
 
 class UnregisterRequest(_message.Message):
-    __slots__ = ("client_id", "generation")
+    __slots__ = ("client_id", "generation", "state_id")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    STATE_ID_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     generation: int
-    def __init__(self, client_id: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
+    state_id: str
+    def __init__(self, client_id: _Optional[str] = ..., generation: _Optional[int] = ..., state_id: _Optional[str] = ...) -> None: ...
 
 class UnregisterResponse(_message.Message):
     __slots__ = ("num_freed_requests",)
@@ -394,7 +400,7 @@ class Batch(_message.Message):
     def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., num_scheduled_tokens: _Optional[bytes] = ..., num_computed_tokens: _Optional[bytes] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("client_id", "generation", "step_id", "free_request_ids", "growths", "admissions", "growth_columns", "batch", "grants_in_columns")
+    __slots__ = ("client_id", "generation", "step_id", "free_request_ids", "growths", "admissions", "growth_columns", "batch", "grants_in_columns", "state_id")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
@@ -404,6 +410,7 @@ class StepRequest(_message.Message):
     GROWTH_COLUMNS_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
     GRANTS_IN_COLUMNS_FIELD_NUMBER: _ClassVar[int]
+    STATE_ID_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     generation: int
     step_id: int
@@ -413,7 +420,8 @@ class StepRequest(_message.Message):
     growth_columns: GrowthColumns
     batch: Batch
     grants_in_columns: bool
-    def __init__(self, client_id: _Optional[str] = ..., generation: _Optional[int] = ..., step_id: _Optional[int] = ..., free_request_ids: _Optional[_Iterable[str]] = ..., growths: _Optional[_Iterable[_Union[Growth, _Mapping]]] = ..., admissions: _Optional[_Iterable[_Union[Admission, _Mapping]]] = ..., growth_columns: _Optional[_Union[GrowthColumns, _Mapping]] = ..., batch: _Optional[_Union[Batch, _Mapping]] = ..., grants_in_columns: _Optional[bool] = ...) -> None: ...
+    state_id: str
+    def __init__(self, client_id: _Optional[str] = ..., generation: _Optional[int] = ..., step_id: _Optional[int] = ..., free_request_ids: _Optional[_Iterable[str]] = ..., growths: _Optional[_Iterable[_Union[Growth, _Mapping]]] = ..., admissions: _Optional[_Iterable[_Union[Admission, _Mapping]]] = ..., growth_columns: _Optional[_Union[GrowthColumns, _Mapping]] = ..., batch: _Optional[_Union[Batch, _Mapping]] = ..., grants_in_columns: _Optional[bool] = ..., state_id: _Optional[str] = ...) -> None: ...
 
 class AllocationResult(_message.Message):
     __slots__ = ("request_id", "status", "num_cached_tokens", "new_page_ids", "hit_page_ids", "reason")
@@ -590,14 +598,16 @@ class WatchEventsResponse(_message.Message):
     def __init__(self, events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ..., fell_behind: _Optional[bool] = ..., first_retained_seq: _Optional[int] = ..., last_event_seq: _Optional[int] = ...) -> None: ...
 
 class WatchTablesRequest(_message.Message):
-    __slots__ = ("client_id", "generation", "since_step_seq")
+    __slots__ = ("client_id", "generation", "since_step_seq", "state_id")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     SINCE_STEP_SEQ_FIELD_NUMBER: _ClassVar[int]
+    STATE_ID_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     generation: int
     since_step_seq: int
-    def __init__(self, client_id: _Optional[str] = ..., generation: _Optional[int] = ..., since_step_seq: _Optional[int] = ...) -> None: ...
+    state_id: str
+    def __init__(self, client_id: _Optional[str] = ..., generation: _Optional[int] = ..., since_step_seq: _Optional[int] = ..., state_id: _Optional[str] = ...) -> None: ...
 
 class PublishedTable(_message.Message):
     __slots__ = ("group_id", "kernel_block_size", "block_table", "row_lengths", "slot_mapping", "num_reqs", "num_cols")
