@@ -184,6 +184,7 @@ class AsyncPagekeeperClient(_ClientCore[AsyncLocalChannel]):
         return await self._call_once(method, request)
 
     async def _call_once(self, method: str, request: Any) -> Any:
+        self._check_open(method)
         stats = self.stats
         stats.num_rpcs += 1
         stats.by_method[method] = stats.by_method.get(method, 0) + 1
@@ -382,6 +383,7 @@ class AsyncPagekeeperClient(_ClientCore[AsyncLocalChannel]):
     def watch_events(self, since: int = 0, *, max_events_per_message: int = 0) -> AsyncEventStream:
         """See :meth:`PagekeeperClient.watch_events` (the token file's current token is
         adopted when the stream opens)."""
+        self._check_open("WatchEvents")
         if self._token_file is not None:
             self._reread_token(self._token)
         self.stats.num_rpcs += 1

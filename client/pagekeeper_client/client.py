@@ -1895,6 +1895,12 @@ class _ClientCore(Generic[_Local]):
             raise NotRegisteredError("register() first" if not self._is_closed else "closed")
         return registration
 
+    def _check_open(self, method: str) -> None:
+        """Any call after ``close()``: the channel is gone (gRPC would raise its own
+        ValueError or UsageError)."""
+        if self._is_closed:
+            raise NotRegisteredError("this client is closed", method=method)
+
     def _scheduler(self) -> SchedulerState:
         self._require()
         if self._state is None:
@@ -2167,6 +2173,7 @@ class PagekeeperClient(_ClientCore[LocalChannel]):
         return self._call_once(method, request, timeout)
 
     def _call_once(self, method: str, request: Any, timeout: float | None) -> Any:
+        self._check_open(method)
         stats = self.stats
         stats.num_rpcs += 1
         stats.by_method[method] = stats.by_method.get(method, 0) + 1
@@ -2390,6 +2397,7 @@ class PagekeeperClient(_ClientCore[LocalChannel]):
     def _token_for_stream(self) -> None:
         """A stream checks its token only as it goes (a revoked one ends it with
         UNAUTHENTICATED): opening one, adopt the token file's current first token."""
+        self._check_open("a stream")
         if self._token_file is not None:
             self._reread_token(self._token)
 

@@ -18,6 +18,7 @@ from pagekeeper_client import (
     FailedPreconditionError,
     InvalidArgumentError,
     NotFoundError,
+    NotRegisteredError,
     PagekeeperClient,
     PagekeeperError,
     PageStored,
@@ -244,6 +245,35 @@ def test_a_fenced_client_stops_renewing_instead_of_taking_its_id_back(server_fac
         assert not old.has_unanswered_step  # refused: nothing to send again
         assert new.block_table("fence-a").num_tokens == 40  # the zombie freed nothing
         old.discard_queued()
+
+
+def test_calls_after_close_say_the_client_is_closed(pagekeeper_server):
+    client = PagekeeperClient(pagekeeper_server.grpc_address, token=pagekeeper_server.token)
+    client.register("scheduler")
+    client.close()
+    for call in (
+        client.pool_info,
+        lambda: client.lookup([1, 2, 3]),
+        lambda: client.block_table("x"),
+        client.watch_events,
+        client.step,
+    ):
+        with pytest.raises(NotRegisteredError, match="closed"):
+            call()
+
+    async def main() -> None:
+        aclient = AsyncPagekeeperClient(
+            pagekeeper_server.grpc_address, token=pagekeeper_server.token
+        )
+        await aclient.register("scheduler")
+        await aclient.close()
+        for call in (aclient.pool_info, lambda: aclient.lookup([1, 2, 3]), aclient.step):
+            with pytest.raises(NotRegisteredError, match="closed"):
+                await call()
+        with pytest.raises(NotRegisteredError, match="closed"):
+            aclient.watch_events()
+
+    asyncio.run(main())
 
 
 def test_a_registration_with_a_reset_state_is_refused_not_mistaken(server_factory):
