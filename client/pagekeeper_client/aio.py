@@ -220,6 +220,8 @@ class AsyncPagekeeperClient(_ClientCore[AsyncLocalChannel]):
     ) -> Registration:
         """See :meth:`PagekeeperClient.register`; the lease is renewed by a task."""
         role = _role(role)
+        if self._forgotten is not None:
+            self._drop_forgotten()  # forgotten by the service: register anew
         if self._registration is not None:
             raise AlreadyExistsError(f"already registered as {self._registration.client_id}")
         args: dict[str, Any] = {
@@ -304,6 +306,8 @@ class AsyncPagekeeperClient(_ClientCore[AsyncLocalChannel]):
                 if not self._is_closed:
                     self.lease_error = exc
                     log.error("lease renewal stopped: %s", exc)
+                    if not isinstance(exc, AbortedError):
+                        self._forget_if_gone(exc)
                 return
             except FailedPreconditionError as exc:
                 log.warning("lease lost (%s); registering again", exc.reason)
@@ -602,10 +606,22 @@ class AsyncPagekeeperClient(_ClientCore[AsyncLocalChannel]):
             except BaseException as exc:  # a cancelled task too: the step may be applied
                 if not step_was_refused(exc):
                     self._keep_unanswered(prepared, exc)
+                elif isinstance(exc, NotFoundError) and await self._registration_gone():
+                    raise self._drop_forgotten() from exc
                 raise
             self._last_renewal = time.monotonic()
             self.stats.num_steps += 1
             return state.apply_step(prepared, response)
+
+    async def _registration_gone(self) -> bool:
+        """See :meth:`PagekeeperClient._registration_gone`."""
+        try:
+            await self.heartbeat()
+        except NotFoundError as exc:
+            return self._forget_if_gone(exc)
+        except PagekeeperError:
+            pass
+        return False
 
     async def _send_unanswered(self) -> None:
         """See :meth:`PagekeeperClient._send_unanswered`."""

@@ -1851,6 +1851,12 @@ class _ClientCore(Generic[_Local]):
         self.lease_error: PagekeeperError | None = None
         """The last error of the background lease renewal (None while healthy)."""
         self._is_closed = False
+        self._forgotten: str | None = None
+        """Why the service no longer knows this registration (its lease ran out past the
+        grace period, or its state was reset), as a heartbeat or a step learnt it; the
+        next call drops the registration (:meth:`_drop_forgotten`)."""
+        self._lost_message: str | None = None
+        """What calls say once the registration was dropped, until ``register()``."""
         self._local_mode, self._local_path = local_socket_choice(local_socket, interceptors)
         self._local = None
         self._local_retry_at = 0.0
@@ -1890,10 +1896,38 @@ class _ClientCore(Generic[_Local]):
 
     # -- the registration -----------------------------------------------------------------
     def _require(self) -> Registration:
+        if self._forgotten is not None:
+            raise self._drop_forgotten()
         registration = self._registration
         if registration is None or self._is_closed:
-            raise NotRegisteredError("register() first" if not self._is_closed else "closed")
+            if self._is_closed:
+                raise NotRegisteredError("closed")
+            raise NotRegisteredError(self._lost_message or "register() first")
         return registration
+
+    def _drop_forgotten(self) -> NotRegisteredError:
+        """The service forgot this registration: drop it and the requests the client
+        tracked (the service freed them), so that ``register()`` may start anew; returns
+        the error every call raises until then."""
+        registration, state = self._registration, self._state
+        reason, self._forgotten = self._forgotten, None
+        name = registration.client_id if registration is not None else "?"
+        num = len(state.requests) if state is not None else 0
+        self._lost_message = (
+            f"registration lost: the service no longer knows client {name!r} ({reason}); "
+            f"the {num} request(s) it held were freed there. register() again (a new id)"
+        )
+        log.error("%s", self._lost_message)
+        self._registration = None
+        self._state = None
+        self._unanswered = None
+        return NotRegisteredError(self._lost_message)
+
+    def _forget_if_gone(self, error: BaseException) -> bool:
+        """After a NOT_FOUND for this client's own registration: remember it is gone."""
+        if isinstance(error, NotFoundError) and self._forgotten is None:
+            self._forgotten = error.reason
+        return self._forgotten is not None
 
     def _check_open(self, method: str) -> None:
         """Any call after ``close()``: the channel is gone (gRPC would raise its own
@@ -1911,6 +1945,7 @@ class _ClientCore(Generic[_Local]):
 
     def _accept_registration(self, registration: Registration) -> None:
         self._registration = registration
+        self._lost_message = None
         self._last_renewal = time.monotonic()
         # Step ids continue above anything this id applied, and a publishing step must
         # exceed every published one (workers wait on increasing sequence numbers).
@@ -2218,6 +2253,8 @@ class PagekeeperClient(_ClientCore[LocalChannel]):
         kernel block size suits a worker's backends.
         """
         role = _role(role)
+        if self._forgotten is not None:
+            self._drop_forgotten()  # forgotten by the service: register anew
         if self._registration is not None:
             raise AlreadyExistsError(f"already registered as {self._registration.client_id}")
         args: dict[str, Any] = {
@@ -2316,6 +2353,8 @@ class PagekeeperClient(_ClientCore[LocalChannel]):
                 if not self._stop.is_set():
                     self.lease_error = exc
                     log.error("lease renewal stopped: %s", exc)
+                    if not isinstance(exc, AbortedError):
+                        self._forget_if_gone(exc)
                 return
             except FailedPreconditionError as exc:
                 if self._stop.is_set():
@@ -2685,10 +2724,23 @@ class PagekeeperClient(_ClientCore[LocalChannel]):
         except BaseException as exc:
             if not step_was_refused(exc):
                 self._keep_unanswered(prepared, exc)
+            elif isinstance(exc, NotFoundError) and self._registration_gone():
+                raise self._drop_forgotten() from exc
             raise
         self._last_renewal = time.monotonic()
         self.stats.num_steps += 1
         return state.apply_step(prepared, response)
+
+    def _registration_gone(self) -> bool:
+        """A step was NOT_FOUND: an unknown request, or this client itself? A heartbeat
+        tells (one more call, on this error path only)."""
+        try:
+            self.heartbeat()
+        except NotFoundError as exc:
+            return self._forget_if_gone(exc)
+        except PagekeeperError:
+            pass
+        return False
 
     def _send_unanswered(self) -> None:
         """Send the unanswered step again and apply its answer; a refusal of it (it changed

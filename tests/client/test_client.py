@@ -276,6 +276,26 @@ def test_calls_after_close_say_the_client_is_closed(pagekeeper_server):
     asyncio.run(main())
 
 
+def test_a_scheduler_the_service_dropped_is_told_and_may_register_anew(server_factory):
+    """Past its lease and the grace period the service frees a scheduler's requests and
+    forgets it: the client says so (not "register first" while register() refused with
+    "already registered"), drops the requests it tracked, and registers anew."""
+    server = server_factory("--lease-ttl-s", "0.5", "--lease-grace-s", "0.2", "--num-pages", "64")
+    with PagekeeperClient(server.grpc_address, local_socket=None) as client:
+        client.register("scheduler", lease_ttl=0.5, renew=False)
+        first_id = client.client_id
+        assert client.admit("drop-a", tokens(99, 40)).ok
+        time.sleep(1.6)  # lease + grace + the reaper's tick
+        client.allocate_slots("drop-a", 1, new_token_ids=[3])
+        with pytest.raises(NotRegisteredError, match=f"registration lost.*{first_id}.*1 request"):
+            client.step(batch=["drop-a"])
+        with pytest.raises(NotRegisteredError, match="registration lost"):
+            client.request_ids()
+        client.register("scheduler", lease_ttl=5.0)
+        assert client.client_id != first_id and client.request_ids() == []
+        assert client.admit("drop-a", tokens(99, 40)).ok  # the id is free again
+
+
 def test_a_registration_with_a_reset_state_is_refused_not_mistaken(server_factory):
     """A service whose state starts empty again (durability none, a wiped data dir) gives
     out the same client ids and generations: calls carry the registration's state id, so
@@ -296,12 +316,14 @@ def test_a_registration_with_a_reset_state_is_refused_not_mistaken(server_factor
             assert new.registration.state_id != old.registration.state_id
             new.admit("reset-a", tokens(97, 40))
             old.free_later("reset-a")
-            with pytest.raises(NotFoundError, match="was reset"):
+            with pytest.raises(NotRegisteredError, match=r"registration lost.*was reset"):
                 old.step()
-            with pytest.raises(NotFoundError, match="was reset"):
+            with pytest.raises(NotRegisteredError, match="registration lost"):
                 old.heartbeat()
             assert new.block_table("reset-a").num_tokens == 40  # untouched by the old one
-            old.close(unregister=False)
+            old.register("scheduler")  # anew, in the new state
+            assert old.client_id != new.client_id and old.request_ids() == []
+            assert old.admit("reset-b", tokens(98, 20)).ok
 
 
 @pytest.mark.parametrize("deliver", [True, False], ids=["reply-lost", "request-lost"])
