@@ -246,11 +246,25 @@ class AsyncPagekeeperClient(_ClientCore[AsyncLocalChannel]):
             # A named socket opened before registering: reopen it with the ticket a
             # registration bound to a certificate needs there.
             await self._connect_local(required=True)
+        await self._adopt(registration)
         if renew:
             self._heartbeat_task = asyncio.create_task(
                 self._heartbeat_loop(), name="pagekeeper-lease"
             )
         return registration
+
+    async def _adopt(self, registration: Registration) -> None:
+        """See :meth:`PagekeeperClient._adopt`."""
+        state = self._state
+        if state is None or not registration.request_ids:
+            return
+        groups = range(len(registration.pool.groups))
+        for request_id in state.to_adopt(registration.request_ids):
+            try:
+                tables = [await self.block_table(request_id, g) for g in groups]
+            except NotFoundError:
+                continue  # freed meanwhile (an admin's force-free)
+            state.adopt(request_id, tables)
 
     async def heartbeat(self) -> float:
         registration = self._require()
@@ -278,6 +292,7 @@ class AsyncPagekeeperClient(_ClientCore[AsyncLocalChannel]):
         )
         fresh = registration_from_pb(await self._call("RegisterClient", request))
         self._accept_registration(fresh)
+        await self._adopt(fresh)
         if self._local_mode == "auto" and fresh.local_socket != self._local_path:
             self._local_path = fresh.local_socket
             await self._connect_local(required=False)

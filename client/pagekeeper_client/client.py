@@ -562,6 +562,7 @@ def registration_from_pb(msg: pb.RegisterClientResponse) -> Registration:
         local_socket=msg.local_socket,
         local_ticket=msg.local_ticket,
         state_id=msg.state_id,
+        request_ids=tuple(msg.request_ids),
     )
 
 
@@ -1653,6 +1654,24 @@ class SchedulerState:
                         t.pages[g][i] = page
         return num_local_listed
 
+    def to_adopt(self, request_ids: Sequence[str]) -> list[str]:
+        """Of the requests a takeover's registration says the id owns, those this client
+        does not know (nor is admitting or freeing)."""
+        known = self.requests
+        return [
+            r
+            for r in request_ids
+            if r not in known and r not in self._admitting and r not in self._freeing
+        ]
+
+    def adopt(self, request_id: str, tables: Sequence[BlockTable]) -> None:
+        """Track a request this client id owned before a takeover, from its tables (one per
+        group, as ``GetBlockTable`` gives them)."""
+        first = tables[0]
+        self.requests[request_id] = _Tracked(
+            first.num_tokens, first.num_computed_tokens, [t.page_ids.tolist() for t in tables]
+        )
+
     def _admitted(self, admission: _PendingAdmission, result: AllocationResult) -> _Tracked:
         num_hit = result.num_cached_tokens
         pages: list[list[int]] = []
@@ -2249,7 +2268,8 @@ class PagekeeperClient(_ClientCore[LocalChannel]):
         ("cpu", "cuda:N") and ``kernel_support`` (per group, the kernel block sizes of each
         attention backend their layers use; see :func:`~pagekeeper_client.types.
         normalize_backends`). ``client_id``: take over an earlier registration (a restarted
-        scheduler keeps its requests). Raises :class:`FailedPreconditionError` when no
+        scheduler keeps its requests: the client tracks them again, one GetBlockTable per
+        request and group, and may grow, publish and free them). Raises :class:`FailedPreconditionError` when no
         kernel block size suits a worker's backends.
         """
         role = _role(role)
@@ -2280,9 +2300,25 @@ class PagekeeperClient(_ClientCore[LocalChannel]):
             # A named socket opened before registering: reopen it with the ticket a
             # registration bound to a certificate needs there.
             self._connect_local(required=True)
+        self._adopt(registration)
         if renew:
             self._start_heartbeat()
         return registration
+
+    def _adopt(self, registration: Registration) -> None:
+        """A takeover: track the requests the id owns that this client does not know (a
+        restarted scheduler may grow, publish and free them); one GetBlockTable each per
+        group."""
+        state = self._state
+        if state is None or not registration.request_ids:
+            return
+        groups = range(len(registration.pool.groups))
+        for request_id in state.to_adopt(registration.request_ids):
+            try:
+                tables = [self.block_table(request_id, g) for g in groups]
+            except NotFoundError:
+                continue  # freed meanwhile (an admin's force-free)
+            state.adopt(request_id, tables)
 
     def heartbeat(self) -> float:
         """Renew the lease now; returns the granted TTL in seconds."""
@@ -2314,6 +2350,7 @@ class PagekeeperClient(_ClientCore[LocalChannel]):
         fresh = registration_from_pb(self._call("RegisterClient", request))
         with self._lock:
             self._accept_registration(fresh)
+        self._adopt(fresh)
         if self._local_mode == "auto" and fresh.local_socket != self._local_path:
             self._local_path = fresh.local_socket
             self._connect_local(required=False)

@@ -247,6 +247,8 @@ class Registration:
     state_id: str = ""
     """The service's state this registration belongs to; sent back with every call for the
     client, so a service whose state was reset refuses the old registration (NOT_FOUND)."""
+    request_ids: tuple[str, ...] = ()
+    """A takeover: the running requests the id owns (the client adopts them)."""
 
 
 # -- step inputs ----------------------------------------------------------------------------

@@ -490,6 +490,8 @@ class RegisterResult:
     ring: RingDescriptor | None
     last_step_id: int
     last_published_step_seq: int
+    request_ids: tuple[str, ...] = ()
+    """A takeover: the running requests the id owns (sorted)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -922,6 +924,7 @@ class ServiceState:
             ring=ring if cmd.role is ClientRole.WORKER else None,
             last_step_id=client.last_step_id,
             last_published_step_seq=self._last_published_step_seq,
+            request_ids=tuple(sorted(client.request_ids)),
         )
 
     def heartbeat(self, cmd: HeartbeatCommand) -> HeartbeatResult:

@@ -276,6 +276,35 @@ def test_calls_after_close_say_the_client_is_closed(pagekeeper_server):
     asyncio.run(main())
 
 
+def test_a_takeover_adopts_the_requests_its_id_owns(server_factory):
+    """A restarted scheduler that takes its id over can grow, publish and free the requests
+    the id owns (it could reach none of them: they leaked until it unregistered)."""
+    server = server_factory("--num-pages", "64")
+    old = PagekeeperClient(server.grpc_address, local_socket=None)
+    old.register("scheduler")
+    for k, rid in enumerate(("own-a", "own-b")):
+        assert old.admit(rid, tokens(110 + k, 40 + k)).ok
+    old.allocate_slots("own-a", 1, new_token_ids=[4])  # held back: never sent
+    old_id = old.client_id
+    old.close(unregister=False)  # the process died
+    with PagekeeperClient(server.grpc_address, local_socket=None) as new:
+        registration = new.register("scheduler", client_id=old_id)
+        assert registration.request_ids == ("own-a", "own-b")
+        assert new.request_ids() == ["own-a", "own-b"]
+        view = new.request("own-a")
+        assert view.num_tokens == view.num_computed_tokens == 40  # the held decode is gone
+        assert view.page_ids[0].tolist() == new.block_table("own-a").page_ids.tolist()
+        for n in range(10):  # grows across a page boundary, tables published
+            new.allocate_slots("own-a", 1, new_token_ids=[n])
+            new.step(batch=["own-a"])
+        new.flush()
+        assert new.block_table("own-a").num_tokens == 50
+        assert new.page_ids("own-a").tolist() == new.block_table("own-a").page_ids.tolist()
+        new.free("own-a", "own-b")
+        with pytest.raises(NotFoundError):
+            new.block_table("own-b")
+
+
 def test_a_scheduler_the_service_dropped_is_told_and_may_register_anew(server_factory):
     """Past its lease and the grace period the service frees a scheduler's requests and
     forgets it: the client says so (not "register first" while register() refused with

@@ -262,6 +262,7 @@ class PagekeeperServicer(pb_grpc.PagekeeperServiceServicer):  # type: ignore[mis
             if identity and self.local_socket
             else "",
             state_id=self.state_id,
+            request_ids=result.request_ids,
         )
         if result.ring is not None:
             response.ring.CopyFrom(convert.ring_to_pb(result.ring))

@@ -278,7 +278,7 @@ class KernelBlockSize(_message.Message):
     def __init__(self, group_id: _Optional[int] = ..., kernel_block_size: _Optional[int] = ...) -> None: ...
 
 class RegisterClientResponse(_message.Message):
-    __slots__ = ("client_id", "generation", "lease_ttl_ms", "kernel_block_sizes", "ring", "pool", "limits", "last_step_id", "last_published_step_seq", "local_socket", "local_ticket", "state_id")
+    __slots__ = ("client_id", "generation", "lease_ttl_ms", "kernel_block_sizes", "ring", "pool", "limits", "last_step_id", "last_published_step_seq", "local_socket", "local_ticket", "state_id", "request_ids")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
@@ -291,6 +291,7 @@ class RegisterClientResponse(_message.Message):
     LOCAL_SOCKET_FIELD_NUMBER: _ClassVar[int]
     LOCAL_TICKET_FIELD_NUMBER: _ClassVar[int]
     STATE_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     generation: int
     lease_ttl_ms: int
@@ -303,7 +304,8 @@ class RegisterClientResponse(_message.Message):
     local_socket: str
     local_ticket: str
     state_id: str
-    def __init__(self, client_id: _Optional[str] = ..., generation: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., kernel_block_sizes: _Optional[_Iterable[_Union[KernelBlockSize, _Mapping]]] = ..., ring: _Optional[_Union[RingDescriptor, _Mapping]] = ..., pool: _Optional[_Union[PoolConfig, _Mapping]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., last_step_id: _Optional[int] = ..., last_published_step_seq: _Optional[int] = ..., local_socket: _Optional[str] = ..., local_ticket: _Optional[str] = ..., state_id: _Optional[str] = ...) -> None: ...
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, client_id: _Optional[str] = ..., generation: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., kernel_block_sizes: _Optional[_Iterable[_Union[KernelBlockSize, _Mapping]]] = ..., ring: _Optional[_Union[RingDescriptor, _Mapping]] = ..., pool: _Optional[_Union[PoolConfig, _Mapping]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., last_step_id: _Optional[int] = ..., last_published_step_seq: _Optional[int] = ..., local_socket: _Optional[str] = ..., local_ticket: _Optional[str] = ..., state_id: _Optional[str] = ..., request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("client_id", "generation", "state_id")
