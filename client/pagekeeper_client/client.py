@@ -2269,8 +2269,9 @@ class PagekeeperClient(_ClientCore[LocalChannel]):
         attention backend their layers use; see :func:`~pagekeeper_client.types.
         normalize_backends`). ``client_id``: take over an earlier registration (a restarted
         scheduler keeps its requests: the client tracks them again, one GetBlockTable per
-        request and group, and may grow, publish and free them). Raises :class:`FailedPreconditionError` when no
-        kernel block size suits a worker's backends.
+        request and group, and may grow, publish and free them). Raises
+        :class:`FailedPreconditionError` when no kernel block size suits a worker's
+        backends.
         """
         role = _role(role)
         if self._forgotten is not None:
