@@ -1914,10 +1914,15 @@ class ServiceState:
 
     def events_since(self, since_seq: int, limit: int) -> EventsPage:
         """Events with ``seq > since_seq``, oldest first, at most ``limit``; ``fell_behind``
-        when some after ``since_seq`` were already dropped from the buffer."""
+        when some after ``since_seq`` were already dropped from the buffer, or when
+        ``since_seq`` is past every number given out (the watcher followed another state:
+        one reset since, durability none or a wiped data dir), which starts it over from
+        the oldest retained event."""
         events = self._events
         first = self._first_event_seq()
         fell_behind = since_seq < first - 1
+        if since_seq > self._last_event_seq:
+            since_seq, fell_behind = 0, True
         start = bisect.bisect_right(events, since_seq, key=lambda e: e.seq)
         chunk = tuple(events[i] for i in range(start, min(start + limit, len(events))))
         return EventsPage(chunk, fell_behind, first, self._last_event_seq)

@@ -377,6 +377,22 @@ def test_force_free_and_pages_view():
     assert state.counters.num_force_frees == 1  # the refused one is not counted
 
 
+def test_events_since_a_number_never_given_out_start_over():
+    """A watcher holding a sequence number from a state that was reset (durability none):
+    told it fell behind, and given the events from the oldest, not silence until the new
+    numbers pass its own."""
+    state = make_state()
+    me = scheduler(state)
+    step(state, me, 1, admissions=(Admission("a", tokens(0, 40)),))
+    last = state.last_event_seq
+    assert last >= 1
+    page = state.events_since(last, 100)
+    assert page.events == () and not page.fell_behind
+    page = state.events_since(last + 500, 100)
+    assert page.fell_behind and page.events[0].seq == page.first_retained_seq
+    assert page.events[-1].seq == last
+
+
 def test_force_free_count_survives_a_snapshot_and_older_ones_start_it_at_zero():
     state = make_state()
     me = scheduler(state)

@@ -312,7 +312,13 @@ class EventModel(Model):
 
 class EventList(Model):
     events: list[EventModel] = Field(description="Events with seq > since, oldest first.")
-    fell_behind: bool = Field(description="Events after `since` were already dropped.")
+    fell_behind: bool = Field(
+        description=(
+            "Events after `since` were already dropped, or `since` is past every sequence "
+            "number given out (the state was reset since): resynchronise; the events "
+            "returned start at the oldest retained."
+        )
+    )
     first_retained_seq: int = Field(description="Oldest seq still held.")
     last_event_seq: int = Field(description="Latest seq.")
 
