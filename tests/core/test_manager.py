@@ -250,6 +250,12 @@ def test_build_batch_refuses_slots_in_pages_the_window_released():
     assert t.slot_mapping.tolist() == [12, 13, 14, 15, 16, 17, 18, 19, 20]
     (t,) = m.build_batch(["a"], num_scheduled_tokens=[0])  # nothing scheduled: no slot
     assert t.slot_mapping.tolist() == []
+    # A row running ahead past its own pages is the range check's to refuse, with its
+    # reason (not an IndexError, nor "released" from a wider row's padding).
+    m.admit("b", list(range(40)))  # 10 pages: the gathered table is wider than a's
+    for rows, ends in ((["a"], [30]), (["a", "b"], [30, -1])):
+        with pytest.raises(InvalidArgument, match="row 0: positions up to 29 need page"):
+            m.build_batch(rows, num_computed_tokens=ends)
 
 
 def test_sliding_window_hit_needs_enough_contiguous_pages():

@@ -139,15 +139,18 @@ later token attends to them."""
 def _check_no_released_slots(
     request_ids: Sequence[str],
     table: npt.NDArray[np.int32],
+    num_pages: npt.NDArray[np.int32],
     starts: npt.NDArray[np.int64],
     counts: npt.NDArray[np.int64],
     group: GroupManager,
 ) -> None:
     """Refuse a row whose scheduled tokens start in a page its window (or chunk) released:
     their KV would be written into the null page. (Released pages are a prefix of the
-    table, so the first scheduled page decides.)"""
-    live = counts > 0
-    first = np.where(live, starts // group.page_size, 0)
+    table, so the first scheduled page decides. A row starting past its own pages is left
+    to the slot mapping's range check, which says so.)"""
+    first = starts // group.page_size
+    live = (counts > 0) & (first < num_pages)
+    first = np.where(live, first, 0)
     heads = table[np.arange(len(first)), first]
     bad = live & (heads == NULL_PAGE)
     if bad.any():
@@ -954,7 +957,7 @@ class PageManager:
             rows = np.fromiter((g.request_rows[r] for r in request_ids), np.int64, len(reqs))
             table, num_pages = g.rows.gather(rows)
             if g.config.kind in _RELEASING_KINDS and n:
-                _check_no_released_slots(request_ids, table, starts, counts, g)
+                _check_no_released_slots(request_ids, table, num_pages, starts, counts, g)
             is_stateful = g.config.kind is GroupKind.MAMBA and not g.config.enable_state_caching
             out.append(
                 build_batch_tables(

@@ -232,7 +232,10 @@ class RequestDetail(RequestSummary):
         description="The kernel block size asked for (?kernel_block_size=N), else null."
     )
     kernel_block_ids: list[PageIdList] | None = Field(
-        description="Kernel table per group for that size (page p -> p*r … p*r+r-1)."
+        description=(
+            "Kernel table per group for that size (page p -> p*r … p*r+r-1); a Mamba "
+            "group's state pages are never split and are shown whole."
+        )
     )
 
 

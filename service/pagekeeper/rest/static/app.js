@@ -598,7 +598,9 @@
   function fillKernelSelect() {
     if (!app.pool) return;
     const select = $("kbs-select");
-    const options = commonDivisors(app.pool.groups.map((g) => g.page_size));
+    // Mamba state pages are never split: the sizes divide the attention groups' pages.
+    const attention = app.pool.groups.filter((g) => g.kind !== "mamba");
+    const options = commonDivisors((attention.length ? attention : app.pool.groups).map((g) => g.page_size));
     if (!app.kbsTouched || !options.includes(app.kernelBlockSize)) {
       app.kernelBlockSize = defaultKernelBlockSize(options);
     }
@@ -700,7 +702,8 @@
     const groups = app.pool.groups;
     const body = d.page_ids.map((pages, g) => {
       const group = groups[g];
-      const ratio = group.page_size / d.kernel_block_size;
+      const isState = group.kind === "mamba"; // shown whole: workers get it unsplit
+      const ratio = isState ? 1 : group.page_size / d.kernel_block_size;
       const kernel = d.kernel_block_ids ? d.kernel_block_ids[g] : [];
       const cells = detailItems(pages).map((item) => {
         if (item.kind === "gap") {
@@ -751,8 +754,10 @@
           `group ${g} · ${group.kind} · ${tableSize(pages)} `,
           h("span", {
             class: "muted",
-            text: `(${group.page_size}-token pages → ${d.kernel_block_size}-token kernel blocks, ×${ratio}: ` +
-              `page p → blocks p·${ratio} … p·${ratio}+${ratio - 1})`,
+            text: isState
+              ? `(${group.page_size}-token state pages, never split)`
+              : `(${group.page_size}-token pages → ${d.kernel_block_size}-token kernel blocks, ×${ratio}: ` +
+                `page p → blocks p·${ratio} … p·${ratio}+${ratio - 1})`,
           }),
         ),
         h("div", { class: "pages" }, ...cells),
