@@ -47,6 +47,7 @@ from pagekeeper_client.client import (
     pool_from_pb,
     register_request,
     registration_from_pb,
+    resend_was_refused,
     ring_from_pb,
     step_was_refused,
 )
@@ -248,8 +249,10 @@ class AsyncPagekeeperClient(_ClientCore[AsyncLocalChannel]):
             await self._connect_local(required=True)
         await self._adopt(registration)
         if renew:
+            await self._stop_heartbeat()  # a loop of an earlier registration
+            self._lease_epoch += 1
             self._heartbeat_task = asyncio.create_task(
-                self._heartbeat_loop(), name="pagekeeper-lease"
+                self._heartbeat_loop(self._lease_epoch), name="pagekeeper-lease"
             )
         return registration
 
@@ -301,10 +304,11 @@ class AsyncPagekeeperClient(_ClientCore[AsyncLocalChannel]):
         self.stats.num_reregistrations += 1
         return fresh
 
-    async def _heartbeat_loop(self) -> None:
+    async def _heartbeat_loop(self, epoch: int) -> None:
+        """See :meth:`PagekeeperClient._heartbeat_loop`."""
         while not self._is_closed:
             registration = self._registration
-            if registration is None:
+            if registration is None or epoch != self._lease_epoch:
                 return
             period = max(registration.lease_ttl_s / 3.0, 0.05)
             wait = self._last_renewal + period - time.monotonic()
@@ -318,6 +322,8 @@ class AsyncPagekeeperClient(_ClientCore[AsyncLocalChannel]):
                 return
             except (NotFoundError, AbortedError) as exc:
                 # See PagekeeperClient._heartbeat_loop: forgotten, or taken over.
+                if isinstance(exc, AbortedError) and self._generation_moved(registration):
+                    continue
                 if not self._is_closed:
                     self.lease_error = exc
                     log.error("lease renewal stopped: %s", exc)
@@ -359,6 +365,9 @@ class AsyncPagekeeperClient(_ClientCore[AsyncLocalChannel]):
         )
         self._registration = None
         self._state = None
+        self._unanswered = None  # its requests are freed: nothing to learn
+        self._forgotten = None
+        self._lease_epoch += 1
         return int(reply.num_freed_requests)
 
     # -- reads --------------------------------------------------------------------------
@@ -447,8 +456,8 @@ class AsyncPagekeeperClient(_ClientCore[AsyncLocalChannel]):
         admission.is_sync = True
         try:
             await self._send_step(None, None)
-        except PagekeeperError:
-            if not self._is_unanswered(admission):  # one with no answer is sent again
+        except BaseException:  # see PagekeeperClient.admit
+            if not self._carry_answer(admission):
                 state.withdraw_admission(admission)
             raise
         assert admission.result is not None
@@ -527,8 +536,8 @@ class AsyncPagekeeperClient(_ClientCore[AsyncLocalChannel]):
         growth.is_sync = True
         try:
             await self._send_step(None, None)
-        except PagekeeperError:
-            if not self._is_unanswered(growth):
+        except BaseException:  # as for an admission
+            if not self._carry_answer(growth):
                 state.withdraw_growth(growth)
             raise
         result = growth.result
@@ -604,7 +613,10 @@ class AsyncPagekeeperClient(_ClientCore[AsyncLocalChannel]):
             registration = self._require()
             if self._unanswered is not None:
                 # First learn what it did (its answers come with this step's results).
-                await self._send_unanswered()
+                resent = await self._send_unanswered()
+                if batch is None and not state.has_queued:
+                    # It was all there was to send (a flush): no second round trip.
+                    return state.release_carried(resent) if explicit else resent
             step_id = self._next_step_id
             prepared = state.prepare_step(
                 client_id=registration.client_id,
@@ -638,25 +650,31 @@ class AsyncPagekeeperClient(_ClientCore[AsyncLocalChannel]):
             pass
         return False
 
-    async def _send_unanswered(self) -> None:
+    async def _send_unanswered(self) -> StepResult:
         """See :meth:`PagekeeperClient._send_unanswered`."""
         try:
             response = await self._step_with_retry(self._unanswered_request())
         except BaseException as exc:
-            if step_was_refused(exc):
+            if isinstance(exc, NotFoundError) and await self._registration_gone():
+                raise self._drop_forgotten() from exc
+            if resend_was_refused(exc):
                 self._unanswered = None
             raise
-        self._answered(response)
+        return self._answered(response)
 
     async def _step_with_retry(self, request: pb.StepRequest) -> pb.StepResponse:
         deadline = time.monotonic() + self.retry_s
         delay = 0.02
         stats = self.stats
         may_reread = True
+        num_moved = 0
         while True:
             stats.num_rpcs += 1
             stats.by_method["Step"] = stats.by_method.get("Step", 0) + 1
             used = self._token
+            # The current generation: the lease renewal may have registered again since
+            # the step was built (the same client: its last step and answer are kept).
+            generation = self._refresh_generation(request)
             try:
                 local = await self._local_channel("Step")
                 if local is not None:
@@ -671,6 +689,7 @@ class AsyncPagekeeperClient(_ClientCore[AsyncLocalChannel]):
                 UnavailableError,
                 DeadlineExceededError,
                 UnauthenticatedError,
+                AbortedError,
             ) as exc:
                 if isinstance(exc, grpc.RpcError):
                     error = error_from_rpc(exc, "Step")
@@ -680,6 +699,11 @@ class AsyncPagekeeperClient(_ClientCore[AsyncLocalChannel]):
                     may_reread = False  # once a step: a file that keeps changing ends here
                     if self._reread_token(used):
                         continue  # refused before anything was applied: the same id again
+                if isinstance(error, AbortedError) and num_moved < 3:
+                    registration = self._registration
+                    if registration is not None and registration.generation != generation:
+                        num_moved += 1  # registered again meanwhile: under the new one
+                        continue
                 if error.code not in _RETRY_CODES or self._is_closed:
                     raise error from None
                 if time.monotonic() + delay > deadline:

@@ -62,7 +62,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import ModuleType
 from typing import Any, Generic, TypeVar
 
@@ -165,6 +165,20 @@ _REFUSAL_CODES = frozenset(
     }
 )
 """The codes with which the service refuses a step whole, changing nothing."""
+
+
+_REFUSED_BEFORE_THE_STEP = frozenset({grpc.StatusCode.ABORTED, grpc.StatusCode.UNAUTHENTICATED})
+"""Refusals a service gives before it looks at the step id (a stale generation, a token it
+no longer takes): for a step sent again they do not say whether its first send was
+applied. (So is a NOT_FOUND for the client itself, which a heartbeat tells apart from one
+for a request.)"""
+
+
+def resend_was_refused(error: BaseException) -> bool:
+    """Whether a refusal of a step sent again (same id) proves that neither send changed
+    anything: the service answers a step it applied from memory, after checking only the
+    caller (see :data:`_REFUSED_BEFORE_THE_STEP`)."""
+    return step_was_refused(error) and error.code not in _REFUSED_BEFORE_THE_STEP  # type: ignore[attr-defined]
 
 
 def step_was_refused(error: BaseException) -> bool:
@@ -1687,6 +1701,12 @@ class SchedulerState:
         num_new = min(admission.num_new_tokens, rest) if admission.num_new_tokens else rest
         return _Tracked(admission.num_tokens, num_hit + num_new, pages)
 
+    def release_carried(self, result: StepResult) -> StepResult:
+        """``result`` (of a step sent early) with the answers carried so far, which it
+        hands out (as the next explicit step's result would)."""
+        carried, self._carried = self._carried, []
+        return replace(result, results=tuple(carried))
+
     def withdraw_growth(self, growth: _PendingGrowth) -> None:
         """Take a queued growth back (its synchronous step failed as a whole)."""
         if growth in self._growths:
@@ -1870,6 +1890,9 @@ class _ClientCore(Generic[_Local]):
         self.lease_error: PagekeeperError | None = None
         """The last error of the background lease renewal (None while healthy)."""
         self._is_closed = False
+        self._lease_epoch = 0
+        """Which registration the running lease renewal belongs to (bumped by each new
+        registration, an unregister and a dropped one: an older loop ends)."""
         self._forgotten: str | None = None
         """Why the service no longer knows this registration (its lease ran out past the
         grace period, or its state was reset), as a heartbeat or a step learnt it; the
@@ -1940,6 +1963,7 @@ class _ClientCore(Generic[_Local]):
         self._registration = None
         self._state = None
         self._unanswered = None
+        self._lease_epoch += 1
         return NotRegisteredError(self._lost_message)
 
     def _forget_if_gone(self, error: BaseException) -> bool:
@@ -1963,6 +1987,15 @@ class _ClientCore(Generic[_Local]):
         return self._state
 
     def _accept_registration(self, registration: Registration) -> None:
+        current = self._registration
+        if (
+            current is not None
+            and current.client_id == registration.client_id
+            and current.generation > registration.generation
+        ):
+            # Two registrations of this id crossed (the lease renewal's and the caller's):
+            # the newer generation stands (the older one is already fenced).
+            return
         self._registration = registration
         self._lost_message = None
         self._last_renewal = time.monotonic()
@@ -2047,12 +2080,9 @@ class _ClientCore(Generic[_Local]):
     def _keep_unanswered(self, prepared: PreparedStep, error: BaseException) -> None:
         """``prepared`` got no answer: keep it (its operations stay at the head of the
         queue) to send again before anything else; what it answers comes with the results
-        of the next step that returns them, synchronous calls' answers included."""
+        of the next step that returns them (a synchronous call that got the error has its
+        answer carried there too: :meth:`_carry_answer`)."""
         prepared.explicit = False
-        for admission in prepared.admissions:
-            admission.is_sync = False
-        for growth in prepared.growths:
-            growth.is_sync = False
         self._unanswered = prepared
         self.stats.num_unanswered_steps += 1
         step_id = prepared.request.step_id
@@ -2074,6 +2104,27 @@ class _ClientCore(Generic[_Local]):
         return any(e is entry for e in unanswered.admissions) or any(
             e is entry for e in unanswered.growths
         )
+
+    def _carry_answer(self, entry: _PendingAdmission | _PendingGrowth) -> bool:
+        """A synchronous call whose step got no answer raised: its entry is answered with
+        the next step's results instead (returns whether it is unanswered). Other callers
+        waiting on the same step (the asyncio client) still get theirs directly."""
+        if not self._is_unanswered(entry):
+            return False
+        entry.is_sync = False
+        return True
+
+    def _generation_moved(self, registration: Registration) -> bool:
+        """Whether this client registered again since ``registration`` (its own renewal)."""
+        current = self._registration
+        return current is not None and current.generation != registration.generation
+
+    def _refresh_generation(self, request: pb.StepRequest) -> int:
+        """Send ``request`` (this client's) under the current generation; returns it."""
+        registration = self._registration
+        if registration is not None and registration.client_id == request.client_id:
+            request.generation = registration.generation
+        return int(request.generation)
 
     def _unanswered_request(self) -> pb.StepRequest:
         """The unanswered step as it is sent again: the same id and content, under the
@@ -2361,17 +2412,28 @@ class PagekeeperClient(_ClientCore[LocalChannel]):
         return fresh
 
     def _start_heartbeat(self) -> None:
-        thread = threading.Thread(target=self._heartbeat_loop, name="pagekeeper-lease", daemon=True)
+        self._lease_epoch += 1
+        # Wake the loop of an earlier registration (it ends: another epoch), and give this
+        # one an event of its own (an unregister() may have set the old one).
+        self._stop.set()
+        self._stop = threading.Event()
+        thread = threading.Thread(
+            target=self._heartbeat_loop,
+            args=(self._lease_epoch,),
+            name="pagekeeper-lease",
+            daemon=True,
+        )
         self._heartbeat_thread = thread
         thread.start()
 
-    def _heartbeat_loop(self) -> None:
+    def _heartbeat_loop(self, epoch: int) -> None:
         """Renew at a third of the TTL (a step renews too, so an active scheduler rarely
         needs a heartbeat; a worker learns of a re-created ring this way). An expired lease
-        is taken over again under the same id."""
+        is taken over again under the same id. Ends with the registration it renews
+        (``epoch``: a later registration runs a loop of its own)."""
         while not self._stop.is_set():
             registration = self._registration
-            if registration is None:
+            if registration is None or epoch != self._lease_epoch:
                 return
             period = max(registration.lease_ttl_s / 3.0, 0.05)
             wait = self._last_renewal + period - time.monotonic()
@@ -2387,7 +2449,9 @@ class PagekeeperClient(_ClientCore[LocalChannel]):
                 # The service forgot this id (restarted, or the lease expired long ago and
                 # a scheduler's requests were freed), or another registration took the id
                 # over (ABORTED: registering again would fence that one in turn): nothing
-                # left to renew.
+                # left to renew. (Unless this client registered again meanwhile.)
+                if isinstance(exc, AbortedError) and self._generation_moved(registration):
+                    continue
                 if not self._stop.is_set():
                     self.lease_error = exc
                     log.error("lease renewal stopped: %s", exc)
@@ -2428,6 +2492,9 @@ class PagekeeperClient(_ClientCore[LocalChannel]):
         with self._lock:
             self._registration = None
             self._state = None
+            self._unanswered = None  # its requests are freed: nothing to learn
+            self._forgotten = None
+            self._lease_epoch += 1
         return int(reply.num_freed_requests)
 
     # -- reads --------------------------------------------------------------------------
@@ -2553,10 +2620,11 @@ class PagekeeperClient(_ClientCore[LocalChannel]):
         admission.is_sync = True
         try:
             self._send_step(None, None)
-        except PagekeeperError:
-            # Refused as a whole: this admission is not left queued (others stay). One
-            # whose step got no answer stays: it is sent again.
-            if not self._is_unanswered(admission):
+        except BaseException:
+            # Refused as a whole, or never sent (a cancelled task): this admission is not
+            # left queued (others stay). One whose step got no answer stays: it is sent
+            # again, and its answer comes with the next step's results.
+            if not self._carry_answer(admission):
                 state.withdraw_admission(admission)
             raise
         assert admission.result is not None
@@ -2627,8 +2695,8 @@ class PagekeeperClient(_ClientCore[LocalChannel]):
         growth.is_sync = True
         try:
             self._send_step(None, None)
-        except PagekeeperError:
-            if not self._is_unanswered(growth):
+        except BaseException:  # as for an admission
+            if not self._carry_answer(growth):
                 state.withdraw_growth(growth)
             raise
         result = growth.result
@@ -2744,7 +2812,10 @@ class PagekeeperClient(_ClientCore[LocalChannel]):
         registration = self._require()
         if self._unanswered is not None:
             # First learn what it did (its answers come with this step's results).
-            self._send_unanswered()
+            resent = self._send_unanswered()
+            if batch is None and not state.has_queued:
+                # It was all there was to send (a flush): no second round trip.
+                return state.release_carried(resent) if explicit else resent
         step_id = self._next_step_id
         prepared = state.prepare_step(
             client_id=registration.client_id,
@@ -2780,16 +2851,20 @@ class PagekeeperClient(_ClientCore[LocalChannel]):
             pass
         return False
 
-    def _send_unanswered(self) -> None:
-        """Send the unanswered step again and apply its answer; a refusal of it (it changed
-        nothing) leaves its operations queued, as after any refused step."""
+    def _send_unanswered(self) -> StepResult:
+        """Send the unanswered step again and apply its answer. A refusal that proves it
+        changed nothing leaves its operations queued, as after any refused step; one the
+        service gives before it looks at the step (a stale generation, a token) keeps it
+        for the next try; a NOT_FOUND for the client itself drops the registration."""
         try:
             response = self._step_with_retry(self._unanswered_request())
         except BaseException as exc:
-            if step_was_refused(exc):
+            if isinstance(exc, NotFoundError) and self._registration_gone():
+                raise self._drop_forgotten() from exc
+            if resend_was_refused(exc):
                 self._unanswered = None
             raise
-        self._answered(response)
+        return self._answered(response)
 
     def _step_with_retry(self, request: pb.StepRequest) -> pb.StepResponse:
         """Send a step; on UNAVAILABLE resend the SAME step id with backoff (the service
@@ -2798,10 +2873,14 @@ class PagekeeperClient(_ClientCore[LocalChannel]):
         delay = 0.02
         stats = self.stats
         may_reread = True
+        num_moved = 0
         while True:
             stats.num_rpcs += 1
             stats.by_method["Step"] = stats.by_method.get("Step", 0) + 1
             used = self._token
+            # The current generation: the lease renewal may have registered again since
+            # the step was built (the same client: its last step and answer are kept).
+            generation = self._refresh_generation(request)
             try:
                 local = self._local_channel("Step")
                 if local is not None:
@@ -2816,6 +2895,7 @@ class PagekeeperClient(_ClientCore[LocalChannel]):
                 UnavailableError,
                 DeadlineExceededError,
                 UnauthenticatedError,
+                AbortedError,
             ) as exc:
                 if isinstance(exc, grpc.RpcError):
                     error = error_from_rpc(exc, "Step")
@@ -2825,6 +2905,11 @@ class PagekeeperClient(_ClientCore[LocalChannel]):
                     may_reread = False  # once a step: a file that keeps changing ends here
                     if self._reread_token(used):
                         continue  # refused before anything was applied: the same id again
+                if isinstance(error, AbortedError) and num_moved < 3:
+                    registration = self._registration
+                    if registration is not None and registration.generation != generation:
+                        num_moved += 1  # registered again meanwhile: under the new one
+                        continue
                 if error.code not in _RETRY_CODES or self._is_closed:
                     raise error from None
                 if time.monotonic() + delay > deadline:

@@ -784,6 +784,18 @@ class ServiceState:
 
     # -- clients -----------------------------------------------------------------------
     def _client(self, client_id: str, generation: int, now: float) -> ClientRecord:
+        client = self._registered(client_id, generation)
+        self._check_lease(client, now)
+        return client
+
+    def _check_lease(self, client: ClientRecord, now: float) -> None:
+        if now > client.expires_at:
+            raise FailedPrecondition(
+                f"client {client.client_id!r}: lease expired {now - client.expires_at:.3f}s "
+                "ago; register again with this client_id to resume"
+            )
+
+    def _registered(self, client_id: str, generation: int) -> ClientRecord:
         client = self._clients.get(client_id)
         if client is None:
             raise NotFound(f"client {client_id!r} is not registered (register first)")
@@ -796,11 +808,6 @@ class ServiceState:
             raise Superseded(
                 f"client {client_id!r}: generation {generation} is not the current "
                 f"registration {client.generation} ({why}); this registration is fenced off"
-            )
-        if now > client.expires_at:
-            raise FailedPrecondition(
-                f"client {client_id!r}: lease expired {now - client.expires_at:.3f}s ago; "
-                "register again with this client_id to resume"
             )
         return client
 
@@ -979,8 +986,7 @@ class ServiceState:
     # -- steps -------------------------------------------------------------------------
     def step(self, cmd: StepCommand) -> StepResult:
         started = time.perf_counter()
-        self._check_writable()
-        client = self._client(cmd.client_id, cmd.generation, cmd.now)
+        client = self._registered(cmd.client_id, cmd.generation)
         if client.role is not ClientRole.SCHEDULER:
             raise PermissionDenied(f"client {client.client_id!r} is a worker; only schedulers step")
         if not isinstance(cmd.step_id, int) or not 1 <= cmd.step_id <= MAX_STEP_ID:
@@ -988,17 +994,23 @@ class ServiceState:
             # signed 64-bit words.
             raise InvalidArgument(f"step_id must be in [1, 2**63 - 1], got {cmd.step_id!r}")
         if cmd.step_id <= client.last_step_id:
+            # A retry is answered before the lease and the log are checked: a refusal
+            # there would not tell the client whether its first send was applied.
             stored = client.last_step_result
             if cmd.step_id == client.last_step_id and stored is not None:
                 self.counters.num_step_retries += 1
-                client.expires_at = cmd.now + client.lease_ttl_s
-                # The retry's one effect is the lease renewal: logged as the heartbeat it is.
-                self._record(HeartbeatCommand(cmd.now, cmd.client_id, cmd.generation), None)
+                if not self._fenced_reason and cmd.now <= client.expires_at:
+                    client.expires_at = cmd.now + client.lease_ttl_s
+                    # Its one effect is the lease renewal: logged as the heartbeat it is.
+                    # (An expired lease is not renewed: registering again is the way back.)
+                    self._record(HeartbeatCommand(cmd.now, cmd.client_id, cmd.generation), None)
                 return _as_retry(stored)
             raise FailedPrecondition(
                 f"step_id {cmd.step_id} is older than client {client.client_id!r}'s last "
                 f"step {client.last_step_id}"
             )
+        self._check_writable()
+        self._check_lease(client, cmd.now)
         frees = cmd.frees
         revoked: set[str] = set()
         revoked_frees: tuple[str, ...] = ()
@@ -2053,13 +2065,13 @@ _COUNTER_FIELDS = (
     "num_force_frees",
 )
 _COUNTERS_ADDED_LATER = frozenset({"num_force_frees"})
+"""Counters a snapshot from before them lacks: they restore as 0 (readers before them
+ignore the extra entry)."""
 _PROCESS_COUNTERS = frozenset({"num_step_retries", "num_steps_rejected"})
 """Counted since the process started: neither a retry (journaled as the lease renewal it
 is) nor a refused step (which changes nothing) is in the journal, so a restart could
 not count them alike after a clean stop and after a crash. Snapshots still hold them,
 for readers from before; a restore starts them at 0."""
-"""Counters a snapshot from before them lacks: they restore as 0 (readers before them
-ignore the extra entry)."""
 
 
 def limits_to_tree(limits: Limits) -> dict[str, Any]:

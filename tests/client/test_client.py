@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import grpc
@@ -450,6 +451,80 @@ def test_a_step_without_an_answer_is_sent_again_before_the_next(connect, deliver
         client.block_table(rid)
     assert not client.has_request(rid)
     client.free(other)
+
+
+def test_an_unanswered_step_is_applied_once_across_a_lease_that_ran_out(server_factory):
+    """The resend comes after the lease ran out: the service answers a step it applied
+    from memory before it looks at the lease (a refusal there would not say whether the
+    first send was applied, and the queue went again under a new id: applied twice)."""
+    server = server_factory("--lease-ttl-s", "0.5", "--lease-grace-s", "30", "--num-pages", "64")
+    dropper = DropStepReplies()
+    dropper.code = grpc.StatusCode.DEADLINE_EXCEEDED
+    with PagekeeperClient(server.grpc_address, interceptors=[dropper]) as client:
+        client.register("scheduler", lease_ttl=0.5, renew=False)
+        assert client.admit("once-a", tokens(120, 40)).ok
+        client.allocate_slots("once-a", 10, new_token_ids=list(range(10)))  # a 4th page
+        dropper.drops = 1
+        with pytest.raises(DeadlineExceededError):
+            client.step(batch=["once-a"])
+        time.sleep(0.8)  # the lease runs out (the grace keeps the requests)
+        flushed = client.flush()  # the resend: answered from memory, lease or not
+        assert flushed is not None and [r.request_id for r in flushed.results] == ["once-a"]
+        assert not client.has_unanswered_step
+        with pytest.raises(FailedPreconditionError, match="lease expired"):
+            client.step()  # a new step does need a live lease
+        client.reregister()
+        client.step()
+        table = client.block_table("once-a")
+        assert (
+            table.num_tokens == 50 and table.page_ids.tolist() == client.page_ids("once-a").tolist()
+        )
+
+
+def test_unregister_drops_an_unanswered_step(connect):
+    dropper = DropStepReplies()
+    dropper.code = grpc.StatusCode.DEADLINE_EXCEEDED
+    client = connect(interceptors=[dropper])
+    dropper.drops = 1
+    with pytest.raises(DeadlineExceededError):
+        client.admit("unreg-a", tokens(121, 20))
+    assert client.has_unanswered_step
+    client.unregister()  # frees everything the id held: nothing left to learn
+    assert not client.has_unanswered_step
+    client.register("scheduler")
+    assert client.admit("unreg-b", tokens(122, 20)).ok
+
+
+def test_registrations_that_cross_keep_the_newest_generation(connect):
+    """The lease renewal and the caller may both register again; an answer arriving late
+    with an older generation must not replace the newer one (every call would then be
+    refused as superseded, and the lease run out)."""
+    client = connect()
+    older = client.reregister()
+    newer = client.reregister()
+    assert newer.generation == older.generation + 1
+    client._accept_registration(older)  # the slower of two crossing answers
+    assert client.generation == newer.generation
+    client.step()
+
+
+def test_a_dropped_registration_ends_its_lease_thread(server_factory):
+    first = server_factory("--durability", "none", "--num-pages", "64")
+    address = first.grpc_address
+
+    def lease_threads() -> int:
+        return sum(t.name == "pagekeeper-lease" and t.is_alive() for t in threading.enumerate())
+
+    before = lease_threads()
+    with PagekeeperClient(address, local_socket=None) as client:
+        client.register("scheduler", lease_ttl=30.0)  # its thread sleeps ~10 s
+        first.stop()
+        server_factory("--durability", "none", "--num-pages", "64", "--grpc-address", address)
+        with pytest.raises(NotRegisteredError, match="registration lost"):
+            client.step()  # the step's probe drops it before the lease thread wakes
+        client.register("scheduler", lease_ttl=0.6)
+        time.sleep(0.5)  # the old loop wakes (the stop event) and must end
+        assert lease_threads() == before + 1
 
 
 @pytest.mark.parametrize("deliver", [True, False], ids=["applied", "never-arrived"])
