@@ -456,8 +456,8 @@ class AsyncPagekeeperClient(_ClientCore[AsyncLocalChannel]):
         admission.is_sync = True
         try:
             await self._send_step(None, None)
-        except BaseException:  # see PagekeeperClient.admit
-            if not self._carry_answer(admission):
+        except BaseException as exc:  # see PagekeeperClient.admit
+            if not self._keeps_failed_entry(admission, exc):
                 state.withdraw_admission(admission)
             raise
         assert admission.result is not None
@@ -536,8 +536,8 @@ class AsyncPagekeeperClient(_ClientCore[AsyncLocalChannel]):
         growth.is_sync = True
         try:
             await self._send_step(None, None)
-        except BaseException:  # as for an admission
-            if not self._carry_answer(growth):
+        except BaseException as exc:  # as for an admission
+            if not self._keeps_failed_entry(growth, exc):
                 state.withdraw_growth(growth)
             raise
         result = growth.result

@@ -2081,7 +2081,7 @@ class _ClientCore(Generic[_Local]):
         """``prepared`` got no answer: keep it (its operations stay at the head of the
         queue) to send again before anything else; what it answers comes with the results
         of the next step that returns them (a synchronous call that got the error has its
-        answer carried there too: :meth:`_carry_answer`)."""
+        answer carried there too: :meth:`_keeps_failed_entry`)."""
         prepared.explicit = False
         self._unanswered = prepared
         self.stats.num_unanswered_steps += 1
@@ -2105,11 +2105,16 @@ class _ClientCore(Generic[_Local]):
             e is entry for e in unanswered.growths
         )
 
-    def _carry_answer(self, entry: _PendingAdmission | _PendingGrowth) -> bool:
-        """A synchronous call whose step got no answer raised: its entry is answered with
-        the next step's results instead (returns whether it is unanswered). Other callers
-        waiting on the same step (the asyncio client) still get theirs directly."""
-        if not self._is_unanswered(entry):
+    def _keeps_failed_entry(
+        self, entry: _PendingAdmission | _PendingGrowth, error: BaseException
+    ) -> bool:
+        """A synchronous call raised ``error``: whether its entry stays queued, answered
+        with the next step's results instead. It does when its step got no answer, and
+        when the call was interrupted (a cancelled task: the entry may ride in another
+        caller's step already in flight, which its answer must find as it was sent). A
+        step refused whole leaves it to be withdrawn. (Other callers waiting on the same
+        step, with the asyncio client, still get their answers directly.)"""
+        if isinstance(error, PagekeeperError) and not self._is_unanswered(entry):
             return False
         entry.is_sync = False
         return True
@@ -2620,11 +2625,11 @@ class PagekeeperClient(_ClientCore[LocalChannel]):
         admission.is_sync = True
         try:
             self._send_step(None, None)
-        except BaseException:
-            # Refused as a whole, or never sent (a cancelled task): this admission is not
-            # left queued (others stay). One whose step got no answer stays: it is sent
-            # again, and its answer comes with the next step's results.
-            if not self._carry_answer(admission):
+        except BaseException as exc:
+            # Refused as a whole: this admission is not left queued (others stay). One
+            # whose step got no answer, or whose call was interrupted, stays: its answer
+            # comes with the next step's results.
+            if not self._keeps_failed_entry(admission, exc):
                 state.withdraw_admission(admission)
             raise
         assert admission.result is not None
@@ -2695,8 +2700,8 @@ class PagekeeperClient(_ClientCore[LocalChannel]):
         growth.is_sync = True
         try:
             self._send_step(None, None)
-        except BaseException:  # as for an admission
-            if not self._carry_answer(growth):
+        except BaseException as exc:  # as for an admission
+            if not self._keeps_failed_entry(growth, exc):
                 state.withdraw_growth(growth)
             raise
         result = growth.result

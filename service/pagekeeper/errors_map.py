@@ -46,6 +46,8 @@ ERROR_TABLE: dict[ErrorCode, ErrorMapping] = {
     # newer registration took the client id over). Not FAILED_PRECONDITION, whose lease
     # case a client answers by registering again: a fenced client must not.
     ErrorCode.ABORTED: ErrorMapping(grpc.StatusCode.ABORTED, 409, "Superseded"),
+    # A retry the fenced service cannot vouch for (its answer may not be durable).
+    ErrorCode.UNAVAILABLE: ErrorMapping(grpc.StatusCode.UNAVAILABLE, 503, "Unavailable"),
     ErrorCode.PERMISSION_DENIED: ErrorMapping(
         grpc.StatusCode.PERMISSION_DENIED, 403, "Permission denied"
     ),

@@ -58,6 +58,7 @@ from pagekeeper.core.errors import (
     PermissionDenied,
     ResourceExhausted,
     Superseded,
+    Unavailable,
 )
 from pagekeeper.core.events import KVEvent, event_nbytes
 from pagekeeper.core.hashing import validate_extra_keys
@@ -998,8 +999,15 @@ class ServiceState:
             # there would not tell the client whether its first send was applied.
             stored = client.last_step_result
             if cmd.step_id == client.last_step_id and stored is not None:
+                if self._fenced_reason:
+                    # Its record may be the one that failed to be written: not vouched
+                    # for. The client keeps the step and sends it to the restarted service.
+                    raise Unavailable(
+                        f"the service lost its durable log ({self._fenced_reason}) and cannot "
+                        f"confirm step {cmd.step_id}; send it again once it has restarted"
+                    )
                 self.counters.num_step_retries += 1
-                if not self._fenced_reason and cmd.now <= client.expires_at:
+                if cmd.now <= client.expires_at:
                     client.expires_at = cmd.now + client.lease_ttl_s
                     # Its one effect is the lease renewal: logged as the heartbeat it is.
                     # (An expired lease is not renewed: registering again is the way back.)

@@ -119,6 +119,22 @@ class DropStepReplies(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]
         return _FailedCall(self.code, "injected: no answer")
 
 
+class SlowSteps(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    """Every Step waits ``delay`` seconds before it is sent (so others queue behind it)."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+        self.step_ids: list[int] = []
+
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        name = details.method
+        name = name.decode() if isinstance(name, bytes) else name
+        if name.endswith("/Step"):
+            self.step_ids.append(request.step_id)
+            await asyncio.sleep(self.delay)
+        return await continuation(details, request)
+
+
 class CancelStepAfterDelivery(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
     """The ``grpc.aio`` fault: the next ``drops`` Step calls reach the service (``deliver``)
     and then the calling task is cancelled before it reads the answer."""

@@ -34,6 +34,7 @@ from tests.client._util import (
     CancelStepAfterDelivery,
     CountingInterceptor,
     DropStepReplies,
+    SlowSteps,
     tokens,
 )
 
@@ -525,6 +526,45 @@ def test_a_dropped_registration_ends_its_lease_thread(server_factory):
         client.register("scheduler", lease_ttl=0.6)
         time.sleep(0.5)  # the old loop wakes (the stop event) and must end
         assert lease_threads() == before + 1
+
+
+def test_async_caller_cancelled_while_its_entry_rides_in_another_step(pagekeeper_server):
+    """A synchronous admit() cancelled while it waits for the step lock, its admission
+    already in another caller's step in flight: the entry stays, its answer comes with the
+    next results (withdrawn, the answer's slicing dropped a later, never-sent admission)."""
+
+    async def main() -> None:
+        slow = SlowSteps(0.3)
+        async with AsyncPagekeeperClient(
+            pagekeeper_server.grpc_address,
+            token=pagekeeper_server.token,
+            interceptors=[slow],
+            local_socket=None,
+        ) as client:
+            await client.register("scheduler", renew=False)
+            await client.admit("ride-a", tokens(130, 20), sync=False)
+            first = asyncio.create_task(client.flush())  # in flight
+            await asyncio.sleep(0.05)
+            waiter = asyncio.create_task(client.flush())  # waits for the lock
+            await asyncio.sleep(0.01)
+            cancelled = asyncio.create_task(client.admit("ride-y", tokens(131, 20)))
+            await asyncio.sleep(0.35)  # the waiter's step, carrying ride-y, is in flight
+            cancelled.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await cancelled
+            await client.admit("ride-z", tokens(132, 20), sync=False)  # queued meanwhile
+            await first
+            carried = await waiter
+            assert carried is not None
+            assert [r.request_id for r in carried.results] == ["ride-y"]  # its answer
+            last = await client.flush()  # ride-z goes now
+            assert last is not None and [r.request_id for r in last.results] == ["ride-z"]
+            for rid in ("ride-a", "ride-y", "ride-z"):
+                table = await client.block_table(rid)
+                assert table.page_ids.tolist() == client.page_ids(rid).tolist()
+            await client.free("ride-a", "ride-y", "ride-z")
+
+    asyncio.run(main())
 
 
 @pytest.mark.parametrize("deliver", [True, False], ids=["applied", "never-arrived"])

@@ -23,6 +23,7 @@ from pagekeeper.core.errors import (
     InvalidArgument,
     InvariantViolation,
     PagekeeperError,
+    Unavailable,
 )
 from pagekeeper.durability import Durability, DurabilityError, state_digest
 from pagekeeper.durability.log import (
@@ -738,11 +739,14 @@ def test_a_failed_write_fences_the_state(tmp_path):
     durability.attach(state)
     sched = state.register(RegisterCommand(now=1.0, role=ClientRole.SCHEDULER))
     journal_files.lose_the_disk(durability._log)
+    lost = StepCommand(2.0, sched.client_id, 1, 1, admissions=(Admission("x", tokens(0, 20)),))
     with pytest.raises(PagekeeperError, match="could not be made durable"):
-        state.step(
-            StepCommand(2.0, sched.client_id, 1, 1, admissions=(Admission("x", tokens(0, 20)),))
-        )
+        state.step(lost)
     assert failures and state.fenced_reason
+    # Its retry is not answered from memory: that answer never reached the journal. The
+    # refusal is UNAVAILABLE, on which a client keeps the step for the restarted service.
+    with pytest.raises(Unavailable, match="cannot confirm step 1"):
+        state.step(lost)
     with pytest.raises(FailedPrecondition, match="refuses changes"):
         state.register(RegisterCommand(now=3.0, role=ClientRole.SCHEDULER))
     durability._log = None

@@ -17,6 +17,7 @@ class ErrorCode(str, Enum):
     RESOURCE_EXHAUSTED = "resource_exhausted"
     FAILED_PRECONDITION = "failed_precondition"
     ABORTED = "aborted"
+    UNAVAILABLE = "unavailable"
     PERMISSION_DENIED = "permission_denied"
     UNAUTHENTICATED = "unauthenticated"
     INTERNAL = "internal"
@@ -72,6 +73,13 @@ class Superseded(PagekeeperError):
     again on its own (that would fence its successor in turn)."""
 
     code = ErrorCode.ABORTED
+
+
+class Unavailable(PagekeeperError):
+    """The service cannot answer now (it lost its durable log and is stopping); the call
+    may be made again once it is back."""
+
+    code = ErrorCode.UNAVAILABLE
 
 
 class PermissionDenied(PagekeeperError):
