@@ -455,7 +455,7 @@ class AsyncPagekeeperClient(_ClientCore[AsyncLocalChannel]):
         self.stats.num_sync_steps += 1
         admission.is_sync = True
         try:
-            await self._send_step(None, None)
+            await self._send_for(admission)
         except BaseException as exc:  # see PagekeeperClient.admit
             if not self._keeps_failed_entry(admission, exc):
                 state.withdraw_admission(admission)
@@ -535,7 +535,7 @@ class AsyncPagekeeperClient(_ClientCore[AsyncLocalChannel]):
         self.stats.num_sync_steps += 1
         growth.is_sync = True
         try:
-            await self._send_step(None, None)
+            await self._send_for(growth)
         except BaseException as exc:  # as for an admission
             if not self._keeps_failed_entry(growth, exc):
                 state.withdraw_growth(growth)
@@ -609,36 +609,56 @@ class AsyncPagekeeperClient(_ClientCore[AsyncLocalChannel]):
         explicit: bool = False,
     ) -> StepResult:
         async with self._step_lock:
-            state = self._scheduler()
-            registration = self._require()
-            if self._unanswered is not None:
-                # First learn what it did (its answers come with this step's results).
-                resent = await self._send_unanswered()
-                if batch is None and not state.has_queued:
-                    # It was all there was to send (a flush): no second round trip.
-                    return state.release_carried(resent) if explicit else resent
-            step_id = self._next_step_id
-            prepared = state.prepare_step(
-                client_id=registration.client_id,
-                generation=registration.generation,
-                state_id=registration.state_id,
-                step_id=step_id,
-                batch=batch,
-                num_scheduled_tokens=num_scheduled_tokens,
-                explicit=explicit,
-            )
-            self._next_step_id = step_id + 1
-            try:
-                response = await self._step_with_retry(prepared.request)
-            except BaseException as exc:  # a cancelled task too: the step may be applied
-                if not step_was_refused(exc):
-                    self._keep_unanswered(prepared, exc)
-                elif isinstance(exc, NotFoundError) and await self._registration_gone():
-                    raise self._drop_forgotten() from exc
-                raise
-            self._last_renewal = time.monotonic()
-            self.stats.num_steps += 1
-            return state.apply_step(prepared, response)
+            return await self._send_step_locked(batch, num_scheduled_tokens, explicit=explicit)
+
+    async def _send_for(self, entry: Any) -> None:
+        """Send the queue for a synchronous call, unless its entry was answered while it
+        waited (it rode in another caller's step): no step of its own then."""
+        async with self._step_lock:
+            if self._scheduler().is_queued(entry):
+                await self._send_step_locked(None, None)
+
+    async def _send_step_locked(
+        self,
+        batch: Sequence[str] | None,
+        num_scheduled_tokens: TokenIds | None,
+        *,
+        explicit: bool = False,
+    ) -> StepResult:
+        """:meth:`_send_step` with the step lock held."""
+        state = self._scheduler()
+        registration = self._require()
+        if self._unanswered is not None:
+            # First learn what it did (its answers come with this step's results).
+            resent = await self._send_unanswered()
+            if batch is None and not state.has_queued:
+                # It was all there was to send (a flush): no second round trip.
+                return state.release_carried(resent) if explicit else resent
+        step_id = self._next_step_id
+        prepared = state.prepare_step(
+            client_id=registration.client_id,
+            generation=registration.generation,
+            state_id=registration.state_id,
+            step_id=step_id,
+            batch=batch,
+            num_scheduled_tokens=num_scheduled_tokens,
+            explicit=explicit,
+        )
+        self._next_step_id = step_id + 1
+        self._in_flight = prepared
+        try:
+            response = await self._step_with_retry(prepared.request)
+        except BaseException as exc:  # a cancelled task too: the step may be applied
+            self._in_flight = None
+            if not step_was_refused(exc):
+                self._keep_unanswered(prepared, exc)
+            elif isinstance(exc, NotFoundError) and await self._registration_gone():
+                raise self._drop_forgotten() from exc
+            raise
+        self._in_flight = None
+        self._last_renewal = time.monotonic()
+        self.stats.num_steps += 1
+        return state.apply_step(prepared, response)
 
     async def _registration_gone(self) -> bool:
         """See :meth:`PagekeeperClient._registration_gone`."""

@@ -1701,6 +1701,13 @@ class SchedulerState:
         num_new = min(admission.num_new_tokens, rest) if admission.num_new_tokens else rest
         return _Tracked(admission.num_tokens, num_hit + num_new, pages)
 
+    def is_queued(self, entry: _PendingAdmission | _PendingGrowth) -> bool:
+        """Whether ``entry`` still waits to be sent (not answered yet)."""
+        queue: list[Any] = (
+            self._admissions if isinstance(entry, _PendingAdmission) else self._growths
+        )
+        return any(e is entry for e in queue)
+
     def release_carried(self, result: StepResult) -> StepResult:
         """``result`` (of a step sent early) with the answers carried so far, which it
         hands out (as the next explicit step's result would)."""
@@ -1880,6 +1887,9 @@ class _ClientCore(Generic[_Local]):
         self._register_args: dict[str, Any] = {}
         self._state: SchedulerState | None = None
         self._next_step_id = 1
+        self._in_flight: PreparedStep | None = None
+        """The step being sent now (with the asyncio client, other callers may queue and
+        wait meanwhile)."""
         self._unanswered: PreparedStep | None = None
         """A step whose outcome is unknown (no answer came: a deadline, a broken connection,
         a cancelled call). It is sent again, with its id and content, before any other
@@ -2069,6 +2079,11 @@ class _ClientCore(Generic[_Local]):
                 f"step {unanswered.request.step_id} got no answer and may have been applied: "
                 "flush() sends it again (with the same id) before the queue can be dropped"
             )
+        if self._in_flight is not None:
+            raise FailedPreconditionError(
+                f"step {self._in_flight.request.step_id} is being sent, carrying queued "
+                "operations: wait for it (the service will answer for them)"
+            )
         return state.discard_queued()
 
     @property
@@ -2110,13 +2125,25 @@ class _ClientCore(Generic[_Local]):
     ) -> bool:
         """A synchronous call raised ``error``: whether its entry stays queued, answered
         with the next step's results instead. It does when its step got no answer, and
-        when the call was interrupted (a cancelled task: the entry may ride in another
-        caller's step already in flight, which its answer must find as it was sent). A
-        step refused whole leaves it to be withdrawn. (Other callers waiting on the same
-        step, with the asyncio client, still get their answers directly.)"""
-        if isinstance(error, PagekeeperError) and not self._is_unanswered(entry):
+        when the call was interrupted while the entry rides in another caller's step
+        being sent (the asyncio client: the answer must find it as it was sent). An entry
+        no step carried, or whose step was refused whole, is withdrawn. (Other callers
+        waiting on the same step still get their answers directly.)"""
+        in_flight = self._in_flight
+        rides = in_flight is not None and (
+            any(e is entry for e in in_flight.admissions)
+            or any(e is entry for e in in_flight.growths)
+        )
+        if not rides and not self._is_unanswered(entry):
             return False
         entry.is_sync = False
+        if in_flight is not None and rides:
+            what = "admission" if isinstance(entry, _PendingAdmission) else "growth"
+            error.add_note(
+                f"pagekeeper: the {what} of {entry.request_id!r} rides in step "
+                f"{in_flight.request.step_id}, being sent: its answer comes with the next "
+                "step's results"
+            )
         return True
 
     def _generation_moved(self, registration: Registration) -> bool:
@@ -2833,14 +2860,17 @@ class PagekeeperClient(_ClientCore[LocalChannel]):
         )
         # The id is spent whatever happens: a later step must not reuse it for other content.
         self._next_step_id = step_id + 1
+        self._in_flight = prepared
         try:
             response = self._step_with_retry(prepared.request)
         except BaseException as exc:
+            self._in_flight = None
             if not step_was_refused(exc):
                 self._keep_unanswered(prepared, exc)
             elif isinstance(exc, NotFoundError) and self._registration_gone():
                 raise self._drop_forgotten() from exc
             raise
+        self._in_flight = None
         self._last_renewal = time.monotonic()
         self.stats.num_steps += 1
         return state.apply_step(prepared, response)

@@ -567,6 +567,52 @@ def test_async_caller_cancelled_while_its_entry_rides_in_another_step(pagekeeper
     asyncio.run(main())
 
 
+def test_async_sync_calls_and_a_step_in_flight(pagekeeper_server):
+    """With another caller's step in flight: a synchronous growth timed out before any step
+    carried it is withdrawn (a retry grows once, not twice); a synchronous admission the
+    in-flight step answered returns that answer without a step of its own; the queue is
+    not dropped under a step being sent."""
+
+    async def main() -> None:
+        slow = SlowSteps(0.3)
+        async with AsyncPagekeeperClient(
+            pagekeeper_server.grpc_address,
+            token=pagekeeper_server.token,
+            interceptors=[slow],
+            local_socket=None,
+        ) as client:
+            await client.register("scheduler", renew=False)
+            assert (await client.admit("fl-r", tokens(140, 32))).ok  # 2 full pages
+            await client.admit("fl-a", tokens(141, 20), sync=False)
+            in_flight = asyncio.create_task(client.flush())
+            await asyncio.sleep(0.05)
+            with pytest.raises(FailedPreconditionError, match="being sent"):
+                client.discard_queued()
+            with pytest.raises(TimeoutError):  # waits for the lock; no step carried it
+                await asyncio.wait_for(
+                    client.allocate_slots("fl-r", 16, new_token_ids=list(range(16)), sync=True),
+                    0.1,
+                )
+            # Queued behind the step in flight; the waiter's own step carries it.
+            waiter = asyncio.create_task(client.flush())
+            await asyncio.sleep(0.01)
+            answered = asyncio.create_task(client.admit("fl-y", tokens(142, 20)))
+            await in_flight
+            await waiter
+            sent = len(slow.step_ids)
+            got = await answered  # rode in the waiter's step: no step of its own
+            assert got.ok and len(slow.step_ids) == sent
+            grown = await client.allocate_slots(
+                "fl-r", 16, new_token_ids=list(range(16)), sync=True
+            )
+            assert grown.ok
+            table = await client.block_table("fl-r")
+            assert table.num_tokens == 48 == client.request("fl-r").num_tokens  # once
+            await client.free("fl-r", "fl-a", "fl-y")
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize("deliver", [True, False], ids=["applied", "never-arrived"])
 def test_async_step_cancelled_in_flight_is_sent_again(pagekeeper_server, deliver):
     async def main() -> None:
