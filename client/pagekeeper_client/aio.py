@@ -473,15 +473,14 @@ class AsyncPagekeeperClient(_ClientCore[AsyncLocalChannel]):
         """See :meth:`PagekeeperClient.allocate_decodes` (never awaits a call unless the
         queue must be sent first for ordering)."""
         state = self._scheduler()
-        if state.must_flush_before_decodes(request_ids):
+        while True:  # checked again after every flush (other tasks may queue meanwhile)
+            if not state.must_flush_before_decodes(request_ids):
+                plan = state.plan_decodes(request_ids, token_ids, num_lookahead_tokens)
+                if not state.decodes_need_ordering_flush(plan):
+                    break
+                state.unplan_decodes(plan)
             self.stats.num_ordering_flushes += 1
             await self._send_step(None, None)
-        plan = state.plan_decodes(request_ids, token_ids, num_lookahead_tokens)
-        if state.decodes_need_ordering_flush(plan):
-            state.unplan_decodes(plan)
-            self.stats.num_ordering_flushes += 1
-            await self._send_step(None, None)
-            plan = state.plan_decodes(request_ids, token_ids, num_lookahead_tokens)
         need_pages = state.queue_decodes(plan)
         self.stats.num_local_answers += len(request_ids) - len(need_pages)
         return need_pages
@@ -501,25 +500,27 @@ class AsyncPagekeeperClient(_ClientCore[AsyncLocalChannel]):
         revoked = state.revoked_answer(request_id)
         if revoked is not None:
             return revoked
-        if state.must_flush_before_growth(request_id):
+        # Checked again after every flush: other tasks may queue meanwhile (a flush of
+        # theirs can queue this request's held-back decodes as a growth).
+        while True:
+            if state.must_flush_before_growth(request_id):
+                growth = None
+            else:
+                growth = state.plan_growth(
+                    request_id,
+                    num_new_tokens,
+                    new_token_ids,
+                    num_computed_tokens,
+                    num_lookahead_tokens,
+                )
+                if not state.growth_needs_ordering_flush(growth):
+                    break
+                state.unplan_growth(growth)
             self.stats.num_ordering_flushes += 1
             await self._send_step(None, None)
             revoked = state.revoked_answer(request_id)  # the answer may have said so
             if revoked is not None:
                 return revoked
-        growth = state.plan_growth(
-            request_id, num_new_tokens, new_token_ids, num_computed_tokens, num_lookahead_tokens
-        )
-        if state.growth_needs_ordering_flush(growth):
-            state.unplan_growth(growth)
-            self.stats.num_ordering_flushes += 1
-            await self._send_step(None, None)
-            revoked = state.revoked_answer(request_id)
-            if revoked is not None:
-                return revoked
-            growth = state.plan_growth(
-                request_id, num_new_tokens, new_token_ids, num_computed_tokens, num_lookahead_tokens
-            )
         defer = sync and self.defer_page_ids and growth.needs_pages and state.can_defer(growth)
         state.queue_growth(growth)
         if growth.is_local:
@@ -550,7 +551,7 @@ class AsyncPagekeeperClient(_ClientCore[AsyncLocalChannel]):
         first to keep the apply order)."""
         state = self._scheduler()
         for request_id in request_ids:
-            if state.must_flush_before_free(request_id):
+            while state.must_flush_before_free(request_id):  # again after each flush
                 self.stats.num_ordering_flushes += 1
                 await self._send_step(None, None)
             state.queue_free(request_id)
@@ -613,10 +614,21 @@ class AsyncPagekeeperClient(_ClientCore[AsyncLocalChannel]):
 
     async def _send_for(self, entry: Any) -> None:
         """Send the queue for a synchronous call, unless its entry was answered while it
-        waited (it rode in another caller's step): no step of its own then."""
-        async with self._step_lock:
-            if self._scheduler().is_queued(entry):
+        waited (it rode in another caller's step, or in the unanswered one sent again
+        first): no step of its own then."""
+        self._num_sync_waiting += 1
+        try:
+            async with self._step_lock:
+                state = self._scheduler()
+                if not state.is_queued(entry):
+                    return
+                if self._unanswered is not None:
+                    await self._send_unanswered()
+                    if not state.is_queued(entry):
+                        return
                 await self._send_step_locked(None, None)
+        finally:
+            self._num_sync_waiting -= 1
 
     async def _send_step_locked(
         self,

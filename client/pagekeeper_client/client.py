@@ -1708,6 +1708,14 @@ class SchedulerState:
         )
         return any(e is entry for e in queue)
 
+    def carry_answer(self, entry: _PendingAdmission | _PendingGrowth) -> None:
+        """Hand out an answered synchronous entry's answer with the next results (its call
+        raised before it could return it)."""
+        result = entry.result
+        if result is None:  # a growth answered without pages: it fitted
+            result = AllocationResult(entry.request_id, AllocationStatus.OK)
+        self._carried.append(result)
+
     def release_carried(self, result: StepResult) -> StepResult:
         """``result`` (of a step sent early) with the answers carried so far, which it
         hands out (as the next explicit step's result would)."""
@@ -1887,6 +1895,9 @@ class _ClientCore(Generic[_Local]):
         self._register_args: dict[str, Any] = {}
         self._state: SchedulerState | None = None
         self._next_step_id = 1
+        self._num_sync_waiting = 0
+        """Synchronous calls (asyncio client) waiting for the step lock: their entries are
+        queued, and ``discard_queued`` must not drop them under them."""
         self._in_flight: PreparedStep | None = None
         """The step being sent now (with the asyncio client, other callers may queue and
         wait meanwhile)."""
@@ -2084,6 +2095,11 @@ class _ClientCore(Generic[_Local]):
                 f"step {self._in_flight.request.step_id} is being sent, carrying queued "
                 "operations: wait for it (the service will answer for them)"
             )
+        if self._num_sync_waiting:
+            raise FailedPreconditionError(
+                f"{self._num_sync_waiting} synchronous call(s) wait to send queued "
+                "operations: wait for them"
+            )
         return state.discard_queued()
 
     @property
@@ -2134,8 +2150,17 @@ class _ClientCore(Generic[_Local]):
             any(e is entry for e in in_flight.admissions)
             or any(e is entry for e in in_flight.growths)
         )
+        state = self._state
         if not rides and not self._is_unanswered(entry):
-            return False
+            if state is None or state.is_queued(entry):
+                return False  # no step carried it, or one refused it: withdrawn
+            # Answered already (in a step sent before this call's own failed): carried.
+            state.carry_answer(entry)
+            error.add_note(
+                f"pagekeeper: {entry.request_id!r} was answered before this error; the "
+                "answer comes with the next step's results"
+            )
+            return True
         entry.is_sync = False
         if in_flight is not None and rides:
             what = "admission" if isinstance(entry, _PendingAdmission) else "growth"

@@ -610,6 +610,40 @@ def test_async_sync_calls_and_a_step_in_flight(pagekeeper_server):
     asyncio.run(main())
 
 
+def test_async_growth_planned_again_after_an_ordering_flush_checks_again(pagekeeper_server):
+    """allocate_slots waits for an ordering flush; meanwhile another task's flush queues
+    the request's held-back decode as a growth. Planned again without checking, two
+    growths of one request were queued and every later step was refused ("grown twice")."""
+
+    async def main() -> None:
+        slow = SlowSteps(0.3)
+        async with AsyncPagekeeperClient(
+            pagekeeper_server.grpc_address,
+            token=pagekeeper_server.token,
+            interceptors=[slow],
+            local_socket=None,
+        ) as client:
+            await client.register("scheduler", renew=False)
+            await client.admit("re-r", tokens(150, 20))  # 2 pages, 32 slots
+            assert await client.allocate_decodes(["re-r"], [11]) == []  # held back
+            await client.admit("re-x", tokens(151, 20), sync=False)  # queued admission
+            grow = asyncio.create_task(
+                client.allocate_slots("re-r", 16, new_token_ids=tokens(152, 16))
+            )
+            await asyncio.sleep(0.05)
+            other = asyncio.create_task(client.flush())  # queues re-r's held decode
+            assert (await grow).status in (AllocationStatus.PENDING, AllocationStatus.OK)
+            await other
+            await client.flush()
+            await client.step()
+            table = await client.block_table("re-r")
+            assert table.num_tokens == 37 == client.request("re-r").num_tokens
+            assert table.page_ids.tolist() == client.page_ids("re-r").tolist()
+            await client.free("re-r", "re-x")
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize("deliver", [True, False], ids=["applied", "never-arrived"])
 def test_async_step_cancelled_in_flight_is_sent_again(pagekeeper_server, deliver):
     async def main() -> None:
