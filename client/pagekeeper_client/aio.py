@@ -659,15 +659,7 @@ class AsyncPagekeeperClient(_ClientCore[AsyncLocalChannel]):
         self._next_step_id = step_id + 1
         self._in_flight = prepared
         try:
-            try:
-                sent_under = self._registration
-                response = await self._step_with_retry(prepared.request)
-            except FailedPreconditionError as exc:
-                # See PagekeeperClient._send_step: a lease that ran out while it stalled.
-                if not await self._renewed_for_a_refused_step(sent_under):
-                    raise
-                log.warning("step %d: %s; sent again after registering again", step_id, exc.reason)
-                response = await self._step_with_retry(prepared.request)
+            response = await self._step_with_retry(prepared.request)
         except BaseException as exc:  # a cancelled task too: the step may be applied
             self._in_flight = None
             if not step_was_refused(exc):
@@ -676,22 +668,9 @@ class AsyncPagekeeperClient(_ClientCore[AsyncLocalChannel]):
                 raise self._drop_forgotten() from exc
             raise
         self._in_flight = None
-        if not response.is_retry:  # a retry renews only a lease still running
-            self._last_renewal = time.monotonic()
+        self._last_renewal = time.monotonic()
         self.stats.num_steps += 1
         return state.apply_step(prepared, response)
-
-    async def _renewed_for_a_refused_step(self, sent_under: Registration | None) -> bool:
-        """See :meth:`PagekeeperClient._renewed_for_a_refused_step`."""
-        if sent_under is None or self._generation_moved(sent_under):
-            return sent_under is not None
-        if time.monotonic() - self._last_renewal < sent_under.lease_ttl_s:
-            return False
-        try:
-            await self.reregister()
-        except PagekeeperError:
-            return False
-        return True
 
     async def _registration_gone(self) -> bool:
         """See :meth:`PagekeeperClient._registration_gone`."""

@@ -2197,8 +2197,7 @@ class _ClientCore(Generic[_Local]):
         assert prepared is not None
         self._unanswered = None
         self._next_step_id = max(self._next_step_id, prepared.request.step_id + 1)
-        if not response.is_retry:  # a retry renews only a lease still running
-            self._last_renewal = time.monotonic()
+        self._last_renewal = time.monotonic()
         self.stats.num_steps += 1
         return self._scheduler().apply_step(prepared, response)
 
@@ -2888,16 +2887,7 @@ class PagekeeperClient(_ClientCore[LocalChannel]):
         self._next_step_id = step_id + 1
         self._in_flight = prepared
         try:
-            try:
-                sent_under = self._registration
-                response = self._step_with_retry(prepared.request)
-            except FailedPreconditionError as exc:
-                # Refused whole (nothing applied). A lease that ran out while this client
-                # stalled: register again (as the lease renewal would) and send it again.
-                if not self._renewed_for_a_refused_step(sent_under):
-                    raise
-                log.warning("step %d: %s; sent again after registering again", step_id, exc.reason)
-                response = self._step_with_retry(prepared.request)
+            response = self._step_with_retry(prepared.request)
         except BaseException as exc:
             self._in_flight = None
             if not step_was_refused(exc):
@@ -2906,23 +2896,9 @@ class PagekeeperClient(_ClientCore[LocalChannel]):
                 raise self._drop_forgotten() from exc
             raise
         self._in_flight = None
-        if not response.is_retry:  # a retry renews only a lease still running
-            self._last_renewal = time.monotonic()
+        self._last_renewal = time.monotonic()
         self.stats.num_steps += 1
         return state.apply_step(prepared, response)
-
-    def _renewed_for_a_refused_step(self, sent_under: Registration | None) -> bool:
-        """After a FAILED_PRECONDITION step: whether a lease that ran out is renewed now
-        (this client registered again, or just did), so the step may go again."""
-        if sent_under is None or self._generation_moved(sent_under):
-            return sent_under is not None  # the lease renewal registered again meanwhile
-        if time.monotonic() - self._last_renewal < sent_under.lease_ttl_s:
-            return False  # not the lease: another precondition
-        try:
-            self.reregister()
-        except PagekeeperError:
-            return False
-        return True
 
     def _registration_gone(self) -> bool:
         """A step was NOT_FOUND: an unknown request, or this client itself? A heartbeat

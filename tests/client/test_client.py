@@ -210,11 +210,12 @@ def test_lease_is_renewed_in_the_background(server_factory):
         assert renewed.stats.num_heartbeats >= 2 and renewed.lease_error is None
         renewed.allocate_slots("lease-a", 1, new_token_ids=[5])
         assert renewed.step(batch=["lease-a"]).num_local_growths == 1
-        # Without renewal the lease ran out (within the grace): the step is refused, and
-        # the client takes its id over and sends the same step again.
+        # Without renewal the lease ran out: refused until the client takes its id over.
         idle.allocate_slots("lease-b", 1, new_token_ids=[5])
-        idle.step()
-        assert idle.generation == 2 and idle.stats.num_reregistrations == 1
+        with pytest.raises(FailedPreconditionError, match="lease expired"):
+            idle.step()
+        fresh = idle.reregister()
+        assert fresh.generation == 2 and fresh.client_id == idle.client_id
         idle.step(batch=["lease-b"])  # still its request
         idle.flush()  # the held-back decode goes through
         assert idle.block_table("lease-b").num_tokens == 21
@@ -471,8 +472,10 @@ def test_an_unanswered_step_is_applied_once_across_a_lease_that_ran_out(server_f
         flushed = client.flush()  # the resend: answered from memory, lease or not
         assert flushed is not None and [r.request_id for r in flushed.results] == ["once-a"]
         assert not client.has_unanswered_step
-        client.step()  # a new step needs a live lease: the client registers again first
-        assert client.stats.num_reregistrations == 1
+        with pytest.raises(FailedPreconditionError, match="lease expired"):
+            client.step()  # a new step does need a live lease
+        client.reregister()
+        client.step()
         table = client.block_table("once-a")
         assert (
             table.num_tokens == 50 and table.page_ids.tolist() == client.page_ids("once-a").tolist()
