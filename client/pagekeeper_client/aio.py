@@ -306,16 +306,22 @@ class AsyncPagekeeperClient(_ClientCore[AsyncLocalChannel]):
 
     async def _heartbeat_loop(self, epoch: int) -> None:
         """See :meth:`PagekeeperClient._heartbeat_loop`."""
+        must_register = False
         while not self._is_closed:
             registration = self._registration
             if registration is None or epoch != self._lease_epoch:
                 return
             period = max(registration.lease_ttl_s / 3.0, 0.05)
             wait = self._last_renewal + period - time.monotonic()
-            if wait > 0:
+            if wait > 0 and not must_register:
                 await asyncio.sleep(wait)
                 continue
             try:
+                if must_register:
+                    await self.reregister()
+                    must_register = False
+                    self.lease_error = None
+                    continue
                 await self.heartbeat()
                 self.lease_error = None
             except NotRegisteredError:
@@ -337,6 +343,7 @@ class AsyncPagekeeperClient(_ClientCore[AsyncLocalChannel]):
                     self.lease_error = None
                 except PagekeeperError as again:
                     self.lease_error = again
+                    must_register = not step_was_refused(again)  # see the sync loop
                     await asyncio.sleep(min(period, 1.0))
             except PagekeeperError as exc:
                 if self._is_closed:

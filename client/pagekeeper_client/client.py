@@ -2488,16 +2488,22 @@ class PagekeeperClient(_ClientCore[LocalChannel]):
         needs a heartbeat; a worker learns of a re-created ring this way). An expired lease
         is taken over again under the same id. Ends with the registration it renews
         (``epoch``: a later registration runs a loop of its own)."""
+        must_register = False
         while not self._stop.is_set():
             registration = self._registration
             if registration is None or epoch != self._lease_epoch:
                 return
             period = max(registration.lease_ttl_s / 3.0, 0.05)
             wait = self._last_renewal + period - time.monotonic()
-            if wait > 0:
+            if wait > 0 and not must_register:
                 self._stop.wait(wait)
                 continue
             try:
+                if must_register:
+                    self.reregister()
+                    must_register = False
+                    self.lease_error = None
+                    continue
                 self.heartbeat()
                 self.lease_error = None
             except NotRegisteredError:
@@ -2524,6 +2530,10 @@ class PagekeeperClient(_ClientCore[LocalChannel]):
                     self.lease_error = None
                 except PagekeeperError as again:
                     self.lease_error = again
+                    # No answer: it may have been applied. Register again next (this id's
+                    # own takeover, harmless), not a heartbeat, which the registration the
+                    # lost answer made would answer ABORTED for good.
+                    must_register = not step_was_refused(again)
                     self._stop.wait(min(period, 1.0))
             except PagekeeperError as exc:
                 if self._stop.is_set():

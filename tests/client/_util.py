@@ -119,6 +119,25 @@ class DropStepReplies(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]
         return _FailedCall(self.code, "injected: no answer")
 
 
+class LeaseFaults(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    """Heartbeats fail UNAVAILABLE while ``block_heartbeats``; the next ``lose_registers``
+    RegisterClient calls reach the service and their replies are lost (DEADLINE_EXCEEDED)."""
+
+    def __init__(self) -> None:
+        self.block_heartbeats = False
+        self.lose_registers = 0
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        method = details.method
+        if method.endswith("/Heartbeat") and self.block_heartbeats:
+            return _FailedCall(grpc.StatusCode.UNAVAILABLE, "injected: network down")
+        if method.endswith("/RegisterClient") and self.lose_registers > 0:
+            self.lose_registers -= 1
+            continuation(details, request).result()
+            return _FailedCall(grpc.StatusCode.DEADLINE_EXCEEDED, "injected: no answer")
+        return continuation(details, request)
+
+
 class SlowSteps(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
     """Every Step waits ``delay`` seconds before it is sent (so others queue behind it)."""
 

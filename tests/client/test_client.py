@@ -34,6 +34,7 @@ from tests.client._util import (
     CancelStepAfterDelivery,
     CountingInterceptor,
     DropStepReplies,
+    LeaseFaults,
     SlowSteps,
     tokens,
 )
@@ -480,6 +481,32 @@ def test_an_unanswered_step_is_applied_once_across_a_lease_that_ran_out(server_f
         assert (
             table.num_tokens == 50 and table.page_ids.tolist() == client.page_ids("once-a").tolist()
         )
+
+
+def test_a_lost_answer_to_the_lease_renewals_registration_is_registered_again(server_factory):
+    """The lease renewal registers again after the lease ran out; the service applies it
+    and the answer is lost. A heartbeat under the old generation would then be ABORTED,
+    and the loop would stop for good (fenced by its own registration): it registers again
+    instead (its own id: the newest generation stands)."""
+    server = server_factory("--lease-ttl-s", "0.6", "--lease-grace-s", "30", "--num-pages", "64")
+    faults = LeaseFaults()
+    with PagekeeperClient(server.grpc_address, interceptors=[faults]) as client:
+        client.register("scheduler", lease_ttl=0.6)
+        assert client.admit("lost-reg", tokens(160, 20)).ok
+        faults.block_heartbeats = True
+        time.sleep(1.2)  # the lease runs out (the grace keeps the request)
+        faults.lose_registers = 1
+        faults.block_heartbeats = False
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and (
+            client.generation < 3 or client.lease_error is not None
+        ):
+            time.sleep(0.05)
+        assert client.generation == 3 and client.lease_error is None
+        client.allocate_slots("lost-reg", 1, new_token_ids=[1])
+        client.step(batch=["lost-reg"])
+        client.flush()
+        assert client.block_table("lost-reg").num_tokens == 21
 
 
 def test_unregister_drops_an_unanswered_step(connect):
