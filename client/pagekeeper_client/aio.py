@@ -653,31 +653,14 @@ class AsyncPagekeeperClient(_ClientCore[AsyncLocalChannel]):
             if batch is None and not state.has_queued:
                 # It was all there was to send (a flush): no second round trip.
                 return state.release_carried(resent) if explicit else resent
-        step_id = self._next_step_id
-        prepared = state.prepare_step(
-            client_id=registration.client_id,
-            generation=registration.generation,
-            state_id=registration.state_id,
-            step_id=step_id,
-            batch=batch,
-            num_scheduled_tokens=num_scheduled_tokens,
-            explicit=explicit,
-        )
-        self._next_step_id = step_id + 1
-        self._in_flight = prepared
+        prepared = self._begin_step(state, registration, batch, num_scheduled_tokens, explicit)
         try:
             response = await self._step_with_retry(prepared.request)
         except BaseException as exc:  # a cancelled task too: the step may be applied
-            self._in_flight = None
-            if not step_was_refused(exc):
-                self._keep_unanswered(prepared, exc)
-            elif isinstance(exc, NotFoundError) and await self._registration_gone():
+            if self._step_failed(prepared, exc) and await self._registration_gone():
                 raise self._drop_forgotten() from exc
             raise
-        self._in_flight = None
-        self._last_renewal = time.monotonic()
-        self.stats.num_steps += 1
-        return state.apply_step(prepared, response)
+        return self._step_answered(prepared, response)
 
     async def _registration_gone(self) -> bool:
         """See :meth:`PagekeeperClient._registration_gone`."""
@@ -691,8 +674,12 @@ class AsyncPagekeeperClient(_ClientCore[AsyncLocalChannel]):
 
     async def _send_unanswered(self) -> StepResult:
         """See :meth:`PagekeeperClient._send_unanswered`."""
+        unanswered = self._unanswered
+        assert unanswered is not None
         try:
-            response = await self._step_with_retry(self._unanswered_request())
+            # The same id and content; each try goes under the current generation (a
+            # takeover since keeps the client's last step and answer).
+            response = await self._step_with_retry(unanswered.request)
         except BaseException as exc:
             if isinstance(exc, NotFoundError) and await self._registration_gone():
                 raise self._drop_forgotten() from exc

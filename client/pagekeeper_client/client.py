@@ -848,6 +848,14 @@ class PreparedStep:
     or an ordering flush), and the answers to queued operations are carried over."""
 
 
+def _carries(step: PreparedStep | None, entry: _PendingAdmission | _PendingGrowth) -> bool:
+    """Whether ``step`` carries this very queue entry (by identity)."""
+    if step is None:
+        return False
+    sent: list[Any] = step.admissions if isinstance(entry, _PendingAdmission) else step.growths
+    return any(e is entry for e in sent)
+
+
 @dataclass(slots=True)
 class _DecodePlan:
     """A planned decode step: the queue entries, and the held-back decodes (already counted
@@ -2129,12 +2137,7 @@ class _ClientCore(Generic[_Local]):
         )
 
     def _is_unanswered(self, entry: _PendingAdmission | _PendingGrowth) -> bool:
-        unanswered = self._unanswered
-        if unanswered is None:
-            return False
-        return any(e is entry for e in unanswered.admissions) or any(
-            e is entry for e in unanswered.growths
-        )
+        return _carries(self._unanswered, entry)
 
     def _keeps_failed_entry(
         self, entry: _PendingAdmission | _PendingGrowth, error: BaseException
@@ -2146,10 +2149,7 @@ class _ClientCore(Generic[_Local]):
         no step carried, or whose step was refused whole, is withdrawn. (Other callers
         waiting on the same step still get their answers directly.)"""
         in_flight = self._in_flight
-        rides = in_flight is not None and (
-            any(e is entry for e in in_flight.admissions)
-            or any(e is entry for e in in_flight.growths)
-        )
+        rides = _carries(in_flight, entry)
         state = self._state
         if not rides and not self._is_unanswered(entry):
             if state is None or state.is_queued(entry):
@@ -2183,13 +2183,46 @@ class _ClientCore(Generic[_Local]):
             request.generation = registration.generation
         return int(request.generation)
 
-    def _unanswered_request(self) -> pb.StepRequest:
-        """The unanswered step as it is sent again: the same id and content, under the
-        current generation (a takeover since keeps the client's last step and answer)."""
-        assert self._unanswered is not None
-        request = self._unanswered.request
-        request.generation = self._require().generation
-        return request
+    def _begin_step(
+        self,
+        state: SchedulerState,
+        registration: Registration,
+        batch: Sequence[str] | None,
+        num_scheduled_tokens: TokenIds | None,
+        explicit: bool,
+    ) -> PreparedStep:
+        """The next step, built from the queue and marked as being sent."""
+        step_id = self._next_step_id
+        prepared = state.prepare_step(
+            client_id=registration.client_id,
+            generation=registration.generation,
+            state_id=registration.state_id,
+            step_id=step_id,
+            batch=batch,
+            num_scheduled_tokens=num_scheduled_tokens,
+            explicit=explicit,
+        )
+        # The id is spent whatever happens: a later step must not reuse it for other content.
+        self._next_step_id = step_id + 1
+        self._in_flight = prepared
+        return prepared
+
+    def _step_failed(self, prepared: PreparedStep, error: BaseException) -> bool:
+        """The step being sent failed with ``error``: kept when its outcome is unknown.
+        Returns whether it was refused NOT_FOUND (an unknown request, or this client:
+        the caller asks with a heartbeat)."""
+        self._in_flight = None
+        if not step_was_refused(error):
+            self._keep_unanswered(prepared, error)
+            return False
+        return isinstance(error, NotFoundError)
+
+    def _step_answered(self, prepared: PreparedStep, response: pb.StepResponse) -> StepResult:
+        """Apply the answer to a step sent (the one in flight, or the unanswered one)."""
+        self._in_flight = None
+        self._last_renewal = time.monotonic()
+        self.stats.num_steps += 1
+        return self._scheduler().apply_step(prepared, response)
 
     def _answered(self, response: pb.StepResponse) -> StepResult:
         """Apply the answer to the unanswered step."""
@@ -2197,9 +2230,7 @@ class _ClientCore(Generic[_Local]):
         assert prepared is not None
         self._unanswered = None
         self._next_step_id = max(self._next_step_id, prepared.request.step_id + 1)
-        self._last_renewal = time.monotonic()
-        self.stats.num_steps += 1
-        return self._scheduler().apply_step(prepared, response)
+        return self._step_answered(prepared, response)
 
     def has_request(self, request_id: str) -> bool:
         """Whether ``request_id`` is one of this client's running requests."""
@@ -2883,32 +2914,14 @@ class PagekeeperClient(_ClientCore[LocalChannel]):
             if batch is None and not state.has_queued:
                 # It was all there was to send (a flush): no second round trip.
                 return state.release_carried(resent) if explicit else resent
-        step_id = self._next_step_id
-        prepared = state.prepare_step(
-            client_id=registration.client_id,
-            generation=registration.generation,
-            state_id=registration.state_id,
-            step_id=step_id,
-            batch=batch,
-            num_scheduled_tokens=num_scheduled_tokens,
-            explicit=explicit,
-        )
-        # The id is spent whatever happens: a later step must not reuse it for other content.
-        self._next_step_id = step_id + 1
-        self._in_flight = prepared
+        prepared = self._begin_step(state, registration, batch, num_scheduled_tokens, explicit)
         try:
             response = self._step_with_retry(prepared.request)
         except BaseException as exc:
-            self._in_flight = None
-            if not step_was_refused(exc):
-                self._keep_unanswered(prepared, exc)
-            elif isinstance(exc, NotFoundError) and self._registration_gone():
+            if self._step_failed(prepared, exc) and self._registration_gone():
                 raise self._drop_forgotten() from exc
             raise
-        self._in_flight = None
-        self._last_renewal = time.monotonic()
-        self.stats.num_steps += 1
-        return state.apply_step(prepared, response)
+        return self._step_answered(prepared, response)
 
     def _registration_gone(self) -> bool:
         """A step was NOT_FOUND: an unknown request, or this client itself? A heartbeat
@@ -2926,8 +2939,12 @@ class PagekeeperClient(_ClientCore[LocalChannel]):
         changed nothing leaves its operations queued, as after any refused step; one the
         service gives before it looks at the step (a stale generation, a token) keeps it
         for the next try; a NOT_FOUND for the client itself drops the registration."""
+        unanswered = self._unanswered
+        assert unanswered is not None
         try:
-            response = self._step_with_retry(self._unanswered_request())
+            # The same id and content; each try goes under the current generation (a
+            # takeover since keeps the client's last step and answer).
+            response = self._step_with_retry(unanswered.request)
         except BaseException as exc:
             if isinstance(exc, NotFoundError) and self._registration_gone():
                 raise self._drop_forgotten() from exc

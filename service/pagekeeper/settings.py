@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from pagekeeper.core.config import PoolConfig
+from pagekeeper.core.config import PoolConfig, check_switch
 from pagekeeper.core.errors import ConfigError
 
 ENV_PREFIX = "PAGEKEEPER_"
@@ -149,10 +149,7 @@ class Settings:
 
     def validate(self) -> None:
         for name in ("http_read_auth", "debug_invariants"):
-            value = getattr(self, name)
-            if not isinstance(value, bool):
-                # A TOML string such as "false" is truthy: a switch takes true or false.
-                raise ConfigError(f"server.{name}", f"must be true or false, got {value!r}")
+            check_switch(f"server.{name}", getattr(self, name))
         if not isinstance(self.publish_device, str):
             raise ConfigError(
                 "publish.device", f"must be a string ('cuda:N'), got {self.publish_device!r}"

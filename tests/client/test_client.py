@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 
@@ -399,6 +400,18 @@ def test_a_chunk_past_the_cache_hit_is_clamped_in_the_clients_view_too(connect):
     client.free("clamp-a", "clamp-b")
 
 
+@contextlib.asynccontextmanager
+async def slow_scheduler(server, delay: float = 0.3):
+    """An asyncio scheduler whose every Step waits ``delay`` before it is sent (so other
+    tasks queue behind it), with no lease renewal: ``(client, its SlowSteps)``."""
+    slow = SlowSteps(delay)
+    async with AsyncPagekeeperClient(
+        server.grpc_address, token=server.token, interceptors=[slow], local_socket=None
+    ) as client:
+        await client.register("scheduler", renew=False)
+        yield client, slow
+
+
 def _service_view(client, rid):
     table = client.block_table(rid)
     return table.page_ids.tolist(), table.num_tokens
@@ -561,14 +574,7 @@ def test_async_caller_cancelled_while_its_entry_rides_in_another_step(pagekeeper
     next results (withdrawn, the answer's slicing dropped a later, never-sent admission)."""
 
     async def main() -> None:
-        slow = SlowSteps(0.3)
-        async with AsyncPagekeeperClient(
-            pagekeeper_server.grpc_address,
-            token=pagekeeper_server.token,
-            interceptors=[slow],
-            local_socket=None,
-        ) as client:
-            await client.register("scheduler", renew=False)
+        async with slow_scheduler(pagekeeper_server) as (client, _slow):
             await client.admit("ride-a", tokens(130, 20), sync=False)
             first = asyncio.create_task(client.flush())  # in flight
             await asyncio.sleep(0.05)
@@ -601,14 +607,7 @@ def test_async_sync_calls_and_a_step_in_flight(pagekeeper_server):
     not dropped under a step being sent."""
 
     async def main() -> None:
-        slow = SlowSteps(0.3)
-        async with AsyncPagekeeperClient(
-            pagekeeper_server.grpc_address,
-            token=pagekeeper_server.token,
-            interceptors=[slow],
-            local_socket=None,
-        ) as client:
-            await client.register("scheduler", renew=False)
+        async with slow_scheduler(pagekeeper_server) as (client, slow):
             assert (await client.admit("fl-r", tokens(140, 32))).ok  # 2 full pages
             await client.admit("fl-a", tokens(141, 20), sync=False)
             in_flight = asyncio.create_task(client.flush())
@@ -646,14 +645,7 @@ def test_async_growth_planned_again_after_an_ordering_flush_checks_again(pagekee
     growths of one request were queued and every later step was refused ("grown twice")."""
 
     async def main() -> None:
-        slow = SlowSteps(0.3)
-        async with AsyncPagekeeperClient(
-            pagekeeper_server.grpc_address,
-            token=pagekeeper_server.token,
-            interceptors=[slow],
-            local_socket=None,
-        ) as client:
-            await client.register("scheduler", renew=False)
+        async with slow_scheduler(pagekeeper_server) as (client, _slow):
             await client.admit("re-r", tokens(150, 20))  # 2 pages, 32 slots
             assert await client.allocate_decodes(["re-r"], [11]) == []  # held back
             await client.admit("re-x", tokens(151, 20), sync=False)  # queued admission

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -109,6 +111,21 @@ def test_worker_follows_a_recreated_ring(server_factory, transport):
             assert first.view.num_reopens == 1
 
 
+@contextlib.contextmanager
+def _first_worker_and_step(server, request_id: str):
+    """A worker (kernel block 16), a scheduler, and one published step of ``request_id``
+    (40 tokens) the worker has seen: ``(worker, scheduler, step id)``."""
+    with (
+        register_worker(server.grpc_address, "cpu", {0: [16]}) as first,
+        PagekeeperClient(server.grpc_address) as scheduler,
+    ):
+        scheduler.register("scheduler")
+        scheduler.admit(request_id, tokens(5, 40))
+        one = scheduler.step(batch=[request_id]).step_id
+        assert first.view.wait_next(-1, timeout=WAIT_S) == one
+        yield first, scheduler, one
+
+
 @pytest.mark.parametrize("transport", ["shm", "cpu_ipc"])
 def test_worker_polling_latest_steps_follows_a_recreated_ring(server_factory, transport):
     """A worker that follows published steps by polling (``wait_next``, as the example
@@ -116,19 +133,14 @@ def test_worker_polling_latest_steps_follows_a_recreated_ring(server_factory, tr
     ring's last step forever before."""
     server = server_factory("--num-pages", "64", publish_transport=transport)
     with (
-        register_worker(server.grpc_address, "cpu", {0: [16]}) as first,
-        PagekeeperClient(server.grpc_address) as scheduler,
+        _first_worker_and_step(server, "p-a") as (first, scheduler, one),
+        register_worker(server.grpc_address, "cpu", {0: [4]}),
     ):
-        scheduler.register("scheduler")
-        scheduler.admit("p-a", tokens(5, 40))
-        one = scheduler.step(batch=["p-a"]).step_id
-        assert first.view.wait_next(-1, timeout=WAIT_S) == one
-        with register_worker(server.grpc_address, "cpu", {0: [4]}):
-            scheduler.allocate_slots("p-a", 1, new_token_ids=[1])
-            two = scheduler.step(batch=["p-a"]).step_id
-            assert first.view.wait_next(one, timeout=WAIT_S) == two
-            assert first.view.num_reopens == 1
-            check_step(first.view.wait(two, timeout=WAIT_S), scheduler, [("p-a", 40, 41)], 16)
+        scheduler.allocate_slots("p-a", 1, new_token_ids=[1])
+        two = scheduler.step(batch=["p-a"]).step_id
+        assert first.view.wait_next(one, timeout=WAIT_S) == two
+        assert first.view.num_reopens == 1
+        check_step(first.view.wait(two, timeout=WAIT_S), scheduler, [("p-a", 40, 41)], 16)
 
 
 def test_worker_follows_a_ring_recreated_twice_in_a_row(server_factory):
@@ -136,20 +148,15 @@ def test_worker_follows_a_ring_recreated_twice_in_a_row(server_factory):
     ring (a heartbeat) when a third replaced it; the view re-maps to the current one."""
     server = server_factory("--num-pages", "64", publish_transport="shm")
     with (
-        register_worker(server.grpc_address, "cpu", {0: [16]}) as first,
-        PagekeeperClient(server.grpc_address) as scheduler,
+        _first_worker_and_step(server, "t-a") as (first, scheduler, one),
+        register_worker(server.grpc_address, "cpu", {0: [4]}),
     ):
-        scheduler.register("scheduler")
-        scheduler.admit("t-a", tokens(5, 40))
-        one = scheduler.step(batch=["t-a"]).step_id
-        assert first.view.wait_next(-1, timeout=WAIT_S) == one
-        with register_worker(server.grpc_address, "cpu", {0: [4]}):
-            first.client.heartbeat()  # as its lease renewal would
-            with register_worker(server.grpc_address, "cpu", {0: [8]}):
-                scheduler.allocate_slots("t-a", 1, new_token_ids=[1])
-                two = scheduler.step(batch=["t-a"]).step_id
-                assert first.view.wait_next(one, timeout=WAIT_S) == two
-                check_step(first.view.wait(two, timeout=WAIT_S), scheduler, [("t-a", 40, 41)], 16)
+        first.client.heartbeat()  # as its lease renewal would
+        with register_worker(server.grpc_address, "cpu", {0: [8]}):
+            scheduler.allocate_slots("t-a", 1, new_token_ids=[1])
+            two = scheduler.step(batch=["t-a"]).step_id
+            assert first.view.wait_next(one, timeout=WAIT_S) == two
+            check_step(first.view.wait(two, timeout=WAIT_S), scheduler, [("t-a", 40, 41)], 16)
 
 
 def test_worker_registration_errors(server_factory):

@@ -35,7 +35,8 @@ def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check_bool(field: str, value: object) -> None:
+def check_switch(field: str, value: object) -> None:
+    """Refuse (naming ``field``) a setting that must be a boolean and is not."""
     # A TOML string such as "false" is truthy: a switch takes true or false only.
     if not isinstance(value, bool):
         raise ConfigError(field, f"must be true or false, got {value!r}")
@@ -74,7 +75,7 @@ class GroupConfig:
                 )
         elif self.chunk is not None:
             raise ConfigError(f"{where}.chunk", "only a chunked_local group has a chunk")
-        _check_bool(f"{where}.enable_state_caching", self.enable_state_caching)
+        check_switch(f"{where}.enable_state_caching", self.enable_state_caching)
         if not isinstance(self.name, str):
             raise ConfigError(f"{where}.name", f"must be a string, got {self.name!r}")
         if self.enable_state_caching and self.kind is not GroupKind.MAMBA:
@@ -140,7 +141,7 @@ class PoolConfig:
                 "num_pages",
                 f"must be an int >= 2 (page 0 is the null page), got {self.num_pages!r}",
             )
-        _check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        check_switch("enable_prefix_caching", self.enable_prefix_caching)
         if self.num_pages >= 2**31 - 1:
             raise ConfigError("num_pages", "must fit in int32")
         if not isinstance(self.groups, tuple) or not self.groups:

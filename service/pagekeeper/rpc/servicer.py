@@ -304,8 +304,7 @@ class PagekeeperServicer(pb_grpc.PagekeeperServiceServicer):  # type: ignore[mis
     # -- the hot path -------------------------------------------------------------------
     @_unary
     def Step(self, request: pb.StepRequest, context: Any) -> pb.StepResponse:
-        if request.state_id:
-            self._check_state(request.client_id, request.state_id)
+        self._check_state(request.client_id, request.state_id)
         self._check_identity(request.client_id, context)
         command = convert.step_from_pb(request, self.runtime.now())
         started = time.perf_counter()
