@@ -137,6 +137,8 @@ class AsyncPagekeeperClient(_ClientCore[AsyncLocalChannel]):
         self._stub = pb_grpc.PagekeeperServiceStub(self._channel)  # type: ignore[no-untyped-call]
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._step_lock = asyncio.Lock()
+        self._wake = asyncio.Event()
+        """Ends the lease renewal's wait early: a step asking for a renewal."""
 
     # -- the same-node socket -------------------------------------------------------------
     async def _connect_local(self, *, required: bool) -> None:
@@ -313,17 +315,21 @@ class AsyncPagekeeperClient(_ClientCore[AsyncLocalChannel]):
                 return
             period = max(registration.lease_ttl_s / 3.0, 0.05)
             wait = self._last_renewal + period - time.monotonic()
-            if wait > 0 and not must_register:
-                await asyncio.sleep(wait)
+            if wait > 0 and not must_register and self._renew_asked == self._renew_served:
+                await self._lease_sleep(wait)
                 continue
+            self._wake.clear()
+            ticket = self._renew_asked
+            alive = False
+            backoff = 0.0
             try:
                 if must_register:
                     await self.reregister()
                     must_register = False
-                    self.lease_error = None
-                    continue
-                await self.heartbeat()
+                else:
+                    await self.heartbeat()
                 self.lease_error = None
+                alive = True
             except NotRegisteredError:
                 return
             except (NotFoundError, AbortedError) as exc:
@@ -341,16 +347,49 @@ class AsyncPagekeeperClient(_ClientCore[AsyncLocalChannel]):
                 try:
                     await self.reregister()
                     self.lease_error = None
+                    alive = True
                 except PagekeeperError as again:
                     self.lease_error = again
                     must_register = not step_was_refused(again)  # see the sync loop
-                    await asyncio.sleep(min(period, 1.0))
+                    backoff = min(period, 1.0)
             except PagekeeperError as exc:
                 if self._is_closed:
                     return
                 self.lease_error = exc
                 log.warning("lease renewal failed: %s", exc)
-                await asyncio.sleep(min(period, 1.0))
+                backoff = min(period, 1.0)
+            finally:
+                self._lease_alive = alive
+                self._renew_served = ticket
+            if backoff:
+                await self._lease_sleep(backoff)
+
+    async def _lease_sleep(self, seconds: float) -> None:
+        """The lease renewal's wait: ``seconds``, or until a step asks for a renewal."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), seconds)
+        self._wake.clear()
+
+    async def _lease_renewed(self, generation: int, deadline: float) -> bool:
+        """See :meth:`PagekeeperClient._lease_renewed`."""
+        task = self._heartbeat_task
+        if task is None or task.done():
+            return False
+        self._renew_asked += 1
+        ticket = self._renew_asked
+        self._wake.set()
+        while time.monotonic() < deadline:
+            registration = self._registration
+            if registration is None or self._is_closed:
+                return False
+            if registration.generation != generation:
+                return True
+            if self._renew_served >= ticket:
+                return self._lease_alive
+            if task.done():
+                return False
+            await asyncio.sleep(0.005)
+        return False
 
     async def _stop_heartbeat(self) -> None:
         task, self._heartbeat_task = self._heartbeat_task, None
@@ -694,6 +733,7 @@ class AsyncPagekeeperClient(_ClientCore[AsyncLocalChannel]):
         stats = self.stats
         may_reread = True
         num_moved = 0
+        may_renew = True
         while True:
             stats.num_rpcs += 1
             stats.by_method["Step"] = stats.by_method.get("Step", 0) + 1
@@ -716,6 +756,7 @@ class AsyncPagekeeperClient(_ClientCore[AsyncLocalChannel]):
                 DeadlineExceededError,
                 UnauthenticatedError,
                 AbortedError,
+                FailedPreconditionError,
             ) as exc:
                 if isinstance(exc, grpc.RpcError):
                     error = error_from_rpc(exc, "Step")
@@ -725,6 +766,14 @@ class AsyncPagekeeperClient(_ClientCore[AsyncLocalChannel]):
                     may_reread = False  # once a step: a file that keeps changing ends here
                     if self._reread_token(used):
                         continue  # refused before anything was applied: the same id again
+                if isinstance(error, FailedPreconditionError) and may_renew:
+                    # The lease may have run out while the client could not renew it (the
+                    # service unreachable, the process stalled): the renewal registers
+                    # again (its grace period keeps the requests), then the same id goes.
+                    may_renew = False
+                    if await self._lease_renewed(generation, deadline):
+                        continue
+                    raise error from None
                 if isinstance(error, AbortedError) and num_moved < 3:
                     registration = self._registration
                     if registration is not None and registration.generation != generation:

@@ -1914,6 +1914,15 @@ class _ClientCore(Generic[_Local]):
         a cancelled call). It is sent again, with its id and content, before any other
         step: the service answers it from memory if it applied it, else applies it once."""
         self._last_renewal = 0.0
+        self._renew_asked = 0
+        """Renewals asked for by steps refused FAILED_PRECONDITION (the lease may have run
+        out while the client could not renew it): the lease renewal checks at once, with a
+        heartbeat, and registers again if the lease ran out; the step waits for it."""
+        self._renew_served = 0
+        """The last of those asks a finished renewal attempt served (one that started after
+        it)."""
+        self._lease_alive = False
+        """Whether that attempt left a live lease."""
         self._ring: RingDescriptor | None = None
         self._ring_listeners: list[Callable[[RingDescriptor | None], None]] = []
         self.lease_error: PagekeeperError | None = None
@@ -2309,6 +2318,8 @@ class PagekeeperClient(_ClientCore[LocalChannel]):
         self._lock = threading.RLock()
         self._heartbeat_thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._wake = threading.Event()
+        """Ends the lease renewal's wait early: a stop, or a step asking for a renewal."""
 
     # -- the same-node socket -------------------------------------------------------------
     def _connect_local(self, *, required: bool) -> None:
@@ -2504,6 +2515,7 @@ class PagekeeperClient(_ClientCore[LocalChannel]):
         # Wake the loop of an earlier registration (it ends: another epoch), and give this
         # one an event of its own (an unregister() may have set the old one).
         self._stop.set()
+        self._wake.set()
         self._stop = threading.Event()
         thread = threading.Thread(
             target=self._heartbeat_loop,
@@ -2516,9 +2528,10 @@ class PagekeeperClient(_ClientCore[LocalChannel]):
 
     def _heartbeat_loop(self, epoch: int) -> None:
         """Renew at a third of the TTL (a step renews too, so an active scheduler rarely
-        needs a heartbeat; a worker learns of a re-created ring this way). An expired lease
-        is taken over again under the same id. Ends with the registration it renews
-        (``epoch``: a later registration runs a loop of its own)."""
+        needs a heartbeat; a worker learns of a re-created ring this way), or at once when
+        a refused step asks (:meth:`_lease_renewed`). An expired lease is taken over again
+        under the same id. Ends with the registration it renews (``epoch``: a later
+        registration runs a loop of its own)."""
         must_register = False
         while not self._stop.is_set():
             registration = self._registration
@@ -2526,17 +2539,22 @@ class PagekeeperClient(_ClientCore[LocalChannel]):
                 return
             period = max(registration.lease_ttl_s / 3.0, 0.05)
             wait = self._last_renewal + period - time.monotonic()
-            if wait > 0 and not must_register:
-                self._stop.wait(wait)
+            if wait > 0 and not must_register and self._renew_asked == self._renew_served:
+                self._wake.wait(wait)
+                self._wake.clear()
                 continue
+            self._wake.clear()
+            ticket = self._renew_asked
+            alive = False
+            backoff = 0.0
             try:
                 if must_register:
                     self.reregister()
                     must_register = False
-                    self.lease_error = None
-                    continue
-                self.heartbeat()
+                else:
+                    self.heartbeat()
                 self.lease_error = None
+                alive = True
             except NotRegisteredError:
                 return
             except (NotFoundError, AbortedError) as exc:
@@ -2559,25 +2577,59 @@ class PagekeeperClient(_ClientCore[LocalChannel]):
                 try:
                     self.reregister()
                     self.lease_error = None
+                    alive = True
                 except PagekeeperError as again:
                     self.lease_error = again
                     # No answer: it may have been applied. Register again next (this id's
                     # own takeover, harmless), not a heartbeat, which the registration the
                     # lost answer made would answer ABORTED for good.
                     must_register = not step_was_refused(again)
-                    self._stop.wait(min(period, 1.0))
+                    backoff = min(period, 1.0)
             except PagekeeperError as exc:
                 if self._stop.is_set():
                     return
                 self.lease_error = exc
                 log.warning("lease renewal failed: %s", exc)
-                self._stop.wait(min(period, 1.0))
+                backoff = min(period, 1.0)
+            finally:
+                self._lease_alive = alive
+                self._renew_served = ticket
+            if backoff:
+                self._wake.wait(backoff)
+
+    def _lease_renewed(self, generation: int, deadline: float) -> bool:
+        """A step was refused FAILED_PRECONDITION under ``generation``: have the lease
+        renewal check the lease now (it registers again if the lease ran out while the
+        client could not reach the service or stalled) and wait for that attempt. True when
+        the step is worth sending again (the same id: a refused step was not applied): the
+        client registered again or the lease is live. False without a running renewal
+        (``renew=False``: the caller registers again), when the attempt failed, or past
+        ``deadline``."""
+        thread = self._heartbeat_thread
+        if thread is None or not thread.is_alive() or self._stop.is_set():
+            return False
+        self._renew_asked += 1
+        ticket = self._renew_asked
+        self._wake.set()
+        while time.monotonic() < deadline:
+            registration = self._registration
+            if registration is None or self._stop.is_set():
+                return False
+            if registration.generation != generation:
+                return True
+            if self._renew_served >= ticket:
+                return self._lease_alive
+            if not thread.is_alive():
+                return False
+            time.sleep(0.005)
+        return False
 
     def unregister(self, *, timeout: float | None = None) -> int:
         """End the registration (a scheduler's requests are freed); returns how many
         requests the service freed."""
         registration = self._require()
         self._stop.set()
+        self._wake.set()
         reply = self._call(
             "Unregister",
             pb.UnregisterRequest(
@@ -2961,6 +3013,7 @@ class PagekeeperClient(_ClientCore[LocalChannel]):
         stats = self.stats
         may_reread = True
         num_moved = 0
+        may_renew = True
         while True:
             stats.num_rpcs += 1
             stats.by_method["Step"] = stats.by_method.get("Step", 0) + 1
@@ -2983,6 +3036,7 @@ class PagekeeperClient(_ClientCore[LocalChannel]):
                 DeadlineExceededError,
                 UnauthenticatedError,
                 AbortedError,
+                FailedPreconditionError,
             ) as exc:
                 if isinstance(exc, grpc.RpcError):
                     error = error_from_rpc(exc, "Step")
@@ -2992,6 +3046,14 @@ class PagekeeperClient(_ClientCore[LocalChannel]):
                     may_reread = False  # once a step: a file that keeps changing ends here
                     if self._reread_token(used):
                         continue  # refused before anything was applied: the same id again
+                if isinstance(error, FailedPreconditionError) and may_renew:
+                    # The lease may have run out while the client could not renew it (the
+                    # service unreachable, the process stalled): the renewal registers
+                    # again (its grace period keeps the requests), then the same id goes.
+                    may_renew = False
+                    if self._lease_renewed(generation, deadline):
+                        continue
+                    raise error from None
                 if isinstance(error, AbortedError) and num_moved < 3:
                     registration = self._registration
                     if registration is not None and registration.generation != generation:
@@ -3013,6 +3075,7 @@ class PagekeeperClient(_ClientCore[LocalChannel]):
         if self._is_closed:
             return
         self._stop.set()
+        self._wake.set()
         if unregister and self._registration is not None:
             try:
                 self.unregister(timeout=min(self.timeout, 5.0))

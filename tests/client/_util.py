@@ -179,3 +179,50 @@ class CancelStepAfterDelivery(grpc.aio.UnaryUnaryClientInterceptor):  # type: ig
 
 def tokens(seed: int, n: int) -> list[int]:
     return [int(x) for x in np.random.default_rng(seed).integers(1, 50_000, n)]
+
+
+class HeartbeatsDownUntilAStep(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    """While ``down``, heartbeats fail UNAVAILABLE (the lease runs out unrenewed); the first
+    Step that then goes out brings them back once it has its answer, so the step is the
+    first to learn that the lease ran out (not the lease renewal on its own)."""
+
+    def __init__(self) -> None:
+        self.down = False
+        self.step_codes: list[grpc.StatusCode] = []
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        method = details.method
+        if method.endswith("/Heartbeat") and self.down:
+            return _FailedCall(grpc.StatusCode.UNAVAILABLE, "injected: network down")
+        if not method.endswith("/Step"):
+            return continuation(details, request)
+        call = continuation(details, request)
+        exc = call.exception()
+        self.step_codes.append(grpc.StatusCode.OK if exc is None else exc.code())
+        self.down = False
+        return call
+
+
+class AsyncHeartbeatsDownUntilAStep(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    """:class:`HeartbeatsDownUntilAStep` for ``grpc.aio``."""
+
+    def __init__(self) -> None:
+        self.down = False
+        self.step_codes: list[grpc.StatusCode] = []
+
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        name = details.method
+        name = name.decode() if isinstance(name, bytes) else name
+        if name.endswith("/Heartbeat") and self.down:
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.UNAVAILABLE,
+                grpc.aio.Metadata(),
+                grpc.aio.Metadata(),
+                details="injected: network down",
+            )
+        if not name.endswith("/Step"):
+            return await continuation(details, request)
+        call = await continuation(details, request)
+        self.step_codes.append(await call.code())
+        self.down = False
+        return call

@@ -32,9 +32,11 @@ from pagekeeper_client._proto.pagekeeper.v1 import pagekeeper_pb2 as pb
 from pagekeeper_client.errors import error_from_rpc
 from tests.client._util import (
     AsyncCountingInterceptor,
+    AsyncHeartbeatsDownUntilAStep,
     CancelStepAfterDelivery,
     CountingInterceptor,
     DropStepReplies,
+    HeartbeatsDownUntilAStep,
     LeaseFaults,
     SlowSteps,
     tokens,
@@ -520,6 +522,76 @@ def test_a_lost_answer_to_the_lease_renewals_registration_is_registered_again(se
         client.step(batch=["lost-reg"])
         client.flush()
         assert client.block_table("lost-reg").num_tokens == 21
+
+
+def test_a_step_after_the_lease_ran_out_registers_again_and_goes(server_factory):
+    """The service was out of reach (or the process stalled) for longer than the lease, not
+    the grace period: the first step back is refused FAILED_PRECONDITION before the lease
+    renewal learns it. The step has the renewal register again (its requests kept), waits
+    for it and goes again under the same id, applied once: the caller sees no error."""
+    server = server_factory("--lease-ttl-s", "0.6", "--lease-grace-s", "30", "--num-pages", "64")
+    faults = HeartbeatsDownUntilAStep()
+    with PagekeeperClient(server.grpc_address, interceptors=[faults]) as client:
+        client.register("scheduler", lease_ttl=0.6)
+        assert client.admit("stall-a", tokens(170, 20)).ok
+        faults.down = True
+        time.sleep(1.2)  # the lease runs out; the renewal's heartbeats fail meanwhile
+        assert client.generation == 1
+        client.allocate_slots("stall-a", 13, new_token_ids=list(range(13)))  # a 3rd page
+        faults.step_codes.clear()
+        result = client.step(batch=["stall-a"])
+        assert faults.step_codes == [grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OK]
+        assert client.generation == 2 and client.stats.num_reregistrations == 1
+        assert [r.request_id for r in result.results] == ["stall-a"]
+        table = client.block_table("stall-a")
+        assert table.num_tokens == 33 and len(table.page_ids) == 3
+        assert table.page_ids.tolist() == client.page_ids("stall-a").tolist()
+
+
+def test_a_step_refused_for_another_reason_is_not_retried_for_long(server_factory):
+    """A FAILED_PRECONDITION that is not about the lease (here: a step id older than the
+    last one the service applied) is raised after one renewal check and one resend, not
+    waited on until the retry deadline."""
+    server = server_factory("--lease-ttl-s", "30", "--num-pages", "64")
+    faults = HeartbeatsDownUntilAStep()
+    with PagekeeperClient(server.grpc_address, interceptors=[faults]) as client:
+        client.register("scheduler")
+        assert client.admit("stale-a", tokens(171, 20)).ok
+        assert client.admit("stale-b", tokens(173, 20)).ok  # step 2
+        client._next_step_id = 1  # older than the service's last step for this client
+        client.allocate_slots("stale-a", 13, new_token_ids=list(range(13)))
+        started = time.monotonic()
+        with pytest.raises(FailedPreconditionError, match="older than"):
+            client.step(batch=["stale-a"])
+        assert time.monotonic() - started < 3.0
+        assert client.generation == 1 and client.stats.num_heartbeats >= 1
+
+
+def test_async_step_after_the_lease_ran_out_registers_again_and_goes(server_factory):
+    server = server_factory("--lease-ttl-s", "0.6", "--lease-grace-s", "30", "--num-pages", "64")
+
+    async def main() -> None:
+        faults = AsyncHeartbeatsDownUntilAStep()
+        async with AsyncPagekeeperClient(server.grpc_address, interceptors=[faults]) as client:
+            await client.register("scheduler", lease_ttl=0.6)
+            assert (await client.admit("astall-a", tokens(172, 20))).ok
+            faults.down = True
+            await asyncio.sleep(1.2)
+            assert client.generation == 1
+            await client.allocate_slots("astall-a", 13, new_token_ids=list(range(13)))
+            faults.step_codes.clear()
+            result = await client.step(batch=["astall-a"])
+            assert faults.step_codes == [
+                grpc.StatusCode.FAILED_PRECONDITION,
+                grpc.StatusCode.OK,
+            ]
+            assert client.generation == 2
+            assert [r.request_id for r in result.results] == ["astall-a"]
+            table = await client.block_table("astall-a")
+            assert table.num_tokens == 33
+            assert table.page_ids.tolist() == client.page_ids("astall-a").tolist()
+
+    asyncio.run(main())
 
 
 def test_unregister_drops_an_unanswered_step(connect):
