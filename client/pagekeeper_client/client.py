@@ -2065,6 +2065,13 @@ class _ClientCore(Generic[_Local]):
         self._ring_listeners.append(callback)
 
     @property
+    def registration_lost(self) -> str | None:
+        """Why the service no longer knows this client's registration (its lease ran out
+        past the grace period, or its state was reset), as a heartbeat or a call learnt it;
+        None while it does (or before ``register()``)."""
+        return self._forgotten or self._lost_message
+
+    @property
     def ring(self) -> RingDescriptor | None:
         """Workers: the latest ring descriptor the service sent."""
         return self._ring

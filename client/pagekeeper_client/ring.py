@@ -26,22 +26,27 @@ Layout (all integers little-endian, every region 64-byte aligned)::
 ``cuda_ipc`` keeps the control block in host shared memory and the data in device memory;
 ``cpu_ipc`` (the CUDA transport's CPU stand-in) keeps the data in a separate memfd.
 
-Seqlock protocol, per slot. The writer publishing step ``S`` into slot ``S % depth``:
+Seqlock protocol, per slot. The writer takes the slots in turn, one per published step
+(slot 0 first; published step ids have gaps, since a step that only admits publishes
+nothing, so the slot is not ``S % depth``). Publishing step ``S`` into its slot:
 ``seq += 1`` (odd: writing) -> write data and slot words -> ``seq += 1`` (even: stable) ->
-``last_step = S``. A reader waiting for step ``S``: read ``seq`` (even) and ``step``;
-``step == S`` -> copy -> re-read ``seq``: unchanged means the copy is exactly what the writer
-wrote for ``S``; changed means step ``S + depth`` started overwriting it and the reader fell
-behind (there is nothing left to retry: that step's data is gone). ``step < S``: not yet
-published (stale), keep waiting. ``step > S``: overwritten, the reader fell behind.
+``last_step = S`` (a failed write leaves the slot empty, step -1, and the next step takes it).
+A reader waiting for step ``S`` looks at every slot (``depth`` is small): read ``seq`` (even)
+and ``step``; ``step == S`` -> copy -> re-read ``seq``: unchanged means the copy is exactly
+what the writer wrote for ``S``; changed means the writer started overwriting it and the
+reader fell behind (there is nothing left to retry: that step's data is gone). No slot holds
+``S`` and none holds a later step: not yet published, keep waiting. A later step but not
+``S`` (on a second look): overwritten (or never published), the reader fell behind.
 
-Waiting: a reader spins ~50 us on the slot's words, then sleeps on a futex on the slot's
-seq word, which the writer wakes right after the slot turns even (and on close); without
-futexes (not Linux) it sleeps with exponential backoff up to 1 ms.
+Waiting: a reader spins ~50 us on the slots' words, then sleeps on a futex on the seq word of
+the slot the writer takes next (the one after the newest step's), which the writer wakes
+right after the slot turns even (and on close); without futexes (not Linux) it sleeps with
+exponential backoff up to 1 ms.
 
-The writer never waits for readers. Step ``S``'s slot is rewritten only when ``S + depth`` (or
-a later step landing in that slot) is published, so a worker that finishes with step ``S``
-before the scheduler publishes ``S + depth`` never loses a step; one that falls further
-behind gets :class:`ReaderFellBehind`, never torn data.
+The writer never waits for readers. Step ``S``'s slot is rewritten only when ``depth`` more
+steps are published, so a worker that finishes with step ``S`` before the scheduler
+publishes ``depth`` more never loses a step; one that falls further behind gets
+:class:`ReaderFellBehind`, never torn data.
 
 Memory ordering. The control words are aligned int64 written and read through numpy scalar
 stores/loads (single 8-byte moves on x86-64 and aarch64, so a word is never torn). Each
@@ -75,7 +80,8 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 Int32Array = npt.NDArray[np.int32]
 Int64Array = npt.NDArray[np.int64]
 
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
+"""2: slots taken in turn, one per published step (1: slot ``step % depth``)."""
 """Bumped on any change of the byte layout; readers refuse a version they do not know."""
 
 RING_MAGIC = int.from_bytes(b"PKRING\x00\x01", "little")
@@ -560,7 +566,7 @@ class TableArrays:
     """One table of a step as numpy arrays (rows in batch order).
 
     ``block_table[i, :row_lengths[i]]`` are request i's kernel block ids. Views from a
-    zero-copy read are read-only and valid until step ``step_seq + depth`` is published.
+    zero-copy read are read-only and valid until ``depth`` more steps are published.
     """
 
     group_id: int

@@ -25,12 +25,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from pagekeeper_client.client import PagekeeperClient, TableStream
-from pagekeeper_client.errors import FailedPreconditionError, PagekeeperError
+from pagekeeper_client.errors import FailedPreconditionError, PagekeeperError, UnavailableError
 from pagekeeper_client.ring import (
     DescriptorError,
     RingClosed,
@@ -49,6 +49,12 @@ log = logging.getLogger("pagekeeper_client.worker")
 _POLL_MIN_S = 20e-6
 _REOPEN_TRIES = 5
 _POLL_MAX_S = 1e-3
+_FOLLOW_S = 1.0
+"""How often a long wait looks for a ring change or a lost registration."""
+_RESUME_TRIES = 4
+_UNAVAILABLE_WAIT_S = 0.05
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +111,8 @@ class WorkerTableView:
         self._stream: TableStream | None = None
         self._stream_thread: threading.Thread | None = None
         self._stream_error: BaseException | None = None
+        self._num_resumes = 0
+        """Stream resumes in a row that delivered no step."""
         self._is_closed = False
         self.num_reopens = 0
         descriptor = client.ring
@@ -136,8 +144,12 @@ class WorkerTableView:
         since = 0
         if isinstance(old_view, StreamTableView):
             since = max(old_view.latest_step(), 0)
+        view: TableView
         if descriptor.kind == "stream":
-            view: TableView = StreamTableView(descriptor)
+            stream_view = StreamTableView(descriptor)
+            if isinstance(old_view, StreamTableView) and old_view.descriptor == descriptor:
+                stream_view.carry(old_view)  # the same ring (a resumed stream): keep its steps
+            view = stream_view
         else:
             view = open_table_view(descriptor, pin=self._pin)
         with self._lock:
@@ -176,6 +188,7 @@ class WorkerTableView:
                     except SlotFormatError as exc:
                         log.error("WatchTables: %s", exc)
                         break
+                    self._num_resumes = 0
             except PagekeeperError as exc:
                 self._stream_error = exc
             finally:
@@ -194,11 +207,18 @@ class WorkerTableView:
                 self._client.heartbeat()
             except FailedPreconditionError:
                 self._client.reregister()
+            except UnavailableError:
+                # The connection was just reset (what may have ended a stream): the channel
+                # reconnects; a service that stays away is the caller's error.
+                if attempt == _REOPEN_TRIES - 1:
+                    raise
+                time.sleep(_UNAVAILABLE_WAIT_S * 2**attempt)
+                continue
             descriptor = self._client.ring
             if descriptor is None:
                 raise RingClosed("the service no longer publishes tables for this worker")
             if descriptor == self._descriptor:
-                return False
+                return self._resume_stream()
             try:
                 self._reopen(descriptor)
                 return True
@@ -207,6 +227,41 @@ class WorkerTableView:
                     raise
                 time.sleep(_POLL_MIN_S * 2**attempt)
         raise AssertionError("unreachable")
+
+    def _refresh_or_closed(self, closed: RingError) -> bool:
+        """:meth:`_refresh` after the view found its ring ``closed``; a service that cannot
+        be asked (it stopped) makes that :class:`RingClosed`, a ring error as the read's."""
+        try:
+            return self._refresh()
+        except PagekeeperError as unreachable:
+            raise RingClosed(
+                f"{closed}; the service could not say which ring follows: {unreachable}"
+            ) from unreachable
+
+    def _resume_stream(self) -> bool:
+        """The ``WatchTables`` stream of an unchanged ring ended (a network blip, the
+        connection reset): open it again after the last step it delivered, keeping the steps
+        held. Not after :data:`_RESUME_TRIES` resumes in a row that delivered nothing (the
+        service refuses the stream): the caller gets :class:`RingClosed`."""
+        thread = self._stream_thread
+        if (
+            not isinstance(self._view, StreamTableView)
+            or thread is None
+            or thread.is_alive()
+            or self._is_closed
+            or self._num_resumes >= _RESUME_TRIES
+        ):
+            return False
+        time.sleep(_POLL_MAX_S * 10 * 2**self._num_resumes)
+        self._num_resumes += 1
+        log.info(
+            "WatchTables ended (%s); resuming after step %d",
+            self._stream_error,
+            self._view.latest_step(),
+        )
+        self._stream_error = None
+        self._reopen(self.descriptor)
+        return True
 
     def _follow(self) -> bool:
         """Re-open when the client last heard of another ring than the mapped one (its
@@ -243,47 +298,56 @@ class WorkerTableView:
     # -- reading --------------------------------------------------------------------------
     def wait(self, step_seq: int, timeout: float | None = None) -> WorkerTables:
         """Block until step ``step_seq`` is published; return this worker's tables as
-        tensors on its device (CPU: tensors the caller owns; GPU: device buffers reused for
-        step ``step_seq + depth``). Raises :class:`~pagekeeper_client.ring.StepTimeout`,
-        :class:`~pagekeeper_client.ring.ReaderFellBehind`."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            view = self._current()
-            remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-            try:
-                if self.device == "cpu":
-                    step = view.wait_tensors(step_seq, remaining)
-                else:
-                    step = view.wait_tensors(step_seq, remaining, device=self.device)
-            except (RingClosed, DescriptorError):
-                if not self._refresh():
-                    raise
-                continue
-            except StepTimeout:
-                if not self._follow():
-                    raise
-                continue
+        tensors on its device (CPU: tensors the caller owns; GPU: device buffers reused
+        ``depth`` published steps later). Raises :class:`~pagekeeper_client.ring.StepTimeout`,
+        :class:`~pagekeeper_client.ring.ReaderFellBehind`, and
+        :class:`~pagekeeper_client.ring.RingClosed` when no step will come (the service
+        closed the ring and cannot be reached, or no longer knows this worker)."""
+
+        def read(view: TableView, remaining: float | None) -> WorkerTables:
+            if self.device == "cpu":
+                step = view.wait_tensors(step_seq, remaining)
+            else:
+                step = view.wait_tensors(step_seq, remaining, device=self.device)
             tables = tuple(step.table(g, k) for g, k in enumerate(self.kernel_block_sizes))
             return WorkerTables(step.step_seq, step.epoch, step.num_reqs, tables)
+
+        return self._wait_step(timeout, read)
 
     def wait_arrays(
         self, step_seq: int, timeout: float | None = None, *, copy: bool = True
     ) -> StepTables:
-        """Step ``step_seq``'s tables as numpy arrays (every table the ring holds)."""
+        """Step ``step_seq``'s tables as numpy arrays (every table the ring holds); raises
+        as :meth:`wait`."""
+        return self._wait_step(
+            timeout, lambda view, remaining: view.wait(step_seq, remaining, copy=copy)
+        )
+
+    def _wait_step(self, timeout: float | None, read: Callable[[TableView, float | None], T]) -> T:
+        """``read(view, seconds)`` across ring changes. A long wait (or one without a
+        timeout) looks up every :data:`_FOLLOW_S` whether the client heard of another ring
+        (a restarted service's: a killed one never marks its ring closed) or lost its
+        registration, so it does not wait on a ring no one writes."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             view = self._current()
             remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            chunk = _FOLLOW_S if remaining is None else min(remaining, _FOLLOW_S)
             try:
-                return view.wait(step_seq, remaining, copy=copy)
-            except (RingClosed, DescriptorError):
-                if not self._refresh():
+                return read(view, chunk)
+            except (RingClosed, DescriptorError) as exc:
+                if not self._refresh_or_closed(exc):
                     raise
-                continue
             except StepTimeout:
-                if not self._follow():
+                if self._follow():
+                    continue
+                if deadline is not None and time.monotonic() >= deadline:
                     raise
-                continue
+                lost = self._client.registration_lost
+                if lost is not None:
+                    raise RingClosed(
+                        f"the service no longer publishes for this worker: {lost}"
+                    ) from None
 
     def latest_step(self) -> int:
         """The last step published to the ring (-1 before the first), following the
@@ -292,8 +356,8 @@ class WorkerTableView:
         view = self._current()
         try:
             return view.latest_step()
-        except (RingClosed, DescriptorError):
-            self._refresh()
+        except (RingClosed, DescriptorError) as exc:
+            self._refresh_or_closed(exc)
             return self._current().latest_step()
 
     def wait_next(self, after: int, timeout: float | None = None) -> int:
@@ -306,7 +370,7 @@ class WorkerTableView:
             latest = self.latest_step()
             if latest > after:
                 return latest
-            if self._stream_error is not None:
+            if self._stream_error is not None and not self._resume_stream():
                 raise self._stream_error
             now = time.monotonic()
             if deadline is not None and now >= deadline:

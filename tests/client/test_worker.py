@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
+import threading
 
 import numpy as np
 import pytest
@@ -16,9 +18,11 @@ from pagekeeper_client import (
     PagekeeperClient,
     register_worker,
 )
-from pagekeeper_client.ring import RingError
+from pagekeeper_client.ring import RingClosed, RingError
 from pagekeeper_client.transports._torch import cuda_available
 from tests.client._util import tokens
+from tests.helpers.proxy import CuttableProxy
+from tests.helpers.server import launch
 
 PAGE = 16
 # Generous: a step is published in milliseconds, but a full `make test` beside other work
@@ -157,6 +161,126 @@ def test_worker_follows_a_ring_recreated_twice_in_a_row(server_factory):
             two = scheduler.step(batch=["t-a"]).step_id
             assert first.view.wait_next(one, timeout=WAIT_S) == two
             check_step(first.view.wait(two, timeout=WAIT_S), scheduler, [("t-a", 40, 41)], 16)
+
+
+@pytest.mark.parametrize("transport", ["shm", "none"], ids=["shm", "stream"])
+def test_a_worker_one_published_step_behind_reads_it_across_steps_that_publish_nothing(
+    server_factory, transport
+):
+    """A synchronous admission is a step of its own that publishes nothing, so published
+    step ids come every other id: with slot ``step % depth`` each one overwrote the last
+    (depth 2), and a worker one published step behind lost it."""
+    server = server_factory("--num-pages", "64", publish_transport=transport)
+    with (
+        register_worker(server.grpc_address, "cpu", {0: [16]}) as worker,
+        PagekeeperClient(server.grpc_address) as scheduler,
+    ):
+        scheduler.register("scheduler")
+        scheduler.admit("gap-a", tokens(9, 40))
+        published = []
+        for k in range(3):
+            step = scheduler.step(batch=["gap-a", *(f"gap-{j}" for j in range(k))])
+            assert step.is_published
+            published.append(step.step_id)
+            scheduler.admit(f"gap-{k}", tokens(20 + k, 20))  # its own step: nothing published
+        assert [b - a for a, b in itertools.pairwise(published)] == [2, 2]
+        worker.view.wait(published[-1], timeout=WAIT_S)
+        older = worker.view.wait(published[-2], timeout=WAIT_S)  # one published step behind
+        check_step(older, scheduler, [("gap-a", 0, 40), ("gap-0", 0, 20)], 16)
+
+
+def test_a_worker_waiting_without_a_timeout_follows_a_restarted_service(server_factory):
+    """The service is killed (it never marks its ring closed) and started again on the same
+    data dir and address: a worker blocked in ``wait(timeout=None)`` learns the new ring from
+    its lease renewal and reads the step there (it waited on the dead ring forever)."""
+    args = ("--num-pages", "64", "--lease-ttl-s", "1", "--lease-grace-s", "30")
+    server = server_factory(*args, publish_transport="shm")
+    with (
+        register_worker(server.grpc_address, "cpu", {0: [16]}) as worker,
+        PagekeeperClient(server.grpc_address, local_socket=None) as scheduler,
+    ):
+        scheduler.register("scheduler")
+        scheduler.admit("rs-a", tokens(6, 40))
+        first = scheduler.step(batch=["rs-a"]).step_id
+        worker.view.wait(first, timeout=WAIT_S)
+        got: list[object] = []
+        waiter = threading.Thread(
+            target=lambda: got.append(worker.view.wait(first + 1)), daemon=True
+        )
+        waiter.start()
+        server.process.kill()
+        server.process.wait(10)
+        again = launch(
+            server.workdir, *args, "--grpc-address", server.grpc_address, publish_transport="shm"
+        )
+        try:
+            scheduler.allocate_slots("rs-a", 1, new_token_ids=[7])
+            step = scheduler.step(batch=["rs-a"])
+            assert step.is_published and step.step_id == first + 1
+            waiter.join(WAIT_S)
+            assert not waiter.is_alive(), "the worker still waits on the dead service's ring"
+            check_step(got[0], scheduler, [("rs-a", 40, 41)], 16)
+            assert worker.view.num_reopens == 1
+        finally:
+            again.stop()
+
+
+def test_a_waiting_worker_learns_that_a_stopped_service_closed_its_ring(server_factory):
+    """A clean stop closes the ring: a worker blocked in ``wait`` gets RingClosed (a
+    RingError, what a worker loop catches), not the UnavailableError of asking the stopped
+    service which ring follows; the steps already in the ring stay readable."""
+    server = server_factory("--num-pages", "64", publish_transport="shm")
+    with (
+        register_worker(server.grpc_address, "cpu", {0: [16]}) as worker,
+        PagekeeperClient(server.grpc_address, local_socket=None) as scheduler,
+    ):
+        scheduler.register("scheduler")
+        scheduler.admit("stop-a", tokens(10, 40))
+        first = scheduler.step(batch=["stop-a"]).step_id
+        worker.view.wait(first, timeout=WAIT_S)
+        errors: list[BaseException] = []
+
+        def wait_next() -> None:
+            try:
+                worker.view.wait(first + 1)
+            except BaseException as exc:
+                errors.append(exc)
+
+        waiter = threading.Thread(target=wait_next, daemon=True)
+        waiter.start()
+        assert server.stop() == 0
+        waiter.join(WAIT_S)
+        assert not waiter.is_alive()
+        assert isinstance(errors[0], RingClosed) and "closed the ring" in str(errors[0])
+        assert worker.view.wait(first, timeout=WAIT_S).step_seq == first
+
+
+def test_a_stream_worker_resumes_after_its_connection_is_reset(server_factory):
+    """A network blip resets a stream worker's connection while the service runs on: its
+    ``WatchTables`` stream resumes after the last step it delivered (the ring is the same),
+    keeping that step readable, and every later step arrives."""
+    server = server_factory("--num-pages", "64", publish_transport="none")
+    proxy = CuttableProxy(server.grpc_address)
+    try:
+        with (
+            register_worker(proxy.address, "cpu", {0: [16]}) as worker,
+            PagekeeperClient(server.grpc_address) as scheduler,
+        ):
+            assert worker.view.kind == "stream"
+            scheduler.register("scheduler")
+            scheduler.admit("blip-a", tokens(8, 40))
+            before = scheduler.step(batch=["blip-a"]).step_id
+            worker.view.wait(before, timeout=WAIT_S)
+            proxy.cut()
+            for n in range(4):
+                scheduler.allocate_slots("blip-a", 1, new_token_ids=[n])
+                step = scheduler.step(batch=["blip-a"])
+                tables = worker.view.wait(step.step_id, timeout=WAIT_S)
+                check_step(tables, scheduler, [("blip-a", 40 + n, 41 + n)], 16)
+            assert worker.view.num_reopens >= 1
+            assert worker.view.descriptor.generation == tables.epoch
+    finally:
+        proxy.close()
 
 
 def test_worker_registration_errors(server_factory):

@@ -115,8 +115,9 @@ def test_corrupt_header_is_refused(tmp_path: Any) -> None:
 
 
 def test_a_slot_being_written_is_never_returned(tmp_path: Any, monkeypatch: Any) -> None:
-    """The writer stops half-way through step 2 (which overwrites step 0's slot): readers of
-    either step get a timeout, never the half-written bytes; then both resolve correctly."""
+    """The writer stops half-way through step 2 (which overwrites step 0's slot): a reader
+    of step 2 gets a timeout, one of step 0 that it fell behind (a later step is out and
+    step 0's slot is being rewritten), never the half-written bytes; then step 2 reads."""
     publisher = ShmPublisher(GEOMETRY, shm_dir=str(tmp_path))
     view = open_table_view(publisher.descriptor())
     publisher.publish(0, batch(0))
@@ -133,9 +134,14 @@ def test_a_slot_being_written_is_never_returned(tmp_path: Any, monkeypatch: Any)
     writer = threading.Thread(target=publisher.publish, args=(2, batch(2)))
     writer.start()
     assert inside.wait(10)
-    for step in (0, 2):
+    try:
         with pytest.raises(StepTimeout):
-            view.wait(step, timeout=0.05)
+            view.wait(2, timeout=0.05)
+        with pytest.raises(ReaderFellBehind):
+            view.wait(0, timeout=0.05)
+        assert view.wait(1, timeout=0.05).step_seq == 1  # the other slot is untouched
+    finally:
+        release.set()
     assert view.stats.num_busy_polls > 0
     assert view.wait(1, timeout=0.05).step_seq == 1  # the other slot is untouched
     release.set()
@@ -156,10 +162,11 @@ def test_overwrite_during_a_copy_raises_fell_behind(tmp_path: Any) -> None:
     publisher.publish(1, batch(1))
     original = view._read_meta
 
-    def overwrite_after_meta(next_step: int) -> Any:
+    def overwrite_after_meta(*next_steps: int) -> Any:
         def read_meta(slot: int) -> Any:
             result = original(slot)
-            publisher.publish(next_step, batch(next_step))  # lands in the slot being read
+            for step in next_steps:  # the last lands in the slot being read (depth 2)
+                publisher.publish(step, batch(step))
             return result
 
         return read_meta
@@ -167,7 +174,7 @@ def test_overwrite_during_a_copy_raises_fell_behind(tmp_path: Any) -> None:
     view._read_meta = overwrite_after_meta(2)
     with pytest.raises(ReaderFellBehind, match="overwritten while it was being read"):
         view.wait(0, timeout=1.0, copy=True)
-    view._read_meta = overwrite_after_meta(4)
+    view._read_meta = overwrite_after_meta(3, 4)
     with pytest.raises(ReaderFellBehind, match="overwritten while it was being read"):
         view.wait(2, timeout=1.0, copy=False)
     view._read_meta = original

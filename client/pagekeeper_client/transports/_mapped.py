@@ -145,12 +145,18 @@ class SeqlockReader:
         """True while step ``step_seq``'s slot still holds it unchanged (not being
         overwritten). Check after using zero-copy views to prove they were not torn."""
         self._check_open()
-        slot = step_seq % self._depth
+        return self._find(step_seq) is not None
+
+    def _find(self, step_seq: int) -> tuple[int, int] | None:
+        """(slot, seq) of the slot holding step ``step_seq`` stable, if one does."""
         slots = self._control.slots
-        seq = int(slots[slot, S_SEQ])
-        step = int(slots[slot, S_STEP])
-        memory_fence()
-        return seq % 2 == 0 and step == step_seq and int(slots[slot, S_SEQ]) == seq
+        for slot in range(self._depth):
+            seq = int(slots[slot, S_SEQ])
+            if seq % 2 == 0 and int(slots[slot, S_STEP]) == step_seq:
+                memory_fence()
+                if int(slots[slot, S_SEQ]) == seq:
+                    return slot, seq
+        return None
 
     def _check_open(self) -> None:
         if self._is_closed:
@@ -170,42 +176,56 @@ class SeqlockReader:
                 )
 
     def _await_slot(self, step_seq: int, timeout: float | None) -> tuple[int, int]:
-        """Block until step ``step_seq`` is stable in its slot; return (slot, seq).
+        """Block until step ``step_seq`` is stable in a slot; return (slot, seq).
 
-        Spins for :data:`SPIN_SECONDS`, then sleeps with exponential backoff up to
-        :data:`MAX_SLEEP_SECONDS`.
+        The writer takes the slots in turn, one per published step (step ids have gaps), so
+        each poll looks at every slot (``depth`` is small). Spins for
+        :data:`SPIN_SECONDS`, then sleeps on the seq word of the slot the writer takes
+        next (with exponential backoff up to :data:`MAX_SLEEP_SECONDS` without futexes).
         """
         if not isinstance(step_seq, int) or step_seq < 0:
             raise ValueError(f"step_seq must be an int >= 0, got {step_seq!r}")
         self._check_open()
-        slot = step_seq % self._depth
+        depth = self._depth
         slots = self._control.slots
         stats = self.stats
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
         spin_until = time.perf_counter() + SPIN_SECONDS
         delay = MIN_SLEEP_SECONDS
-        found = NO_STEP
+        seqs = [0] * depth
+        saw_later = False
         while True:
-            seq = int(slots[slot, S_SEQ])
-            if seq % 2 == 0:
+            newest, newest_slot = NO_STEP, -1
+            for slot in range(depth):
+                seq = seqs[slot] = int(slots[slot, S_SEQ])
+                if seq % 2:
+                    stats.num_busy_polls += 1
+                    continue
                 found = int(slots[slot, S_STEP])
                 memory_fence()
-                if int(slots[slot, S_SEQ]) == seq:
-                    if found == step_seq:
-                        return slot, seq
-                    if found > step_seq:
-                        stats.num_fell_behind += 1
-                        raise ReaderFellBehind(
-                            f"step {step_seq} is gone: slot {slot} already holds step {found} "
-                            f"(depth {self._depth}); the reader fell behind (or step "
-                            f"{step_seq} was never published)",
-                            step_seq=step_seq,
-                            found_step=found,
-                        )
-                    stats.num_stale_polls += 1
-            else:
-                stats.num_busy_polls += 1
+                if int(slots[slot, S_SEQ]) != seq:
+                    continue
+                if found == step_seq:
+                    return slot, seq
+                if found > newest:
+                    newest, newest_slot = found, slot
+            if newest > step_seq:
+                # A later step is in the ring but not this one. Look once more (this pass
+                # may have read its slot before the writer filled it, and the later one's
+                # after): if it is still missing, it was overwritten (or never published).
+                if saw_later:
+                    stats.num_fell_behind += 1
+                    raise ReaderFellBehind(
+                        f"step {step_seq} is gone: the ring holds steps up to {newest} "
+                        f"(depth {depth}); the reader fell behind (or step {step_seq} was "
+                        "never published)",
+                        step_seq=step_seq,
+                        found_step=newest,
+                    )
+                saw_later = True
+                continue
+            stats.num_stale_polls += 1
             state = self._control.state
             if state == STATE_CLOSED:
                 self._check_open()  # raises for IPC transports
@@ -215,19 +235,21 @@ class SeqlockReader:
                 )
             if deadline is not None and time.monotonic() >= deadline:
                 raise StepTimeout(
-                    f"step {step_seq} was not published within {timeout}s: slot {slot} holds "
-                    f"step {found} (stale), last published step {self._control.last_step}"
+                    f"step {step_seq} was not published within {timeout}s: the ring holds "
+                    f"steps up to {newest} (stale), last published step "
+                    f"{self._control.last_step}"
                 )
             if time.perf_counter() < spin_until:
                 continue
             stats.num_sleeps += 1
             if _futex.AVAILABLE:
-                # Sleep in the kernel until the writer changes this slot's seq (it wakes
-                # us right after); the cap re-checks closure and exporter liveness.
+                # Sleep in the kernel until the writer changes the seq of the slot it takes
+                # next (it wakes us right after); the cap re-checks closure and liveness.
+                upcoming = (newest_slot + 1) % depth if newest_slot >= 0 else 0
                 wait = FUTEX_MAX_WAIT_SECONDS
                 if deadline is not None:
                     wait = min(wait, max(deadline - time.monotonic(), 0.0))
-                _futex.futex_wait(self._control.seq_addresses[slot], seq, wait)
+                _futex.futex_wait(self._control.seq_addresses[upcoming], seqs[upcoming], wait)
                 continue
             if deadline is not None:
                 delay = min(delay, max(deadline - time.monotonic(), 0.0))
@@ -337,7 +359,7 @@ class MappedHostReader(SeqlockReader):
 
         ``copy=True`` copies the slot into fresh arrays the caller owns (then validated:
         never torn). ``copy=False`` returns read-only views into the ring (validated at
-        return; they stay valid until step ``step_seq + depth`` is published, which
+        return; they stay valid until ``depth`` more steps are published, which
         :meth:`is_current` checks).
 
         Raises :class:`StepTimeout`, :class:`ReaderFellBehind`, :class:`RingClosed`.
@@ -369,7 +391,7 @@ class MappedHostReader(SeqlockReader):
     ) -> TorchStepTables:
         """Step ``step_seq``'s tables as torch tensors: CPU tensors over :meth:`wait`'s
         arrays, or (``device="cuda:N"``) device tensors filled by one pinned async copy per
-        array. Device tensors of step N are reused for step N + depth."""
+        array. Device tensors of a step are reused ``depth`` published steps later."""
         from pagekeeper_client.transports._torch import import_torch
 
         torch = import_torch()

@@ -12,14 +12,14 @@ A worker, per step:
 1. waits on the host control block until the slot holds the step (the writer recorded the
    slot's event *before* marking the slot stable, so the event now covers the step's copy);
 2. makes its current stream wait on the slot's event (``cudaStreamWaitEvent``: no host
-   block) and re-checks the seq: if the writer began the step ``S + depth`` meanwhile, the
-   event may already cover that one, so the reader fell behind;
+   block) and re-checks the seq: if the writer began overwriting the slot meanwhile (``depth``
+   steps later), the event may already cover that step, so the reader fell behind;
 3. gets int32/int64 views of the slot in device memory, for kernels to read in place.
 
-The writer does not wait for readers: a kernel still reading step ``S`` when step
-``S + depth`` is written races with it. ``is_current(S)`` after the kernel (and a stream
-sync) proves it did not happen. Lifetime: the exporter outlives every importer; an importer
-never opens its own export (CUDA would fail; we fail first, clearly).
+The writer does not wait for readers: a kernel still reading step ``S`` when the step
+``depth`` published steps later is written races with it. ``is_current(S)`` after the kernel
+(and a stream sync) proves it did not happen. Lifetime: the exporter outlives every
+importer; an importer never opens its own export (CUDA would fail; we fail first, clearly).
 """
 
 from __future__ import annotations

@@ -144,8 +144,8 @@ class StreamTableView:
     """A worker's view of the stream transport: ``feed`` it the packed slots a
     ``WatchTables`` stream delivers (in step order); ``wait`` like the mapped views.
 
-    Holds the last ``depth`` steps, so the "fell behind" rule matches the rings: step ``S``
-    is gone once ``S + depth`` (or a later step in its slot) arrived.
+    Holds the last ``depth`` steps that arrived, so the "fell behind" rule matches the
+    rings: step ``S`` is gone once ``depth`` later steps arrived.
     """
 
     def __init__(self, descriptor: RingDescriptor) -> None:
@@ -156,6 +156,8 @@ class StreamTableView:
         self._layout = layout
         self._depth = descriptor.geometry.depth
         self._slots: list[StepTables | None] = [None] * self._depth
+        """The last ``depth`` steps that arrived, in slots taken in turn (as the rings)."""
+        self._next_slot = 0
         self._last_step = -1
         self._is_closed = False
         self._is_view_closed = False
@@ -196,10 +198,21 @@ class StreamTableView:
                 raise SlotFormatError(
                     f"packed slot step {step.step_seq} arrived after step {self._last_step}"
                 )
-            self._slots[step.step_seq % self._depth] = step
+            self._slots[self._next_slot] = step
+            self._next_slot = (self._next_slot + 1) % self._depth
             self._last_step = step.step_seq
             self._cond.notify_all()
         return step.step_seq
+
+    def carry(self, old: StreamTableView) -> None:
+        """Take over the steps ``old`` holds (the same ring, its stream resumed): a step it
+        delivered stays readable, and the resumed stream goes on after its last."""
+        if old.descriptor != self._descriptor:
+            raise ValueError("carry: the views follow different rings")
+        with old._cond:
+            slots, next_slot, last = list(old._slots), old._next_slot, old._last_step
+        with self._cond:
+            self._slots, self._next_slot, self._last_step = slots, next_slot, last
 
     def feed_all(self, payloads: Iterable[bytes]) -> None:
         """Feed a whole stream (e.g. a ``WatchTables`` response iterator), then mark the
@@ -222,8 +235,13 @@ class StreamTableView:
 
     def is_current(self, step_seq: int) -> bool:
         with self._cond:
-            held = self._slots[step_seq % self._depth]
-            return held is not None and held.step_seq == step_seq
+            return self._held(step_seq) is not None
+
+    def _held(self, step_seq: int) -> StepTables | None:
+        for held in self._slots:
+            if held is not None and held.step_seq == step_seq:
+                return held
+        return None
 
     def wait(self, step_seq: int, timeout: float | None = None, *, copy: bool = True) -> StepTables:
         """Block until step ``step_seq`` arrived; return its tables (``copy=False``: the
@@ -235,15 +253,15 @@ class StreamTableView:
             while True:
                 if self._is_view_closed:
                     raise RingError("this table view is closed")
-                held = self._slots[step_seq % self._depth]
-                found = -1 if held is None else held.step_seq
-                if found == step_seq and held is not None:
+                held = self._held(step_seq)
+                if held is not None:
                     self.stats.num_reads += 1
                     return _copy_step(held) if copy else held
+                found = self._last_step
                 if found > step_seq:
                     self.stats.num_fell_behind += 1
                     raise ReaderFellBehind(
-                        f"step {step_seq} is gone: step {found} replaced it (depth "
+                        f"step {step_seq} is gone: the view holds steps up to {found} (depth "
                         f"{self._depth}); the reader fell behind (or step {step_seq} was never "
                         "published)",
                         step_seq=step_seq,
@@ -257,8 +275,8 @@ class StreamTableView:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     raise StepTimeout(
-                        f"step {step_seq} did not arrive within {timeout}s: its slot holds "
-                        f"step {found} (stale), last step {self._last_step}"
+                        f"step {step_seq} did not arrive within {timeout}s: the view holds "
+                        f"steps up to {found} (stale)"
                     )
                 self.stats.num_sleeps += 1
                 self._cond.wait(remaining)

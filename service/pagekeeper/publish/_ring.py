@@ -152,6 +152,10 @@ class RingWriter:
         self._geometry = geometry
         self._generation = generation if generation is not None else new_generation()
         self._depth = geometry.depth
+        self._next_slot = 0
+        """Slots are taken in turn, one per published step (published step ids have gaps:
+        a step that admits only publishes nothing), so the last ``depth`` published steps
+        are always in the ring."""
         self._last_step = NO_STEP
         self._is_closed = False
         self._lock = threading.Lock()
@@ -252,7 +256,7 @@ class RingWriter:
     ) -> int:
         with self._lock:
             num_reqs, checked = self.check_batch(step_seq, tables)
-            slot = step_seq % self._depth
+            slot = self._next_slot
             words = control.slots[slot]
             seq = int(words[S_SEQ])
             words[S_SEQ] = seq + 1  # odd: readers keep off
@@ -279,6 +283,7 @@ class RingWriter:
             words[S_SEQ] = seq + 2  # even: stable
             control.header[H_LAST_STEP] = step_seq
             self._last_step = step_seq
+            self._next_slot = (slot + 1) % self._depth  # a failed write keeps its slot
         control.wake(slot)  # readers asleep on this slot's seq word
         return slot
 
@@ -328,7 +333,7 @@ class HostRingWriter(RingWriter):
         self._control = control
 
     def publish(self, step_seq: int, tables: Sequence[BatchTables]) -> int:
-        """Write step ``step_seq`` into slot ``step_seq % depth`` (see ``TablePublisher``)."""
+        """Write step ``step_seq`` into the next slot in turn (see ``TablePublisher``)."""
         if self._control is None:
             raise FailedPrecondition(f"{self.kind} publisher is closed")
         return self._publish_seqlocked(self._control, step_seq, tables)

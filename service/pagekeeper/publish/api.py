@@ -26,7 +26,8 @@ class TablePublisher(Protocol):
     """Writes published batches into a ring a worker reads."""
 
     def publish(self, step_seq: int, tables: Sequence[BatchTables]) -> int:
-        """Write step ``step_seq``'s tables into slot ``step_seq % depth``; returns the slot.
+        """Write step ``step_seq``'s tables into the next slot in turn (one per published
+        step, so the last ``depth`` published steps stay readable); returns the slot.
         Raises ``pagekeeper.core.errors.ResourceExhausted`` when a batch exceeds the geometry
         (nothing is written)."""
         ...

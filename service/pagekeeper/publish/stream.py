@@ -30,6 +30,7 @@ class StreamPublisher(RingWriter):
     def __init__(self, geometry: RingGeometry, *, generation: int | None = None) -> None:
         super().__init__(geometry, generation)
         self._messages: list[tuple[int, bytes] | None] = [None] * self._depth
+        """The last ``depth`` published steps, in slots taken in turn (as the rings)."""
         self._cond = threading.Condition(self._lock)
         self._listeners: list[Listener] = []
 
@@ -39,9 +40,10 @@ class StreamPublisher(RingWriter):
         with self._cond:
             _num_reqs, checked = self.check_batch(step_seq, tables)
             payload = pack_slot(step_seq, self._generation, [c.tables for c in checked])
-            slot = step_seq % self._depth
+            slot = self._next_slot
             self._messages[slot] = (step_seq, payload)
             self._last_step = step_seq
+            self._next_slot = (slot + 1) % self._depth
             listeners = list(self._listeners)
             self._cond.notify_all()
         for listener in listeners:
@@ -51,8 +53,10 @@ class StreamPublisher(RingWriter):
     def message(self, step_seq: int) -> bytes | None:
         """The packed bytes of step ``step_seq`` while it is among the last ``depth``."""
         with self._cond:
-            held = self._messages[step_seq % self._depth]
-            return held[1] if held is not None and held[0] == step_seq else None
+            for held in self._messages:
+                if held is not None and held[0] == step_seq:
+                    return held[1]
+            return None
 
     def wait_message(
         self, after_step: int, timeout: float | None = None
