@@ -173,6 +173,14 @@ class Settings:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value.strip()):
                 raise ConfigError(f"server.{name}", "must be a non-empty string when set")
+            if value == _REDACTED:
+                # `pagekeeper config > file` writes this in place of a secret: serving with
+                # it would lock the real clients out and let in whoever knows the word.
+                raise ConfigError(
+                    f"server.{name}",
+                    f"is {_REDACTED!r}, what `pagekeeper config` prints in place of a secret; "
+                    "give the secret itself (or its file) instead",
+                )
         for name in ("token", "admin_token"):
             if "\0" in (getattr(self, name) or ""):
                 raise ConfigError(f"server.{name}", "must not contain a NUL character")

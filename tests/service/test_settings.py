@@ -72,6 +72,14 @@ def test_printed_config_reads_back(tmp_path):
     again.write_text(printed.replace('"<redacted>"', '"s3cret"'))
     assert load_settings(config_path=str(again), environ={}) == settings
     assert read_toml(str(again))["pool"]["groups"][1]["window"] == 128
+    # Read back as printed, the placeholder is refused (it was served as the token: the
+    # real clients locked out, anyone who knows the word let in).
+    as_printed = tmp_path / "as-printed.toml"
+    as_printed.write_text(printed)
+    with pytest.raises(ConfigError, match=r"server\.token.*in place of a secret"):
+        load_settings(config_path=str(as_printed), environ={})
+    with pytest.raises(ConfigError, match=r"server\.admin_token"):
+        load_settings(environ={"PAGEKEEPER_ADMIN_TOKEN": "<redacted>"})
 
 
 @pytest.mark.parametrize(
