@@ -157,6 +157,16 @@ def test_lookup(pagekeeper_server, running):
     by_hash = http.post("/v1/lookup", json={"token_ids": tokens, "page_hashes": hit["page_hashes"]})
     assert by_hash.json()["num_hit_tokens"] == 64
     assert http.post("/v1/lookup", json={"token_ids": [-1]}).status_code == 422
+    # A body that is missing, not JSON or not an object gets plain words, not pydantic's.
+    for kwargs, words in (
+        ({"content": b"token_ids=1", "headers": {"content-type": "text/plain"}}, "content-type"),
+        ({}, "content-type: application/json (got none)"),
+        ({"content": b"{bad", "headers": {"content-type": "application/json"}}, "not valid JSON"),
+        ({"json": [1, 2]}, "must be a JSON object"),
+    ):
+        refused = http.post("/v1/lookup", **kwargs)
+        assert refused.status_code == 422 and refused.headers["content-type"] == PROBLEM
+        assert words in refused.json()["detail"], refused.json()
     too_long = http.post("/v1/lookup", json={"token_ids": [1] * 4097})
     assert too_long.status_code == 400 and "max_model_len" in too_long.json()["detail"]
     assert (

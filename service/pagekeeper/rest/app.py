@@ -10,6 +10,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from http import HTTPStatus
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -37,6 +38,29 @@ Errors are RFC 9457 problem bodies (`application/problem+json`). Admin endpoints
 
 
 _KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"})
+
+
+def _validation_message(err: Mapping[str, Any], content_type: str) -> str:
+    """One validation error as a line a person can act on: pydantic's own wording for a
+    field, plain words for a body that is missing, not JSON or not a JSON object."""
+    loc = tuple(err.get("loc", ()))
+    kind = err.get("type", "")
+    if (
+        loc[:1] == ("body",)
+        and len(loc) <= 2
+        and kind in ("json_invalid", "missing", "model_attributes_type")
+    ):
+        if kind == "json_invalid":
+            where = f" at character {loc[1]}" if len(loc) == 2 else ""
+            reason = (err.get("ctx") or {}).get("error", "")
+            return f"body: not valid JSON{where}" + (f" ({reason})" if reason else "")
+        if not content_type.split(";")[0].strip().lower().endswith("json"):
+            got = content_type or "none"
+            return f"body: send a JSON object with content-type: application/json (got {got})"
+        if kind == "missing":
+            return "body: a JSON object is required"
+        return "body: must be a JSON object"
+    return f"{'.'.join(str(p) for p in loc)}: {err.get('msg', '')}"
 
 
 def _problem_response(
@@ -74,10 +98,8 @@ def create_app(runtime: Runtime) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        details = "; ".join(
-            f"{'.'.join(str(p) for p in err.get('loc', ()))}: {err.get('msg', '')}"
-            for err in exc.errors()
-        )
+        content_type = request.headers.get("content-type", "")
+        details = "; ".join(_validation_message(err, content_type) for err in exc.errors())
         body = problem(ErrorCode.INVALID_ARGUMENT, details or "invalid request")
         body["status"] = 422
         return _problem_response(422, body)
