@@ -220,6 +220,7 @@ class AsyncPagekeeperClient(_ClientCore[AsyncLocalChannel]):
         ) = None,
         client_id: str = "",
         renew: bool = True,
+        fresh_kv_cache: bool = False,
     ) -> Registration:
         """See :meth:`PagekeeperClient.register`; the lease is renewed by a task."""
         role = _role(role)
@@ -233,7 +234,7 @@ class AsyncPagekeeperClient(_ClientCore[AsyncLocalChannel]):
             "device": device,
             "kernel_support": kernel_support,
         }
-        request = register_request(role, client_id=client_id, **args)
+        request = register_request(role, client_id=client_id, fresh_kv_cache=fresh_kv_cache, **args)
         if self._local_mode not in (None, "auto"):
             await self._connect_local(required=True)  # a named socket: before registering
         registration = registration_from_pb(await self._call("RegisterClient", request))

@@ -702,6 +702,7 @@ def register_request(
     lease_ttl: float | None,
     device: str,
     kernel_support: Mapping[int, Sequence[BackendSpec]] | Sequence[Sequence[BackendSpec]] | None,
+    fresh_kv_cache: bool = False,
 ) -> pb.RegisterClientRequest:
     role = _role(role)
     if lease_ttl is not None and not lease_ttl >= 0:
@@ -713,6 +714,7 @@ def register_request(
         lease_ttl_ms=0 if lease_ttl is None else max(1, round(lease_ttl * 1000)),
         device=device,
         kernel_support=kernel_support_to_pb(kernel_support) if kernel_support else [],
+        fresh_kv_cache=fresh_kv_cache,
     )
 
 
@@ -2417,6 +2419,7 @@ class PagekeeperClient(_ClientCore[LocalChannel]):
         ) = None,
         client_id: str = "",
         renew: bool = True,
+        fresh_kv_cache: bool = False,
     ) -> Registration:
         """Register as a scheduler or a worker and (``renew``) keep the lease alive from a
         background thread until :meth:`close`.
@@ -2426,9 +2429,12 @@ class PagekeeperClient(_ClientCore[LocalChannel]):
         attention backend their layers use; see :func:`~pagekeeper_client.types.
         normalize_backends`). ``client_id``: take over an earlier registration (a restarted
         scheduler keeps its requests: the client tracks them again, one GetBlockTable per
-        request and group, and may grow, publish and free them). Raises
-        :class:`FailedPreconditionError` when no kernel block size suits a worker's
-        backends.
+        request and group, and may grow, publish and free them). ``fresh_kv_cache``
+        (workers): this process's KV cache holds nothing yet, so the service forgets its
+        prefix cache, whose pages' KV is not here (:func:`~pagekeeper_client.worker.
+        register_worker` sends it by default; a re-registration of the same process never
+        does). Raises :class:`FailedPreconditionError` when no kernel block size suits a
+        worker's backends.
         """
         role = _role(role)
         if self._forgotten is not None:
@@ -2441,7 +2447,7 @@ class PagekeeperClient(_ClientCore[LocalChannel]):
             "device": device,
             "kernel_support": kernel_support,
         }
-        request = register_request(role, client_id=client_id, **args)
+        request = register_request(role, client_id=client_id, fresh_kv_cache=fresh_kv_cache, **args)
         if self._local_mode not in (None, "auto"):
             self._connect_local(required=True)  # a named socket: before registering
         registration = registration_from_pb(self._call("RegisterClient", request))

@@ -435,6 +435,7 @@ def register_worker(
     lease_ttl: float | None = None,
     pin: str = "staging",
     client: PagekeeperClient | None = None,
+    fresh_kv_cache: bool = True,
     **client_options: Any,
 ) -> WorkerHandle:
     """Register a worker and open its table view.
@@ -445,6 +446,9 @@ def register_worker(
     block size per group that every backend supports (:class:`FailedPreconditionError`,
     with the service's reason, when none does). ``device``: "cpu" or "cuda:N" (checked:
     torch must see CUDA). ``pin``: how a shm ring reaches a GPU ("staging" or "register").
+    ``fresh_kv_cache``: this worker's KV cache holds nothing yet (it just started), so the
+    service forgets the prefix cache (whose pages' KV another process wrote, or one that
+    died); pass False only for a worker whose KV cache outlived its registration.
     """
     device = _check_device(device)
     own = client is None
@@ -457,6 +461,7 @@ def register_worker(
             lease_ttl=lease_ttl,
             device=device,
             kernel_support=backends_per_group,
+            fresh_kv_cache=fresh_kv_cache,
         )
         view = WorkerTableView(client, registration.kernel_block_sizes, device, pin=pin)
     except BaseException:

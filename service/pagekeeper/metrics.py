@@ -125,6 +125,11 @@ class StateCollector(Collector):
             "Requests freed by an operator (DELETE /v1/requests/{id}).",
             counters.num_force_frees,
         )
+        yield counter(
+            "prefix_cache_forgets",
+            "Workers that registered with an empty KV cache, each emptying the prefix cache.",
+            counters.num_prefix_cache_forgets,
+        )
 
 
 class Metrics:

@@ -143,6 +143,9 @@ class RegisterCommand:
     identity: str = ""
     """The TLS certificate subject of the registering connection, where the service asks
     for client certificates ("" otherwise): the registration is bound to it."""
+    fresh_kv_cache: bool = False
+    """Workers: their KV cache holds nothing yet, so no cached page's KV is there: the
+    prefix cache is forgotten (``PageManager.forget_prefix_cache``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -570,6 +573,8 @@ class ServiceCounters:
     num_expired_clients: int = 0
     num_force_frees: int = 0
     """Requests freed by an operator (``DELETE /v1/requests/{id}``), whoever owned them."""
+    num_prefix_cache_forgets: int = 0
+    """Workers that registered with an empty KV cache, each emptying the prefix cache."""
     step_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=1024))
     """Apply time of the most recent steps (not including transport), for percentiles."""
 
@@ -866,6 +871,8 @@ class ServiceState:
         else:
             if cmd.kernel_support:
                 raise InvalidArgument("only workers send kernel_support")
+            if cmd.fresh_kv_cache:
+                raise InvalidArgument("only workers send fresh_kv_cache")
             sizes = ()
         existing = self._clients.get(cmd.client_id) if cmd.client_id else None
         if cmd.client_id:
@@ -923,6 +930,8 @@ class ServiceState:
         if cmd.identity:
             client.identity = cmd.identity
         self.counters.num_registrations += 1
+        if cmd.fresh_kv_cache:
+            self._forget_prefix_cache(client)
         self._after_mutation(cmd)
         return RegisterResult(
             client_id=client.client_id,
@@ -933,6 +942,25 @@ class ServiceState:
             last_step_id=client.last_step_id,
             last_published_step_seq=self._last_published_step_seq,
             request_ids=tuple(sorted(client.request_ids)),
+        )
+
+    def _forget_prefix_cache(self, worker: ClientRecord) -> None:
+        """A worker whose KV cache holds nothing registered: no cached page's KV is in it."""
+        forgotten = self.manager.forget_prefix_cache()
+        self.counters.num_prefix_cache_forgets += 1
+        running = len(self._requests)
+        log.warning(
+            "worker %s (%s) registered with an empty KV cache: the prefix cache forgot %d "
+            "page(s)%s",
+            worker.client_id,
+            worker.name or "unnamed",
+            forgotten,
+            (
+                f"; {running} running request(s) hold pages whose KV it lacks (their "
+                "scheduler must compute them again)"
+                if running
+                else ""
+            ),
         )
 
     def heartbeat(self, cmd: HeartbeatCommand) -> HeartbeatResult:
@@ -2071,8 +2099,9 @@ _COUNTER_FIELDS = (
     "num_registrations",
     "num_expired_clients",
     "num_force_frees",
+    "num_prefix_cache_forgets",
 )
-_COUNTERS_ADDED_LATER = frozenset({"num_force_frees"})
+_COUNTERS_ADDED_LATER = frozenset({"num_force_frees", "num_prefix_cache_forgets"})
 """Counters a snapshot from before them lacks: they restore as 0 (readers before them
 ignore the extra entry)."""
 _PROCESS_COUNTERS = frozenset({"num_step_retries", "num_steps_rejected"})

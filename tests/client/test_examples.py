@@ -45,8 +45,17 @@ def _wait(process: subprocess.Popen[bytes], log: Path, timeout: float) -> int:
 
 def test_scheduler_and_two_checking_workers(server_factory, tmp_path):
     """The example scheduler publishes every step; two workers with different kernel block
-    sizes read the same batches and their paged attention equals dense attention."""
+    sizes read the same batches and their paged attention equals dense attention. Twice
+    against one service: the second pair's workers start with empty KV caches while the
+    prefix cache still names the first pair's pages (they read NaN there until a fresh
+    worker's registration made the service forget them)."""
     server = server_factory("--num-pages", "72", "--max-model-len", "1024", publish_transport="shm")
+    for run in ("first", "second"):
+        _run_checked_pair(server, tmp_path / run)
+
+
+def _run_checked_pair(server, tmp_path: Path) -> None:
+    tmp_path.mkdir()
     feed_file = tmp_path / "feed"
     workers = []
     for name, backend in (("w16", "0=REF:16"), ("w8", "0=8,128")):

@@ -283,6 +283,37 @@ def test_a_stream_worker_resumes_after_its_connection_is_reset(server_factory):
         proxy.close()
 
 
+def test_a_fresh_worker_forgets_the_prefix_cache_and_its_own_reregistration_does_not(
+    server_factory,
+):
+    """A worker that just started holds no KV: prefix hits on pages an earlier worker
+    computed would read pages it never wrote (the example pair failed with NaN on its second
+    run against one service). ``register_worker`` says so, and the service forgets the
+    prefix cache; the same worker taking its id over again (its KV intact) does not."""
+    server = server_factory("--num-pages", "64", publish_transport="shm")
+    with PagekeeperClient(server.grpc_address) as scheduler:
+        scheduler.register("scheduler")
+        prompt = tokens(11, 40)
+        scheduler.admit("fresh-a", prompt)
+        scheduler.free("fresh-a")
+        assert scheduler.lookup(prompt).num_hit_tokens == 32
+        with register_worker(server.grpc_address, "cpu", {0: [16]}) as worker:
+            assert scheduler.lookup(prompt).num_hit_tokens == 0
+            assert scheduler.admit("fresh-b", prompt).num_cached_tokens == 0
+            assert scheduler.lookup(prompt).num_hit_tokens == 32  # this worker computes it
+            worker.client.reregister()
+            assert scheduler.lookup(prompt).num_hit_tokens == 32
+            with register_worker(server.grpc_address, "cpu", {0: [16]}, fresh_kv_cache=False):
+                assert scheduler.lookup(prompt).num_hit_tokens == 32
+        metrics = server.http().get("/metrics").text
+        assert "pagekeeper_prefix_cache_forgets_total 1.0" in metrics
+        with (
+            PagekeeperClient(server.grpc_address) as other,
+            pytest.raises(InvalidArgumentError, match="only workers"),
+        ):
+            other.register("scheduler", fresh_kv_cache=True)
+
+
 def test_worker_registration_errors(server_factory):
     server = server_factory("--num-pages", "32", publish_transport="shm")
     with pytest.raises(FailedPreconditionError, match="group 0") as exc:

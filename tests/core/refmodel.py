@@ -128,6 +128,12 @@ class RefModel:
     def reset(self) -> bool:
         if self.reqs:
             return False
+        self.forget()
+        return True
+
+    def forget(self) -> int:
+        """Every page forgets its key, held or not; returns how many had one."""
+        num = len(self.key_of)
         self.key_of.clear()
         self.index.clear()
-        return True
+        return num

@@ -156,6 +156,30 @@ def test_reset_prefix_cache():
     assert m.admit("b", list(range(9))).num_cached_tokens == 0
 
 
+def test_forget_prefix_cache_with_running_requests():
+    """A worker whose KV cache holds nothing joined: the held pages' hashes go too (no hit
+    on them), they stay their requests', and what the requests fill later is cached."""
+    m = full()
+    m.admit("a", list(range(9)))  # 2 full pages cached, held
+    m.admit("x", list(range(50, 58)))
+    m.free("x")  # 2 cached pages, free
+    m.take_events()
+    assert m.reset_prefix_cache() is False
+    held = pages(m, "a")
+    assert m.forget_prefix_cache() == 4
+    assert [type(e) for e in m.take_events()] == [AllCleared]
+    assert m.pool.num_cached_pages == 0 and pages(m, "a") == held
+    assert m.lookup(list(range(9))).num_hit_tokens == 0
+    assert m.lookup(list(range(50, 58))).num_hit_tokens == 0
+    m.check_invariants()
+    m.allocate("a", 4, new_token_ids=[9, 10, 11, 12])  # fills page 3: cached again
+    assert m.lookup(list(range(13))).num_hit_tokens == 0  # the chain starts unhit
+    assert m.pool.num_cached_pages == 1
+    m.free("a")
+    m.check_invariants()
+    assert m.admit("b", list(range(9))).num_cached_tokens == 0
+
+
 def test_bad_input_changes_nothing():
     m = full(max_model_len=16)
     m.admit("a", [1, 2, 3])

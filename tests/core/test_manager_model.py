@@ -145,6 +145,11 @@ class ManagerVsModel(RuleBasedStateMachine):
     def reset(self):
         assert self.manager.reset_prefix_cache() == self.model.reset()
 
+    @rule()
+    def forget(self):
+        """A worker with an empty KV cache joined: every hash goes, held pages' too."""
+        assert self.manager.forget_prefix_cache() == self.model.forget()
+
     @invariant()
     def same_state(self):
         self.manager.check_invariants()

@@ -127,6 +127,8 @@ COMMANDS = [
     ),
     RegisterCommand(now=2.0, role=ClientRole.SCHEDULER, client_id="scheduler-3", lease_ttl_s=7.5),
     RegisterCommand(now=2.5, role=ClientRole.SCHEDULER, name="s", identity="engine-a.example"),
+    RegisterCommand(now=2.75, role=ClientRole.WORKER, name="fresh", fresh_kv_cache=True),
+    RegisterCommand(now=2.875, role=ClientRole.WORKER, identity="worker-9", fresh_kv_cache=True),
     HeartbeatCommand(3.0, "worker-1", 4),
     UnregisterCommand(3.5, "worker-1", 4),
     ExpireLeasesCommand(4.0),

@@ -26,6 +26,7 @@ from pagekeeper.core.errors import (
     Unavailable,
 )
 from pagekeeper.durability import Durability, DurabilityError, state_digest
+from pagekeeper.durability.commands import encode_command
 from pagekeeper.durability.log import (
     DB_NAME,
     SNAPSHOT_DIR,
@@ -290,6 +291,35 @@ def _format_of(data_dir) -> str:
         return db.execute("SELECT value FROM meta WHERE key = 'format_version'").fetchone()[0]
     finally:
         db.close()
+
+
+def test_a_worker_with_an_empty_kv_cache_forgets_the_prefix_cache_and_replays_alike(tmp_path):
+    """A worker registering with ``fresh_kv_cache`` empties the prefix cache while
+    requests run; the record replays to the same state (hashes, free queue, counters) after
+    a crash, and is a version an older pagekeeper refuses rather than replaying it as a
+    plain registration (which would keep the cache and diverge from every later step)."""
+    state, workload = new_state(), Workload(36)
+    durability = Durability.open(tmp_path, "process", snapshot_every=1_000)
+    durability.recover(state)
+    durability.attach(state)
+    _drive(state, workload, 60, durability)
+    assert state.manager.pool.num_cached_pages > 0 and state.manager.requests
+    fresh = RegisterCommand(now=1e6, role=ClientRole.WORKER, name="w", fresh_kv_cache=True)
+    state.apply(fresh)
+    assert state.manager.pool.num_cached_pages == 0
+    assert state.counters.num_prefix_cache_forgets == 1
+    _drive(state, workload, 40, durability)
+    digest = state_digest(state)
+    state.journal = None
+    crash(durability)
+    again, durability = recover(tmp_path)
+    assert state_digest(again) == digest
+    assert again.counters.num_prefix_cache_forgets == 1
+    durability.close(again)
+    record = encode_command(fresh)
+    assert record[1] == 2  # a version of its own
+    with pytest.raises(InvalidArgument, match="only workers"):
+        new_state().apply(RegisterCommand(now=1.0, role=ClientRole.SCHEDULER, fresh_kv_cache=True))
 
 
 def test_a_certificate_identity_stamps_format_4_which_older_readers_refuse(tmp_path):

@@ -923,9 +923,18 @@ class PagePool:
         """Forget every hash; only when no request holds a page (as vLLM)."""
         if self.num_used_pages != 0:
             return False
+        self.forget_hashes()
+        return True
+
+    def forget_hashes(self) -> int:
+        """Forget every hash, those of pages requests hold too (the KV they name is gone: a
+        worker whose KV cache holds nothing joined). Pages no request holds become plain
+        free pages where they are queued; held pages stay held and are no longer hit. One
+        all-cleared event. Returns how many pages lost their hash."""
         state = self._state
-        for page in np.flatnonzero(self._cached_np).tolist():
-            state[page] = 0  # no page is held: a cached page's state is exactly 1
+        cached = np.flatnonzero(self._cached_np).tolist()
+        for page in cached:
+            state[page] &= ~1  # the cached bit (the rest counts the page's holders)
         self._cached_np[:] = 0
         self._num_free_cached = 0
         self._page_hash = [None] * self.num_pages
@@ -934,7 +943,7 @@ class PagePool:
             dups.clear()
         self._event_seq += 1
         self._events.append(AllCleared(seq=self._event_seq))
-        return True
+        return len(cached)
 
     def take_events(self) -> list[KVEvent]:
         events, self._events = self._events, []

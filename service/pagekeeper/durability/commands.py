@@ -108,6 +108,9 @@ STEP_TREE_REVOKED_VERSION = 2
 # pagekeeper would replay it without one, and answer the owner's free of the request
 # NOT_FOUND (the step it then refuses, it drops with the records after it).
 FORCE_FREE_REVOKED_VERSION = 2
+REGISTER_FRESH_VERSION = 2
+"""A worker's registration with an empty KV cache (the prefix cache is forgotten): a
+pagekeeper from before it refuses the data dir instead of replaying it as a plain one."""
 # ``resume_leases``: version 1 [now] (extend; [now, 1] a cap, as one day's development build
 # wrote it), version 2 [now, mode] (cap, exact; development builds also wrote [now] for
 # exact and [now, 3, by] for a shift), version 3 [now, by] (shift).
@@ -151,6 +154,7 @@ def _resume_from_tree(version: int, tree: Any) -> ResumeLeasesCommand:
 READABLE_VERSIONS = {
     KIND_STEP: (1, STEP_TREE_REVOKED_VERSION),
     KIND_FORCE_FREE: (1, FORCE_FREE_REVOKED_VERSION),
+    KIND_REGISTER: (1, REGISTER_FRESH_VERSION),
     KIND_STEP_WIRE: (1, STEP_WIRE_VERSION, STEP_WIRE_REVOKED_VERSION),
     KIND_RESUME_LEASES: (1, RESUME_MODE_VERSION, RESUME_SHIFT_VERSION),
 }
@@ -203,8 +207,10 @@ def encode_command(command: Command, result: Any = None) -> bytes:
             command.device,
             kernel_support_to_tree(command.kernel_support),
             # Only when bound: records without client certificates stay as they were.
-            *([command.identity] if command.identity else []),
+            *([command.identity] if command.identity or command.fresh_kv_cache else []),
         ]
+        if command.fresh_kv_cache:
+            return bytes((kind, REGISTER_FRESH_VERSION)) + encode([*tree, True])
     elif isinstance(command, UnregisterCommand):
         kind, tree = KIND_UNREGISTER, [command.now, command.client_id, command.generation]
     elif isinstance(command, ExpireLeasesCommand):
@@ -251,6 +257,10 @@ def decode_command(body: bytes | memoryview) -> tuple[Command, Publication | Non
         tree = decode(memoryview(body)[2:])
         if kind == KIND_RESUME_LEASES:
             return _resume_from_tree(version, tree), None
+        if kind == KIND_REGISTER and (version == REGISTER_FRESH_VERSION) != (
+            isinstance(tree, list) and len(tree) == 9
+        ):
+            raise RecordDecodeError(f"register record version {version} has the wrong shape")
         return _from_tree(kind, tree)
     except RecordDecodeError:
         raise
@@ -278,7 +288,11 @@ def _from_tree(kind: int, tree: Any) -> tuple[Command, Publication | None]:
         now, client_id, generation = tree
         return HeartbeatCommand(float(now), str(client_id), int(generation)), None
     if kind == KIND_REGISTER:
-        identity = ""
+        identity, fresh = "", False
+        if isinstance(tree, list) and len(tree) == 9:
+            *tree, fresh = tree
+            if fresh is not True:
+                raise RecordDecodeError("register record: fresh_kv_cache must be true")
         if isinstance(tree, list) and len(tree) == 8:
             *tree, identity = tree
         now, role, name, client_id, lease, device, support = tree
@@ -292,6 +306,7 @@ def _from_tree(kind: int, tree: Any) -> tuple[Command, Publication | None]:
                 device=str(device),
                 kernel_support=kernel_support_from_tree(support),
                 identity=str(identity),
+                fresh_kv_cache=fresh,
             ),
             None,
         )

@@ -243,6 +243,7 @@ class PagekeeperServicer(pb_grpc.PagekeeperServiceServicer):  # type: ignore[mis
                 device=request.device,
                 kernel_support=convert.kernel_support_from_pb(request.kernel_support),
                 identity=identity,
+                fresh_kv_cache=request.fresh_kv_cache,
             )
         )
         response = pb.RegisterClientResponse(

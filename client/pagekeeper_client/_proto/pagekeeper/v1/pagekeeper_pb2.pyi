@@ -198,20 +198,22 @@ class GroupKernelSupport(_message.Message):
     def __init__(self, group_id: _Optional[int] = ..., backends: _Optional[_Iterable[_Union[KernelBackend, _Mapping]]] = ...) -> None: ...
 
 class RegisterClientRequest(_message.Message):
-    __slots__ = ("role", "name", "client_id", "lease_ttl_ms", "device", "kernel_support")
+    __slots__ = ("role", "name", "client_id", "lease_ttl_ms", "device", "kernel_support", "fresh_kv_cache")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     KERNEL_SUPPORT_FIELD_NUMBER: _ClassVar[int]
+    FRESH_KV_CACHE_FIELD_NUMBER: _ClassVar[int]
     role: ClientRole
     name: str
     client_id: str
     lease_ttl_ms: int
     device: str
     kernel_support: _containers.RepeatedCompositeFieldContainer[GroupKernelSupport]
-    def __init__(self, role: _Optional[_Union[ClientRole, str]] = ..., name: _Optional[str] = ..., client_id: _Optional[str] = ..., lease_ttl_ms: _Optional[int] = ..., device: _Optional[str] = ..., kernel_support: _Optional[_Iterable[_Union[GroupKernelSupport, _Mapping]]] = ...) -> None: ...
+    fresh_kv_cache: bool
+    def __init__(self, role: _Optional[_Union[ClientRole, str]] = ..., name: _Optional[str] = ..., client_id: _Optional[str] = ..., lease_ttl_ms: _Optional[int] = ..., device: _Optional[str] = ..., kernel_support: _Optional[_Iterable[_Union[GroupKernelSupport, _Mapping]]] = ..., fresh_kv_cache: _Optional[bool] = ...) -> None: ...
 
 class RingTableGeometry(_message.Message):
     __slots__ = ("group_id", "kernel_block_size", "max_kernel_blocks_per_row")
