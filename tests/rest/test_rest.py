@@ -163,6 +163,8 @@ def test_lookup(pagekeeper_server, running):
         ({}, "content-type: application/json (got none)"),
         ({"content": b"{bad", "headers": {"content-type": "application/json"}}, "not valid JSON"),
         ({"json": [1, 2]}, "must be a JSON object"),
+        ({"json": {}}, "body.token_ids: Field required"),
+        ({"json": {"token_ids": [1e30]}}, "body.token_ids.0: number too large"),
     ):
         refused = http.post("/v1/lookup", **kwargs)
         assert refused.status_code == 422 and refused.headers["content-type"] == PROBLEM

@@ -45,22 +45,24 @@ def _validation_message(err: Mapping[str, Any], content_type: str) -> str:
     field, plain words for a body that is missing, not JSON or not a JSON object."""
     loc = tuple(err.get("loc", ()))
     kind = err.get("type", "")
-    if (
-        loc[:1] == ("body",)
-        and len(loc) <= 2
-        and kind in ("json_invalid", "missing", "model_attributes_type")
-    ):
-        if kind == "json_invalid":
-            where = f" at character {loc[1]}" if len(loc) == 2 else ""
-            reason = (err.get("ctx") or {}).get("error", "")
-            return f"body: not valid JSON{where}" + (f" ({reason})" if reason else "")
+    where = ".".join(str(p) for p in loc)
+    if kind == "json_invalid" and loc[:1] == ("body",):
+        at = f" at character {loc[1]}" if len(loc) == 2 else ""
+        reason = (err.get("ctx") or {}).get("error", "")
+        return f"body: not valid JSON{at}" + (f" ({reason})" if reason else "")
+    if loc == ("body",) and kind in ("missing", "model_attributes_type"):
         if not content_type.split(";")[0].strip().lower().endswith("json"):
             got = content_type or "none"
             return f"body: send a JSON object with content-type: application/json (got {got})"
-        if kind == "missing":
-            return "body: a JSON object is required"
-        return "body: must be a JSON object"
-    return f"{'.'.join(str(p) for p in loc)}: {err.get('msg', '')}"
+        return (
+            "body: a JSON object is required"
+            if kind == "missing"
+            else ("body: must be a JSON object")
+        )
+    if kind == "int_parsing_size":
+        # pydantic speaks of a string here even when the JSON held a number.
+        return f"{where}: number too large for an integer"
+    return f"{where}: {err.get('msg', '')}"
 
 
 def _problem_response(
