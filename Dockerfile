@@ -1,7 +1,7 @@
 # pagekeeper images. Three stages, two of them runnable targets:
 #
 #   build     generates the gRPC stubs from proto/ and builds every wheel (pagekeeper, with
-#             its C accelerator of page hashing, and its service dependencies); nothing
+#             its C accelerators, and its service dependencies); nothing
 #             from it but /wheels reaches a runtime image.
 #   service   (default target) python:3.11-slim + the wheels: `pagekeeper serve` as a
 #             non-root user, health-checked by the project's own probe. The example scheduler
@@ -25,10 +25,11 @@
 # (runtime) and --build-arg BUILD_IMAGE=... (build).
 
 ARG PYTHON_IMAGE=python:3.11-slim
-# The build stage compiles pagekeeper's optional C accelerator of page hashing: the full
-# image of the same Python and Debian release has gcc and OpenSSL's headers; the runtime
-# stage (slim) has the libcrypto the extension links, as CPython's hashlib does. A build
-# image without them still builds, with pure-Python hashing (same hashes, slower).
+# The build stage compiles pagekeeper's optional C accelerators (page hashing, the page
+# pool's loops, the client's decode rows): the full image of the same Python and Debian
+# release has gcc and OpenSSL's headers; the runtime stage (slim) has the libcrypto the
+# hashing extension links, as CPython's hashlib does. A build image without them still
+# builds, with the pure-Python loops (same hashes, pages and events, slower).
 ARG BUILD_IMAGE=python:3.11
 
 # ---------------------------------------------------------------------------------------------
@@ -99,7 +100,8 @@ EXPOSE 50051 8000
 STOPSIGNAL SIGTERM
 
 # The probe reads the same configuration as the service (PAGEKEEPER_* env, --config file), so
-# it needs no arguments here: gRPC health SERVING and GET /readyz 200, else exit 1.
+# it needs no arguments here: gRPC health SERVING, GET /readyz 200 and, where one is
+# configured, the same-node socket answering; else exit 1.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=30s --retries=3 \
     CMD ["python", "-m", "pagekeeper.probe"]
 
@@ -121,7 +123,8 @@ USER pagekeeper
 
 # A worker container is no pagekeeper service: the service's probe does not apply as is.
 # docker-compose.yml gives each worker a check that its own registration is live
-# (python -m pagekeeper.probe --http-address pagekeeper:8000 --expect-client NAME).
+# (python -m pagekeeper.probe --expect-client NAME, PAGEKEEPER_HTTP_ADDRESS and
+# PAGEKEEPER_GRPC_ADDRESS pointing at the service).
 HEALTHCHECK NONE
 
 ENTRYPOINT ["python", "-m", "pagekeeper_client.examples.worker"]

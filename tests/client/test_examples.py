@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -218,3 +219,27 @@ def test_example_worker_exits_cleanly_on_sigterm(server_factory, tmp_path):
     assert _wait(worker, log, 20) == 0, log.read_text()
     assert not any(c["name"] == "sigterm-worker" for c in http.get("/v1/clients").json())
     assert os.path.getsize(log) > 0
+
+
+def test_example_worker_without_a_scheduler_says_so_in_one_line(server_factory, tmp_path):
+    """No scheduler at the feed address: after --feed-timeout the worker exits 1 with one
+    line that names the address and the flag, unregistered, no traceback."""
+    server = server_factory("--num-pages", "32", publish_transport="shm")
+    with socket.socket() as probe:  # a loopback port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{probe.getsockname()[1]}"
+    log = tmp_path / "worker.log"
+    worker = _spawn(
+        "pagekeeper_client.examples.worker",
+        "--address", server.grpc_address,
+        "--feed-address", address,
+        "--feed-timeout", "1",
+        "--name", "lonely-worker",
+        log=log,
+    )  # fmt: skip
+    assert _wait(worker, log, 60) == 1, log.read_text()
+    text = log.read_text()
+    assert f"no scheduler feed at {address} after 1s" in text and "--feed-timeout" in text
+    assert "Traceback" not in text
+    clients = server.http().get("/v1/clients").json()
+    assert not any(c["name"] == "lonely-worker" for c in clients)

@@ -340,38 +340,61 @@ class ExampleScheduler:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--address", default=os.environ.get("PAGEKEEPER_GRPC_ADDRESS"))
-    p.add_argument("--token", default=os.environ.get("PAGEKEEPER_TOKEN"))
-    p.add_argument("--mode", choices=("batched", "sync"), default="batched")
+    env = os.environ
+    p = argparse.ArgumentParser(
+        prog="python -m pagekeeper_client.examples.scheduler",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--address",
+        default=env.get("PAGEKEEPER_GRPC_ADDRESS"),
+        help="the service's gRPC address, HOST:PORT or unix:PATH (None: 127.0.0.1:50051)",
+    )
+    p.add_argument("--token", default=env.get("PAGEKEEPER_TOKEN"), help="bearer token")
+    p.add_argument(
+        "--mode",
+        choices=("batched", "sync"),
+        default="batched",
+        help="batched: one Step call a step; sync: a page-crossing decode or an admission "
+        "is answered at once (as vLLM needs)",
+    )
     p.add_argument(
         "--defer-page-ids",
         action="store_true",
         help="sync mode: answer crossings from the pool's free-page bound (sole scheduler)",
     )
     p.add_argument("--steps", type=int, default=200, help="stop after N steps (0: no limit)")
-    p.add_argument("--duration", type=float, default=0.0, help="stop after S seconds")
-    p.add_argument("--num-requests", type=int, default=0, help="stop after N requests")
-    p.add_argument("--max-running", type=int, default=64)
-    p.add_argument("--admit-per-step", type=int, default=4)
-    p.add_argument("--num-system-prompts", type=int, default=3)
-    p.add_argument("--system-len-min", type=int, default=64)
-    p.add_argument("--system-len-max", type=int, default=256)
-    p.add_argument("--user-len-max", type=int, default=96)
-    p.add_argument("--output-len-min", type=int, default=4)
-    p.add_argument("--output-len-max", type=int, default=64)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--duration", type=float, default=0.0, help="stop after S seconds (0: none)")
+    p.add_argument(
+        "--num-requests", type=int, default=0, help="stop after N requests (0: no limit)"
+    )
+    p.add_argument("--max-running", type=int, default=64, help="requests running at once")
+    p.add_argument("--admit-per-step", type=int, default=4, help="admissions per step at most")
+    p.add_argument(
+        "--num-system-prompts", type=int, default=3, help="shared prefixes the prompts start with"
+    )
+    p.add_argument("--system-len-min", type=int, default=64, help="shortest system prompt")
+    p.add_argument("--system-len-max", type=int, default=256, help="longest system prompt")
+    p.add_argument("--user-len-max", type=int, default=96, help="longest user part of a prompt")
+    p.add_argument("--output-len-min", type=int, default=4, help="fewest tokens decoded")
+    p.add_argument("--output-len-max", type=int, default=64, help="most tokens decoded")
+    p.add_argument("--seed", type=int, default=0, help="seed of the request mix")
     p.add_argument(
         "--feed-address",
-        default=os.environ.get("PAGEKEEPER_FEED_ADDRESS", "127.0.0.1:0"),
-        help="where workers connect for request metadata ('' to disable)",
+        default=env.get("PAGEKEEPER_FEED_ADDRESS", "127.0.0.1:0"),
+        help="where workers connect for request metadata ('' to disable; port 0: any)",
     )
     p.add_argument("--feed-file", help="write the feed's bound address here")
     p.add_argument("--wait-workers", type=int, default=0, help="wait for N workers, lockstep")
-    p.add_argument("--worker-timeout", type=float, default=60.0)
-    p.add_argument("--ack-timeout", type=float, default=60.0)
+    p.add_argument(
+        "--worker-timeout", type=float, default=60.0, help="seconds to wait for the workers"
+    )
+    p.add_argument(
+        "--ack-timeout", type=float, default=60.0, help="seconds to wait for a step's acks"
+    )
     p.add_argument("--summary-json", help="also write the summary here")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info", help="debug, info, warning or error")
     return p.parse_args(argv)
 
 

@@ -24,7 +24,8 @@ NaN, which the cache holds where nothing was written).
         --feed-address 127.0.0.1:7000 --backend 0=FLASH_ATTN:16,32 --check
 
 Environment: PAGEKEEPER_GRPC_ADDRESS, PAGEKEEPER_TOKEN, PAGEKEEPER_FEED_ADDRESS,
-PAGEKEEPER_WORKER_DEVICE, PAGEKEEPER_WORKER_BACKENDS (e.g. "0=16,32;1=x16").
+PAGEKEEPER_FEED_TIMEOUT, PAGEKEEPER_WORKER_DEVICE, PAGEKEEPER_WORKER_BACKENDS (e.g.
+"0=16,32;1=x16").
 Exits cleanly on SIGTERM/SIGINT (unregisters first).
 """
 
@@ -47,6 +48,7 @@ import numpy as np
 import torch
 
 from pagekeeper_client.attention import ReferencePagedAttention, dense_attention
+from pagekeeper_client.errors import PagekeeperError
 from pagekeeper_client.examples.feed import FeedClient, FeedClosed
 from pagekeeper_client.ring import RingError
 from pagekeeper_client.types import GroupKind, KernelBackend
@@ -365,46 +367,85 @@ def parse_backends(specs: list[str]) -> dict[int, list[KernelBackend]]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     env = os.environ
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--address", default=env.get("PAGEKEEPER_GRPC_ADDRESS"))
-    p.add_argument("--token", default=env.get("PAGEKEEPER_TOKEN"))
-    p.add_argument("--device", default=env.get("PAGEKEEPER_WORKER_DEVICE", "cpu"))
+    p = argparse.ArgumentParser(
+        prog="python -m pagekeeper_client.examples.worker",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--address",
+        default=env.get("PAGEKEEPER_GRPC_ADDRESS"),
+        help="the service's gRPC address, HOST:PORT or unix:PATH (None: 127.0.0.1:50051)",
+    )
+    p.add_argument("--token", default=env.get("PAGEKEEPER_TOKEN"), help="bearer token")
+    p.add_argument(
+        "--device",
+        default=env.get("PAGEKEEPER_WORKER_DEVICE", "cpu"),
+        help="where the KV cache and tables live: cpu or cuda:N",
+    )
     p.add_argument(
         "--backend",
         action="append",
         default=[b] if (b := env.get("PAGEKEEPER_WORKER_BACKENDS")) else [],
         help="GROUP=[NAME:]SIZES, sizes like 16,32 or x16 (multiples); repeatable",
     )
-    p.add_argument("--feed-address", default=env.get("PAGEKEEPER_FEED_ADDRESS"))
+    p.add_argument(
+        "--feed-address",
+        default=env.get("PAGEKEEPER_FEED_ADDRESS"),
+        help="the scheduler's step feed, HOST:PORT (None: follow the tables without one)",
+    )
     p.add_argument("--feed-file", help="read the feed address from this file (waits for it)")
+    p.add_argument(
+        "--feed-timeout",
+        type=float,
+        default=float(env.get("PAGEKEEPER_FEED_TIMEOUT", "300")),
+        help="seconds to wait for the scheduler's feed (file and connection)",
+    )
     p.add_argument("--check", action="store_true", help="check every row; fail on mismatch")
     p.add_argument("--sample", type=int, default=2, help="rows checked per step otherwise")
-    p.add_argument("--tolerance", type=float, default=1e-4)
-    p.add_argument("--num-kv-heads", type=int, default=2)
-    p.add_argument("--num-q-heads", type=int, default=4)
-    p.add_argument("--head-dim", type=int, default=32)
-    p.add_argument("--max-cache-mb", type=int, default=1024)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--name", default="")
-    p.add_argument("--step-timeout", type=float, default=30.0)
-    p.add_argument("--log-every", type=int, default=50)
+    p.add_argument(
+        "--tolerance", type=float, default=1e-4, help="largest error against dense attention"
+    )
+    p.add_argument("--num-kv-heads", type=int, default=2, help="the toy model's KV heads")
+    p.add_argument("--num-q-heads", type=int, default=4, help="the toy model's query heads")
+    p.add_argument("--head-dim", type=int, default=32, help="the toy model's head size")
+    p.add_argument(
+        "--max-cache-mb", type=int, default=1024, help="refuse a KV cache larger than this"
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the toy model's K/V")
+    p.add_argument("--name", default="", help="registration name (default example-worker:PID)")
+    p.add_argument(
+        "--step-timeout", type=float, default=30.0, help="seconds to wait for a step's tables"
+    )
+    p.add_argument("--log-every", type=int, default=50, help="log a line every N steps")
     p.add_argument("--summary-json", help="also write the summary here")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info", help="debug, info, warning or error")
     return p.parse_args(argv)
 
 
-def _feed_address(args: argparse.Namespace, timeout: float = 60.0) -> str | None:
+def _feed_address(args: argparse.Namespace) -> str | None:
     if args.feed_address:
         return str(args.feed_address)
     if not args.feed_file:
         return None
+    timeout = args.feed_timeout
     deadline = time.monotonic() + timeout
     while not os.path.exists(args.feed_file):
         if time.monotonic() > deadline:
-            raise SystemExit(f"no feed address in {args.feed_file} after {timeout}s")
+            raise SystemExit(f"no feed address in {args.feed_file} after {timeout:g}s")
         time.sleep(0.05)
     with open(args.feed_file) as f:
         return f.read().strip()
+
+
+def _connect_feed(address: str, name: str, args: argparse.Namespace) -> FeedClient:
+    try:
+        return FeedClient(address, name=name, is_check=args.check, timeout=args.feed_timeout)
+    except OSError as exc:
+        raise SystemExit(
+            f"no scheduler feed at {address} after {args.feed_timeout:g}s ({exc}); start the "
+            "scheduler with the same --feed-address, or raise --feed-timeout"
+        ) from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -414,13 +455,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     torch.set_num_threads(1)  # the reference attention is tiny; don't fight the scheduler
     name = args.name or f"example-worker:{os.getpid()}"
-    handle = register_worker(
-        args.address,
-        args.device,
-        parse_backends(args.backend) or None,
-        token=args.token,
-        name=name,
-    )
+    try:
+        handle = register_worker(
+            args.address,
+            args.device,
+            parse_backends(args.backend) or None,
+            token=args.token,
+            name=name,
+        )
+    except PagekeeperError as exc:
+        log.error("could not register: %s", exc)
+        return 1
     log.info(
         "registered %s on %s: kernel block sizes %s, ring %s (generation %d)",
         handle.client_id,
@@ -436,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         address = _feed_address(args)
         if address:
-            feed = FeedClient(address, name=name, is_check=args.check)
+            feed = _connect_feed(address, name, args)
             worker.follow_feed(feed)
         else:
             worker.follow_tables()
