@@ -527,6 +527,7 @@ OTHER_ENV = frozenset(
         "TLS_CLIENT_CERT_FILE",
         "TLS_CLIENT_KEY_FILE",
         "FEED_ADDRESS",
+        "FEED_TIMEOUT",
         "WORKER_DEVICE",
         "WORKER_BACKENDS",
         "SCHEDULER_STEPS",
