@@ -2431,7 +2431,8 @@ class PagekeeperClient(_ClientCore[LocalChannel]):
         scheduler keeps its requests: the client tracks them again, one GetBlockTable per
         request and group, and may grow, publish and free them). ``fresh_kv_cache``
         (workers): this process's KV cache holds nothing yet, so the service forgets its
-        prefix cache, whose pages' KV is not here (:func:`~pagekeeper_client.worker.
+        prefix cache, whose pages' KV is not here, and frees and revokes the running
+        requests, whose KV is not here either (:func:`~pagekeeper_client.worker.
         register_worker` sends it by default; a re-registration of the same process never
         does). Raises :class:`FailedPreconditionError` when no kernel block size suits a
         worker's backends.

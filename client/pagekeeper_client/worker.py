@@ -448,7 +448,9 @@ def register_worker(
     torch must see CUDA). ``pin``: how a shm ring reaches a GPU ("staging" or "register").
     ``fresh_kv_cache``: this worker's KV cache holds nothing yet (it just started), so the
     service forgets the prefix cache (whose pages' KV another process wrote, or one that
-    died); pass False only for a worker whose KV cache outlived its registration.
+    died) and frees and revokes the running requests (whose KV is not here either: their
+    schedulers compute them again); pass False for a worker whose KV cache outlived its
+    registration, or one that only reads tables.
     """
     device = _check_device(device)
     own = client is None

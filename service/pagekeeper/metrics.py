@@ -130,6 +130,11 @@ class StateCollector(Collector):
             "Workers that registered with an empty KV cache, each emptying the prefix cache.",
             counters.num_prefix_cache_forgets,
         )
+        yield counter(
+            "kv_loss_revocations",
+            "Running requests freed and revoked when a worker with an empty KV cache joined.",
+            counters.num_kv_loss_revocations,
+        )
 
 
 class Metrics:

@@ -575,6 +575,8 @@ class ServiceCounters:
     """Requests freed by an operator (``DELETE /v1/requests/{id}``), whoever owned them."""
     num_prefix_cache_forgets: int = 0
     """Workers that registered with an empty KV cache, each emptying the prefix cache."""
+    num_kv_loss_revocations: int = 0
+    """Running requests freed and revoked because a worker with an empty KV cache joined."""
     step_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=1024))
     """Apply time of the most recent steps (not including transport), for percentiles."""
 
@@ -945,10 +947,23 @@ class ServiceState:
         )
 
     def _forget_prefix_cache(self, worker: ClientRecord) -> None:
-        """A worker whose KV cache holds nothing registered: no cached page's KV is in it."""
+        """A worker whose KV cache holds nothing registered: neither the cached pages' KV
+        nor the running requests' is in it. The running requests are freed and revoked
+        (their schedulers learn it as from a force-free, and compute them again): left
+        running they would go on filling pages over KV the worker lacks, and cache them
+        for later prompts to hit. Then every hash is forgotten."""
+        revoked = 0
+        for request_id, record in list(self._requests.items()):
+            self.manager.free(request_id)
+            owner = self._clients.get(record.owner)
+            if owner is not None:
+                owner.request_ids.discard(request_id)
+                if owner.role is ClientRole.SCHEDULER:
+                    owner.revoked.add(request_id)
+            revoked += 1
         forgotten = self.manager.forget_prefix_cache()
         self.counters.num_prefix_cache_forgets += 1
-        running = len(self._requests)
+        self.counters.num_kv_loss_revocations += revoked
         log.warning(
             "worker %s (%s) registered with an empty KV cache: the prefix cache forgot %d "
             "page(s)%s",
@@ -956,9 +971,9 @@ class ServiceState:
             worker.name or "unnamed",
             forgotten,
             (
-                f"; {running} running request(s) hold pages whose KV it lacks (their "
-                "scheduler must compute them again)"
-                if running
+                f"; {revoked} running request(s), whose KV it lacks, were freed and revoked "
+                "(their schedulers must compute them again)"
+                if revoked
                 else ""
             ),
         )
@@ -2100,8 +2115,11 @@ _COUNTER_FIELDS = (
     "num_expired_clients",
     "num_force_frees",
     "num_prefix_cache_forgets",
+    "num_kv_loss_revocations",
 )
-_COUNTERS_ADDED_LATER = frozenset({"num_force_frees", "num_prefix_cache_forgets"})
+_COUNTERS_ADDED_LATER = frozenset(
+    {"num_force_frees", "num_prefix_cache_forgets", "num_kv_loss_revocations"}
+)
 """Counters a snapshot from before them lacks: they restore as 0 (readers before them
 ignore the extra entry)."""
 _PROCESS_COUNTERS = frozenset({"num_step_retries", "num_steps_rejected"})

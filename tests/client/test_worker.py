@@ -100,9 +100,13 @@ def test_worker_follows_a_recreated_ring(server_factory, transport):
         check_step(first.view.wait(step.step_id, timeout=WAIT_S), scheduler, [("rc-a", 0, 40)], 16)
         # A worker with another kernel block size joins: the ring is re-created with a
         # second table; the first worker's next read finds its ring closed and re-maps.
-        with register_worker(server.grpc_address, "cpu", [[KernelBackend(multiple_of=(4,))]]):
+        # (Workers joining mid-run here only read tables: not fresh, or their registration
+        # would revoke the running request, as a real replacement worker's does.)
+        with register_worker(
+            server.grpc_address, "cpu", [[KernelBackend(multiple_of=(4,))]], fresh_kv_cache=False
+        ):
             pass  # chooses the page size (16): same tables, the ring is kept
-        with register_worker(server.grpc_address, "cpu", {0: [4]}) as second:
+        with register_worker(server.grpc_address, "cpu", {0: [4]}, fresh_kv_cache=False) as second:
             assert second.kernel_block_sizes == (4,)
             scheduler.allocate_slots("rc-a", 1, new_token_ids=[1])
             step = scheduler.step(batch=["rc-a"])
@@ -138,7 +142,7 @@ def test_worker_polling_latest_steps_follows_a_recreated_ring(server_factory, tr
     server = server_factory("--num-pages", "64", publish_transport=transport)
     with (
         _first_worker_and_step(server, "p-a") as (first, scheduler, one),
-        register_worker(server.grpc_address, "cpu", {0: [4]}),
+        register_worker(server.grpc_address, "cpu", {0: [4]}, fresh_kv_cache=False),
     ):
         scheduler.allocate_slots("p-a", 1, new_token_ids=[1])
         two = scheduler.step(batch=["p-a"]).step_id
@@ -153,10 +157,10 @@ def test_worker_follows_a_ring_recreated_twice_in_a_row(server_factory):
     server = server_factory("--num-pages", "64", publish_transport="shm")
     with (
         _first_worker_and_step(server, "t-a") as (first, scheduler, one),
-        register_worker(server.grpc_address, "cpu", {0: [4]}),
+        register_worker(server.grpc_address, "cpu", {0: [4]}, fresh_kv_cache=False),
     ):
         first.client.heartbeat()  # as its lease renewal would
-        with register_worker(server.grpc_address, "cpu", {0: [8]}):
+        with register_worker(server.grpc_address, "cpu", {0: [8]}, fresh_kv_cache=False):
             scheduler.allocate_slots("t-a", 1, new_token_ids=[1])
             two = scheduler.step(batch=["t-a"]).step_id
             assert first.view.wait_next(one, timeout=WAIT_S) == two
@@ -393,7 +397,7 @@ def test_gpu_workers_read_the_services_cuda_ipc_ring(server_factory):  # pragma:
                 check_step(tables, scheduler, rows, 8)
         # Views of the ring's slots, not fresh copies: a handful of addresses over 40 reads.
         assert len(ptrs) <= 2 * 4
-        with register_worker(server.grpc_address, "cuda:0", {0: [4]}) as w3:
+        with register_worker(server.grpc_address, "cuda:0", {0: [4]}, fresh_kv_cache=False) as w3:
             assert w3.kernel_block_sizes == (4,)
             scheduler.allocate_slots("g-a", 1, new_token_ids=[7])
             step = scheduler.step(batch=["g-a"])

@@ -294,8 +294,8 @@ def _format_of(data_dir) -> str:
 
 
 def test_a_worker_with_an_empty_kv_cache_forgets_the_prefix_cache_and_replays_alike(tmp_path):
-    """A worker registering with ``fresh_kv_cache`` empties the prefix cache while
-    requests run; the record replays to the same state (hashes, free queue, counters) after
+    """A worker registering with ``fresh_kv_cache`` empties the prefix cache and revokes
+    the running requests; the record replays to the same state (hashes, free queue, counters) after
     a crash, and is a version an older pagekeeper refuses rather than replaying it as a
     plain registration (which would keep the cache and diverge from every later step)."""
     state, workload = new_state(), Workload(36)
@@ -305,9 +305,11 @@ def test_a_worker_with_an_empty_kv_cache_forgets_the_prefix_cache_and_replays_al
     _drive(state, workload, 60, durability)
     assert state.manager.pool.num_cached_pages > 0 and state.manager.requests
     fresh = RegisterCommand(now=1e6, role=ClientRole.WORKER, name="w", fresh_kv_cache=True)
+    running = len(state.manager.requests)
     state.apply(fresh)
-    assert state.manager.pool.num_cached_pages == 0
+    assert state.manager.pool.num_cached_pages == 0 and not state.manager.requests
     assert state.counters.num_prefix_cache_forgets == 1
+    assert state.counters.num_kv_loss_revocations == running
     _drive(state, workload, 40, durability)
     digest = state_digest(state)
     state.journal = None
@@ -315,6 +317,7 @@ def test_a_worker_with_an_empty_kv_cache_forgets_the_prefix_cache_and_replays_al
     again, durability = recover(tmp_path)
     assert state_digest(again) == digest
     assert again.counters.num_prefix_cache_forgets == 1
+    assert again.counters.num_kv_loss_revocations == running
     durability.close(again)
     record = encode_command(fresh)
     assert record[1] == 2  # a version of its own

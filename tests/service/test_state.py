@@ -687,3 +687,33 @@ def test_publication_failures_and_token_limits_are_publish_errors():
         r = step(state, me, 1, admissions=(Admission("a", tokens(0, 40)),), batch=Batch(("a",)))
         assert not r.is_published and match in r.publish_error
         assert state.client(me[0]).last_step_id == 1 and "a" in state.request_ids()
+
+
+def test_a_fresh_worker_revokes_running_requests_so_none_caches_over_lost_kv():
+    """A worker with an empty KV cache lacks the running requests' KV as well as the
+    cached pages'. Left running, a request would fill pages over KV that is gone and cache
+    them, and once another admission re-cached the earlier pages of its prompt, a third
+    prompt would hit those pages. The service frees and revokes them instead: their owner's
+    growth is NO_CAPACITY, its free is accepted, and prompts after it hit only pages
+    computed since; a snapshot keeps the count."""
+    state = make_state()
+    me = scheduler(state)
+    prompt = tokens(0, 40)
+    step(state, me, 1, admissions=(Admission("a", prompt),))
+    free_before = state.manager.pool.num_free_pages
+    state.register(RegisterCommand(now=1.0, role=ClientRole.WORKER, fresh_kv_cache=True))
+    assert "a" not in state.manager.requests and state.client(me[0]).revoked == {"a"}
+    assert state.manager.pool.num_free_pages == free_before + 3
+    assert state.counters.num_prefix_cache_forgets == 1
+    assert state.counters.num_kv_loss_revocations == 1
+    r = step(state, me, 2, growths=(Growth("a", 8, tokens(40, 8)),), batch=Batch(("a",)))
+    assert [(o.request_id, o.status) for o in r.results] == [("a", AllocationStatus.NO_CAPACITY)]
+    step(state, me, 3, frees=("a",))
+    assert state.client(me[0]).revoked == set()
+    b = step(state, me, 4, admissions=(Admission("b", prompt),)).results[0]
+    assert b.num_cached_tokens == 0
+    c = step(state, me, 5, admissions=(Admission("c", prompt),)).results[0]
+    assert c.num_cached_tokens == 32 and c.hit_page_ids[0] == b.new_page_ids[0][:2]
+    twin = make_state()
+    twin.restore_state(state.snapshot_state())
+    assert twin.counters.num_kv_loss_revocations == 1

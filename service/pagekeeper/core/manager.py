@@ -890,10 +890,11 @@ class PageManager:
         return self.pool.reset_prefix_cache()
 
     def forget_prefix_cache(self) -> int:
-        """Drop the whole prefix cache even while requests hold pages (a worker whose KV
-        cache holds nothing joined: no cached page's KV is there). The requests keep their
-        pages; none of them is hit again, and pages they fill from now on are cached as
-        usual. Returns how many pages lost their hash."""
+        """Drop the whole prefix cache even while requests hold pages. The requests keep
+        their pages; none of them is hit again, and pages they fill from now on are cached
+        as usual, so a caller whose reason is lost KV (a worker whose KV cache holds
+        nothing joined) frees the running requests first, as the service does. Returns how
+        many pages lost their hash."""
         return self.pool.forget_hashes()
 
     def take_events(self) -> list[KVEvent]:
