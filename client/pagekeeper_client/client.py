@@ -2719,9 +2719,10 @@ class PagekeeperClient(_ClientCore[LocalChannel]):
         )
         return EventStream(call)
 
-    def watch_tables(self, since_step_seq: int = 0) -> TableStream:
+    def watch_tables(self, since_step_seq: int = 0, *, exact: bool = False) -> TableStream:
         """Workers: the published batches over ``WatchTables`` (for a worker on another host,
-        ring kind "stream"), from the step after ``since_step_seq`` (0: the next one)."""
+        ring kind "stream"), from the step after ``since_step_seq`` (0: the next one, unless
+        ``exact``: every batch the service still keeps)."""
         registration = self._require()
         self._token_for_stream()
         self.stats.num_rpcs += 1
@@ -2731,6 +2732,7 @@ class PagekeeperClient(_ClientCore[LocalChannel]):
                 generation=registration.generation,
                 state_id=registration.state_id,
                 since_step_seq=since_step_seq,
+                since_exact=exact,
             ),
             metadata=self._metadata,
         )

@@ -81,8 +81,10 @@ Int32Array = npt.NDArray[np.int32]
 Int64Array = npt.NDArray[np.int64]
 
 LAYOUT_VERSION = 2
-"""2: slots taken in turn, one per published step (1: slot ``step % depth``)."""
-"""Bumped on any change of the byte layout; readers refuse a version they do not know."""
+"""Bumped on any change of the byte layout or its use; readers refuse a version they do not
+know, so the service and the workers on a node are upgraded together (a worker reading
+another version gets a RingError at once, never a misread table). 2: slots taken in turn,
+one per published step (1: slot ``step % depth``)."""
 
 RING_MAGIC = int.from_bytes(b"PKRING\x00\x01", "little")
 """First word of every control block."""

@@ -52,6 +52,9 @@ _POLL_MAX_S = 1e-3
 _FOLLOW_S = 1.0
 """How often a long wait looks for a ring change or a lost registration."""
 _RESUME_TRIES = 4
+_RESUME_HEALTHY_S = 10.0
+"""A stream that served this long before it ended does not count as a failed resume."""
+_STREAM_END_WAIT_S = 1.0
 _UNAVAILABLE_WAIT_S = 0.05
 
 T = TypeVar("T")
@@ -112,7 +115,10 @@ class WorkerTableView:
         self._stream_thread: threading.Thread | None = None
         self._stream_error: BaseException | None = None
         self._num_resumes = 0
-        """Stream resumes in a row that delivered no step."""
+        """Stream resumes in a row that delivered no step and ended soon."""
+        self._stream_since = client.registration.last_published_step_seq
+        """Where a (re-)opened stream starts: after the last step published when this
+        worker registered, then after the last one its streams delivered."""
         self._is_closed = False
         self.num_reopens = 0
         descriptor = client.ring
@@ -140,10 +146,13 @@ class WorkerTableView:
         old_view, old_stream = self._view, self._stream
         # A stream re-opened after a ring change resumes after the last step it delivered
         # (the service keeps a few recent batches), so the step that revealed the change
-        # is not lost.
-        since = 0
+        # is not lost; one that delivered none, after the last step published when this
+        # worker registered (never "from now": steps published while it was down would be
+        # skipped).
+        since = self._stream_since
         if isinstance(old_view, StreamTableView):
-            since = max(old_view.latest_step(), 0)
+            since = max(old_view.latest_step(), since)
+        self._stream_since = since
         view: TableView
         if descriptor.kind == "stream":
             stream_view = StreamTableView(descriptor)
@@ -167,11 +176,12 @@ class WorkerTableView:
         return list(enumerate(self.kernel_block_sizes))
 
     def _start_stream(self, view: StreamTableView, since_step_seq: int) -> None:
-        stream = self._client.watch_tables(since_step_seq)
+        stream = self._client.watch_tables(since_step_seq, exact=True)
         self._stream = stream
         generation = view.descriptor.generation
 
         def consume() -> None:
+            opened = time.monotonic()
             try:
                 for item in stream:
                     step = item.tables
@@ -191,6 +201,9 @@ class WorkerTableView:
                     self._num_resumes = 0
             except PagekeeperError as exc:
                 self._stream_error = exc
+                if time.monotonic() - opened >= _RESUME_HEALTHY_S:
+                    # It served a while (an idle stream a proxy cut): not a refused resume.
+                    self._num_resumes = 0
             finally:
                 view.mark_closed()
 
@@ -244,6 +257,10 @@ class WorkerTableView:
         held. Not after :data:`_RESUME_TRIES` resumes in a row that delivered nothing (the
         service refuses the stream): the caller gets :class:`RingClosed`."""
         thread = self._stream_thread
+        if thread is not None:
+            # The stream's thread records the error and marks the view closed as it ends:
+            # let it end, rather than take a thread about to end for one still serving.
+            thread.join(timeout=_STREAM_END_WAIT_S)
         if (
             not isinstance(self._view, StreamTableView)
             or thread is None
@@ -338,10 +355,12 @@ class WorkerTableView:
             except (RingClosed, DescriptorError) as exc:
                 if not self._refresh_or_closed(exc):
                     raise
-            except StepTimeout:
+            except StepTimeout as exc:
                 if self._follow():
                     continue
                 if deadline is not None and time.monotonic() >= deadline:
+                    if timeout is not None and timeout > chunk:
+                        raise StepTimeout(f"{exc} (after {timeout:g}s of waiting in all)") from None
                     raise
                 lost = self._client.registration_lost
                 if lost is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -283,6 +284,33 @@ def test_a_stream_worker_resumes_after_its_connection_is_reset(server_factory):
                 check_step(tables, scheduler, [("blip-a", 40 + n, 41 + n)], 16)
             assert worker.view.num_reopens >= 1
             assert worker.view.descriptor.generation == tables.epoch
+    finally:
+        proxy.close()
+
+
+def test_a_stream_cut_before_its_first_step_gets_the_steps_published_meanwhile(
+    server_factory,
+):
+    """A stream worker whose connection is reset before any step reached it resumes after
+    the last step published when it registered, not "from now": the step published while
+    it was cut off arrives (it was lost before, the resume asking for step 0)."""
+    server = server_factory("--num-pages", "64", publish_transport="none")
+    proxy = CuttableProxy(server.grpc_address)
+    try:
+        with (
+            register_worker(proxy.address, "cpu", {0: [16]}) as worker,
+            PagekeeperClient(server.grpc_address) as scheduler,
+        ):
+            scheduler.register("scheduler")
+            scheduler.admit("cut-a", tokens(8, 40))
+            time.sleep(0.5)  # the worker's WatchTables is open
+            proxy.cut()
+            time.sleep(0.3)  # its stream saw the reset
+            step = scheduler.step(batch=["cut-a"])
+            assert step.is_published
+            tables = worker.view.wait(step.step_id, timeout=WAIT_S)
+            check_step(tables, scheduler, [("cut-a", 0, 40)], 16)
+            assert worker.view.num_reopens >= 1
     finally:
         proxy.close()
 

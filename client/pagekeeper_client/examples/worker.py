@@ -398,7 +398,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--feed-timeout",
         type=float,
-        default=float(env.get("PAGEKEEPER_FEED_TIMEOUT", "300")),
+        default=env.get("PAGEKEEPER_FEED_TIMEOUT", "300"),  # argparse parses it, as a flag
         help="seconds to wait for the scheduler's feed (file and connection)",
     )
     p.add_argument("--check", action="store_true", help="check every row; fail on mismatch")
@@ -443,8 +443,9 @@ def _connect_feed(address: str, name: str, args: argparse.Namespace) -> FeedClie
         return FeedClient(address, name=name, is_check=args.check, timeout=args.feed_timeout)
     except OSError as exc:
         raise SystemExit(
-            f"no scheduler feed at {address} after {args.feed_timeout:g}s ({exc}); start the "
-            "scheduler with the same --feed-address, or raise --feed-timeout"
+            f"could not reach the scheduler's feed at {address} within {args.feed_timeout:g}s "
+            f"({exc}); start the scheduler with the same --feed-address, or raise "
+            "--feed-timeout"
         ) from None
 
 

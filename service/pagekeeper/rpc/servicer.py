@@ -406,7 +406,11 @@ class PagekeeperServicer(pb_grpc.PagekeeperServiceServicer):  # type: ignore[mis
                 grpc.StatusCode.PERMISSION_DENIED, "WatchTables is for registered workers"
             )
         presented = _stream_token(runtime.tokens.calls, context)
-        since = request.since_step_seq or hub.last_step_seq
+        since = (
+            request.since_step_seq
+            if request.since_exact or request.since_step_seq
+            else hub.last_step_seq
+        )
         while not runtime.is_stopping:
             if presented is not None and presented.is_revoked():
                 await context.abort(grpc.StatusCode.UNAUTHENTICATED, _REVOKED)

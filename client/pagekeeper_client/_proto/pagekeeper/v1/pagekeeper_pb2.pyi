@@ -602,16 +602,18 @@ class WatchEventsResponse(_message.Message):
     def __init__(self, events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ..., fell_behind: _Optional[bool] = ..., first_retained_seq: _Optional[int] = ..., last_event_seq: _Optional[int] = ...) -> None: ...
 
 class WatchTablesRequest(_message.Message):
-    __slots__ = ("client_id", "generation", "since_step_seq", "state_id")
+    __slots__ = ("client_id", "generation", "since_step_seq", "state_id", "since_exact")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     SINCE_STEP_SEQ_FIELD_NUMBER: _ClassVar[int]
     STATE_ID_FIELD_NUMBER: _ClassVar[int]
+    SINCE_EXACT_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     generation: int
     since_step_seq: int
     state_id: str
-    def __init__(self, client_id: _Optional[str] = ..., generation: _Optional[int] = ..., since_step_seq: _Optional[int] = ..., state_id: _Optional[str] = ...) -> None: ...
+    since_exact: bool
+    def __init__(self, client_id: _Optional[str] = ..., generation: _Optional[int] = ..., since_step_seq: _Optional[int] = ..., state_id: _Optional[str] = ..., since_exact: _Optional[bool] = ...) -> None: ...
 
 class PublishedTable(_message.Message):
     __slots__ = ("group_id", "kernel_block_size", "block_table", "row_lengths", "slot_mapping", "num_reqs", "num_cols")
