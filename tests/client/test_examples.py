@@ -244,3 +244,64 @@ def test_example_worker_without_a_scheduler_says_so_in_one_line(server_factory, 
     assert "Traceback" not in text
     clients = server.http().get("/v1/clients").json()
     assert not any(c["name"] == "lonely-worker" for c in clients)
+
+
+def test_a_worker_replaced_mid_run_joins_and_checks_every_row(server_factory, tmp_path):
+    """A worker killed mid-run and a new one started in its place (a container restart):
+    its registration revokes the running requests (their KV is not in it), the scheduler
+    takes it in at its next step (preempting what runs, resetting the prefix cache) and
+    no longer waits for the dead one; every row the new worker checks holds (it read NaN
+    or waited forever before), and the run completes."""
+    server = server_factory("--num-pages", "96", "--max-model-len", "1024", publish_transport="shm")
+    feed_file = tmp_path / "feed"
+
+    def worker(name: str) -> tuple[subprocess.Popen[bytes], Path]:
+        log = tmp_path / f"{name}.log"
+        return _spawn(
+            "pagekeeper_client.examples.worker",
+            "--address", server.grpc_address,
+            "--feed-file", str(feed_file),
+            "--check",
+            "--log-every", "10",
+            "--name", name,
+            "--summary-json", str(tmp_path / f"{name}.json"),
+            log=log,
+        ), log  # fmt: skip
+
+    def wait_for(log: Path, text: str) -> None:
+        deadline = time.monotonic() + 120
+        while text not in log.read_text():
+            assert scheduler.poll() is None, scheduler_log.read_text()[-3000:]
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.05)
+
+    steady, doomed = worker("steady"), worker("doomed")
+    scheduler_log = tmp_path / "scheduler.log"
+    scheduler = _spawn(
+        "pagekeeper_client.examples.scheduler",
+        "--address", server.grpc_address,
+        "--feed-file", str(feed_file),
+        "--wait-workers", "2",
+        "--steps", "0",
+        "--duration", "300",
+        "--max-running", "8",
+        "--summary-json", str(tmp_path / "scheduler.json"),
+        log=scheduler_log,
+    )  # fmt: skip
+    wait_for(doomed[1], " 20 steps")
+    doomed[0].kill()
+    doomed[0].wait(10)
+    replacement = worker("replacement")
+    wait_for(replacement[1], " 20 steps")
+    assert "joined mid-run" in scheduler_log.read_text()
+    scheduler.send_signal(signal.SIGTERM)
+    assert _wait(scheduler, scheduler_log, 60) == 0, scheduler_log.read_text()[-3000:]
+    for process, log in (steady, replacement):
+        assert _wait(process, log, 60) == 0, log.read_text()[-3000:]
+    summary = json.loads((tmp_path / "scheduler.json").read_text())
+    assert summary["worker_failures"] == [] and summary["worker_joins"] == 1
+    report = json.loads((tmp_path / "replacement.json").read_text())
+    assert report["failures"] == 0 and 20 <= report["steps"] < summary["steps"]
+    assert report["rows_checked"] == report["rows"] > 0
+    metrics = server.http().get("/metrics").text
+    assert "pagekeeper_kv_loss_revocations_total 0.0" not in metrics

@@ -73,8 +73,13 @@ class _Peer:
         self.name = name
         self.is_check = is_check
         self.last_ack = 0
+        self.last_sent = 0
+        """The last step sent to it: the steps it must acknowledge."""
         self.acks: list[dict[str, Any]] = []
         self.is_alive = True
+        self.is_synced = False
+        """The scheduler took it in (:meth:`FeedServer.take_joined`): it gets steps from
+        then on. A worker that joins mid-run gets none before, so none is awaited from it."""
 
 
 class FeedServer:
@@ -148,11 +153,26 @@ class FeedServer:
                 self._cond.wait(min(remaining, 0.2))
         return True
 
+    def take_joined(self) -> list[str]:
+        """The workers connected since the last call, taken in: steps go to them from now
+        on. (The scheduler calls it before a step: one that joined mid-run lacks the running
+        requests' KV, which the scheduler then computes again.)"""
+        with self._cond:
+            joined = [p for p in self._peers if p.is_alive and not p.is_synced]
+            for peer in joined:
+                peer.is_synced = True
+        return [p.name for p in joined]
+
     def broadcast(self, message: Mapping[str, Any]) -> None:
+        """Send ``message`` to the workers taken in (every live one for the "end")."""
         payload = json.dumps(message, separators=(",", ":")).encode()
         frame = _LEN.pack(len(payload)) + payload
+        everyone = message.get("type") == "end"
         with self._cond:
-            peers = [p for p in self._peers if p.is_alive]
+            peers = [p for p in self._peers if p.is_alive and (p.is_synced or everyone)]
+            if message.get("type") == "step":
+                for peer in peers:
+                    peer.last_sent = int(message["step_seq"])
         for peer in peers:
             try:
                 peer.sock.sendall(frame)
@@ -161,10 +181,11 @@ class FeedServer:
                     peer.is_alive = False
 
     def wait_acks(self, step_seq: int, timeout: float) -> bool:
-        """Wait until every live worker acknowledged ``step_seq``; False on timeout."""
+        """Wait until every live worker it was sent to acknowledged ``step_seq``; False on
+        timeout. (Not one that connected since: it never got the step.)"""
         deadline = time.monotonic() + timeout
         with self._cond:
-            while any(p.is_alive and p.last_ack < step_seq for p in self._peers):
+            while any(p.is_alive and p.last_sent >= step_seq > p.last_ack for p in self._peers):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return False

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagekeeper_client.client import PagekeeperClient
-from pagekeeper_client.errors import PagekeeperError
+from pagekeeper_client.errors import FailedPreconditionError, PagekeeperError
 from pagekeeper_client.examples.feed import FeedServer
 from pagekeeper_client.types import AllocationStatus
 
@@ -93,6 +93,8 @@ class Summary:
     deferred_answers: int = 0
     ordering_flushes: int = 0
     published: int = 0
+    worker_joins: int = 0
+    """Workers that joined mid-run (each preempting the running requests)."""
     worker_failures: list[dict[str, Any]] = field(default_factory=list)
     prefix_hit_rate: float = 0.0
     transport: str = "grpc"
@@ -106,6 +108,7 @@ class Summary:
             "readmitted": self.readmitted,
             "finished": self.finished,
             "preemptions": self.preemptions,
+            "worker_joins": self.worker_joins,
             "no_capacity_admissions": self.no_capacity_admissions,
             "decoded_tokens": self.decoded_tokens,
             "prefill_tokens": self.prefill_tokens,
@@ -234,9 +237,38 @@ class ExampleScheduler:
             budget -= 1
         return admitted
 
+    def take_joined_workers(self) -> None:
+        """Workers that connected since the last step get steps from this one. One that
+        joins mid-run (a replacement for one that died) lacks every running request's KV
+        and the prefix cache's: every running request is preempted (computed again from
+        its next admission) and the prefix cache reset, so its checks hold from here."""
+        assert self.feed is not None
+        joined = self.feed.take_joined()
+        if not joined or not self.summary.steps:
+            return
+        running, self.running = self.running, []
+        for request in running:
+            self.preempt(request)
+        self.client.flush()
+        try:
+            dropped = self.client.reset_prefix_cache()
+        except FailedPreconditionError as exc:
+            log.warning("worker(s) %s joined; the prefix cache stays: %s", joined, exc.reason)
+            dropped = 0
+        self.summary.worker_joins += len(joined)
+        log.info(
+            "worker(s) %s joined mid-run: %d running request(s) preempted, %d cached page(s) "
+            "dropped",
+            ", ".join(joined),
+            len(running),
+            dropped,
+        )
+
     def run_step(self) -> None:
         started = time.perf_counter()
         self._freed_now = []
+        if self.feed is not None:
+            self.take_joined_workers()
         finished = [r for r in self.running if r.is_done]
         if finished:
             self.running = [r for r in self.running if not r.is_done]
