@@ -68,7 +68,8 @@ class StateCollector(Collector):
         yield gauge("clients", "Registered clients.", len(clients))
         yield gauge(
             "revoked_requests",
-            "Requests an admin freed that their schedulers have not freed since.",
+            "Requests freed under their schedulers (an admin's force-free, a worker that "
+            "joined with an empty KV cache) that they have not freed since.",
             sum(len(c.revoked) for c in clients),
         )
         yield gauge(

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from pagekeeper_client import PagekeeperClient
 from pagekeeper_client.examples import scheduler as example_scheduler
 from pagekeeper_client.examples.worker import ExampleWorker
 from pagekeeper_client.ring import TorchTables
@@ -199,7 +200,12 @@ def test_worker_check_catches_a_wrong_table(wrong):
 
 
 def test_example_worker_exits_cleanly_on_sigterm(server_factory, tmp_path):
+    """Without a feed it only logs the tables: it registers without ``fresh_kv_cache``,
+    so the requests running meanwhile are not revoked (it writes no KV)."""
     server = server_factory("--num-pages", "32", publish_transport="shm")
+    scheduler = PagekeeperClient(server.grpc_address)
+    scheduler.register("scheduler")
+    scheduler.admit("watched", list(range(40)))
     log = tmp_path / "worker.log"
     worker = _spawn(
         "pagekeeper_client.examples.worker",
@@ -215,6 +221,9 @@ def test_example_worker_exits_cleanly_on_sigterm(server_factory, tmp_path):
         assert time.monotonic() < deadline, log.read_text()
         time.sleep(0.05)
     time.sleep(0.3)  # inside its follow loop
+    step = scheduler.step(batch=["watched"])
+    assert step.is_published and not step.revoked_request_ids
+    scheduler.close()
     worker.send_signal(signal.SIGTERM)
     assert _wait(worker, log, 20) == 0, log.read_text()
     assert not any(c["name"] == "sigterm-worker" for c in http.get("/v1/clients").json())

@@ -293,13 +293,18 @@ def _format_of(data_dir) -> str:
         db.close()
 
 
-def test_a_worker_with_an_empty_kv_cache_forgets_the_prefix_cache_and_replays_alike(tmp_path):
+@pytest.mark.parametrize("snapshot_every", [1_000, 25], ids=["replayed", "snapshotted"])
+def test_a_worker_with_an_empty_kv_cache_forgets_the_prefix_cache_and_replays_alike(
+    tmp_path, snapshot_every
+):
     """A worker registering with ``fresh_kv_cache`` empties the prefix cache and revokes
-    the running requests; the record replays to the same state (hashes, free queue, counters) after
-    a crash, and is a version an older pagekeeper refuses rather than replaying it as a
-    plain registration (which would keep the cache and diverge from every later step)."""
+    the running requests; the record replays to the same state (hashes, free queue,
+    counters, revocations) after a crash, as do snapshots taken across it, and is a version
+    an older pagekeeper refuses rather than replaying it as a plain registration (which
+    would keep the cache and diverge from every later step)."""
     state, workload = new_state(), Workload(36)
-    durability = Durability.open(tmp_path, "process", snapshot_every=1_000)
+    # 1,000: the registration's record is replayed; 25: snapshots before and after it.
+    durability = Durability.open(tmp_path, "process", snapshot_every=snapshot_every)
     durability.recover(state)
     durability.attach(state)
     _drive(state, workload, 60, durability)

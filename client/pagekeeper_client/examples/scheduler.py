@@ -267,14 +267,14 @@ class ExampleScheduler:
     def run_step(self) -> None:
         started = time.perf_counter()
         self._freed_now = []
-        if self.feed is not None:
-            self.take_joined_workers()
         finished = [r for r in self.running if r.is_done]
         if finished:
             self.running = [r for r in self.running if not r.is_done]
             self.client.free_later(*(r.request_id for r in finished))
             self._freed_now.extend(r.request_id for r in finished)
             self.summary.finished += len(finished)
+        if self.feed is not None:
+            self.take_joined_workers()  # after the finished ones: those are not preempted
         decodes = self.schedule_decodes()
         self.running = list(decodes)  # admissions count against --max-running
         admissions = self.schedule_admissions()

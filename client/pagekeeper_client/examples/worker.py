@@ -463,6 +463,9 @@ def main(argv: list[str] | None = None) -> int:
             parse_backends(args.backend) or None,
             token=args.token,
             name=name,
+            # Only a worker that follows a scheduler's feed writes KV; one that only logs
+            # the tables must not revoke the running requests or forget the prefix cache.
+            fresh_kv_cache=bool(args.feed_address or args.feed_file),
         )
     except PagekeeperError as exc:
         log.error("could not register: %s", exc)

@@ -109,8 +109,11 @@ STEP_TREE_REVOKED_VERSION = 2
 # NOT_FOUND (the step it then refuses, it drops with the records after it).
 FORCE_FREE_REVOKED_VERSION = 2
 REGISTER_FRESH_VERSION = 2
-"""A worker's registration with an empty KV cache (the prefix cache is forgotten): a
-pagekeeper from before it refuses the data dir instead of replaying it as a plain one."""
+"""A worker's registration with an empty KV cache: the running requests are freed and
+revoked, then the prefix cache is forgotten. A pagekeeper from before it refuses the data
+dir instead of replaying it as a plain registration. (Two development builds of
+2026-12-07, never released, wrote this version forgetting the cache only; their data dirs
+replay here with the revocations added.)"""
 # ``resume_leases``: version 1 [now] (extend; [now, 1] a cap, as one day's development build
 # wrote it), version 2 [now, mode] (cap, exact; development builds also wrote [now] for
 # exact and [now, 3, by] for a shift), version 3 [now, by] (shift).
