@@ -257,9 +257,13 @@ class WorkerTableView:
         held. Not after :data:`_RESUME_TRIES` resumes in a row that delivered nothing (the
         service refuses the stream): the caller gets :class:`RingClosed`."""
         thread = self._stream_thread
-        if thread is not None:
+        view = self._view
+        if thread is not None and (
+            self._stream_error is not None or (isinstance(view, StreamTableView) and view.has_ended)
+        ):
             # The stream's thread records the error and marks the view closed as it ends:
-            # let it end, rather than take a thread about to end for one still serving.
+            # let it end, rather than take a thread about to end for one still serving
+            # (a stream still serving is not waited for).
             thread.join(timeout=_STREAM_END_WAIT_S)
         if (
             not isinstance(self._view, StreamTableView)

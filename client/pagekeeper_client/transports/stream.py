@@ -229,6 +229,11 @@ class StreamTableView:
             self._is_closed = True
             self._cond.notify_all()
 
+    @property
+    def has_ended(self) -> bool:
+        """Whether :meth:`mark_closed` was called (the stream ended)."""
+        return self._is_closed
+
     def latest_step(self) -> int:
         with self._cond:
             return self._last_step
