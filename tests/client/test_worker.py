@@ -339,6 +339,8 @@ def test_a_fresh_worker_forgets_the_prefix_cache_and_its_own_reregistration_does
                 assert scheduler.lookup(prompt).num_hit_tokens == 32
         metrics = server.http().get("/metrics").text
         assert "pagekeeper_prefix_cache_forgets_total 1.0" in metrics
+        cache = server.http().get("/v1/pool").json()["prefix_cache"]
+        assert cache["num_forgets"] == 1 and cache["num_kv_loss_revocations"] == 0
         with (
             PagekeeperClient(server.grpc_address) as other,
             pytest.raises(InvalidArgumentError, match="only workers"),

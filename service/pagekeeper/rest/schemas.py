@@ -85,6 +85,15 @@ class PrefixCacheModel(Model):
     queries_requests: int = Field(description="Admissions that looked up the cache.")
     hits_requests: int = Field(description="Admissions with a non-empty hit.")
     num_evictions: int = Field(description="Cached pages evicted on reuse.")
+    num_forgets: int = Field(
+        default=0,
+        description="Times a worker with an empty KV cache registered, emptying the cache.",
+    )
+    num_kv_loss_revocations: int = Field(
+        default=0,
+        description="Running requests freed and revoked by those registrations (their KV "
+        "was not in the new worker).",
+    )
 
 
 class StepsModel(Model):

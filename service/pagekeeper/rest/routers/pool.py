@@ -85,6 +85,8 @@ async def get_pool(runtime: RuntimeDep) -> PoolView:
             queries_requests=stats.prefix_queries_requests,
             hits_requests=stats.prefix_hits_requests,
             num_evictions=stats.num_evictions,
+            num_forgets=counters.num_prefix_cache_forgets,
+            num_kv_loss_revocations=counters.num_kv_loss_revocations,
         ),
         steps=StepsModel(
             num_steps=counters.num_steps,
