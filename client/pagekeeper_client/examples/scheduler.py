@@ -42,6 +42,7 @@ from typing import Any
 
 from pagekeeper_client.client import PagekeeperClient
 from pagekeeper_client.errors import FailedPreconditionError, PagekeeperError
+from pagekeeper_client.examples._cli import base_parser
 from pagekeeper_client.examples.feed import FeedServer
 from pagekeeper_client.types import AllocationStatus
 
@@ -373,17 +374,7 @@ class ExampleScheduler:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     env = os.environ
-    p = argparse.ArgumentParser(
-        prog="python -m pagekeeper_client.examples.scheduler",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    p.add_argument(
-        "--address",
-        default=env.get("PAGEKEEPER_GRPC_ADDRESS"),
-        help="the service's gRPC address, HOST:PORT or unix:PATH (None: 127.0.0.1:50051)",
-    )
-    p.add_argument("--token", default=env.get("PAGEKEEPER_TOKEN"), help="bearer token")
+    p = base_parser("pagekeeper_client.examples.scheduler", __doc__)
     p.add_argument(
         "--mode",
         choices=("batched", "sync"),

@@ -49,6 +49,7 @@ import torch
 
 from pagekeeper_client.attention import ReferencePagedAttention, dense_attention
 from pagekeeper_client.errors import PagekeeperError
+from pagekeeper_client.examples._cli import base_parser
 from pagekeeper_client.examples.feed import FeedClient, FeedClosed
 from pagekeeper_client.ring import RingError
 from pagekeeper_client.types import GroupKind, KernelBackend
@@ -367,17 +368,7 @@ def parse_backends(specs: list[str]) -> dict[int, list[KernelBackend]]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     env = os.environ
-    p = argparse.ArgumentParser(
-        prog="python -m pagekeeper_client.examples.worker",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    p.add_argument(
-        "--address",
-        default=env.get("PAGEKEEPER_GRPC_ADDRESS"),
-        help="the service's gRPC address, HOST:PORT or unix:PATH (None: 127.0.0.1:50051)",
-    )
-    p.add_argument("--token", default=env.get("PAGEKEEPER_TOKEN"), help="bearer token")
+    p = base_parser("pagekeeper_client.examples.worker", __doc__)
     p.add_argument(
         "--device",
         default=env.get("PAGEKEEPER_WORKER_DEVICE", "cpu"),
