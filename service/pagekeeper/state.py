@@ -144,7 +144,8 @@ class RegisterCommand:
     """The TLS certificate subject of the registering connection, where the service asks
     for client certificates ("" otherwise): the registration is bound to it."""
     fresh_kv_cache: bool = False
-    """Workers: their KV cache holds nothing yet, so no cached page's KV is there: the
+    """Workers: their KV cache holds nothing yet, so neither the running requests' KV nor
+    the cached pages' is there: the running requests are freed and revoked, then the
     prefix cache is forgotten (``PageManager.forget_prefix_cache``)."""
 
 
@@ -952,15 +953,10 @@ class ServiceState:
         (their schedulers learn it as from a force-free, and compute them again): left
         running they would go on filling pages over KV the worker lacks, and cache them
         for later prompts to hit. Then every hash is forgotten."""
-        revoked = 0
-        for request_id, record in list(self._requests.items()):
-            self.manager.free(request_id)
-            owner = self._clients.get(record.owner)
-            if owner is not None:
-                owner.request_ids.discard(request_id)
-                if owner.role is ClientRole.SCHEDULER:
-                    owner.revoked.add(request_id)
-            revoked += 1
+        running = [(request_id, record.owner) for request_id, record in self._requests.items()]
+        for request_id, owner_id in running:
+            self._free_under_owner(request_id, owner_id)
+        revoked = len(running)
         forgotten = self.manager.forget_prefix_cache()
         self.counters.num_prefix_cache_forgets += 1
         self.counters.num_kv_loss_revocations += revoked
@@ -1679,15 +1675,21 @@ class ServiceState:
         record = self._requests.get(cmd.request_id)
         if record is None:
             raise NotFound(f"request {cmd.request_id!r} holds no pages")
-        self.manager.free(cmd.request_id)
+        revoked = self._free_under_owner(cmd.request_id, record.owner)
         self.counters.num_force_frees += 1
-        owner = self._clients.get(record.owner)
+        self._after_mutation(cmd, revoked)
+        return revoked
+
+    def _free_under_owner(self, request_id: str, owner_id: str) -> bool:
+        """Free a running request without its owner's step; returns whether the owner (a
+        scheduler) now has a revocation to acknowledge (see :attr:`ClientRecord.revoked`)."""
+        self.manager.free(request_id)
+        owner = self._clients.get(owner_id)
         revoked = owner is not None and owner.role is ClientRole.SCHEDULER
         if owner is not None:
-            owner.request_ids.discard(cmd.request_id)
+            owner.request_ids.discard(request_id)
             if revoked:
-                owner.revoked.add(cmd.request_id)
-        self._after_mutation(cmd, revoked)
+                owner.revoked.add(request_id)
         return revoked
 
     # -- recovery ----------------------------------------------------------------------

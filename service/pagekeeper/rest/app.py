@@ -54,11 +54,9 @@ def _validation_message(err: Mapping[str, Any], content_type: str) -> str:
         if not content_type.split(";")[0].strip().lower().endswith("json"):
             got = content_type or "none"
             return f"body: send a JSON object with content-type: application/json (got {got})"
-        return (
-            "body: a JSON object is required"
-            if kind == "missing"
-            else ("body: must be a JSON object")
-        )
+        if kind == "missing":
+            return "body: a JSON object is required"
+        return "body: must be a JSON object"
     if kind == "int_parsing_size":
         # pydantic speaks of a string here even when the JSON held a number.
         return f"{where}: number too large for an integer"
