@@ -260,10 +260,10 @@ def test_a_waiting_worker_learns_that_a_stopped_service_closed_its_ring(server_f
         assert worker.view.wait(first, timeout=WAIT_S).step_seq == first
 
 
-def test_a_stream_worker_resumes_after_its_connection_is_reset(server_factory):
-    """A network blip resets a stream worker's connection while the service runs on: its
-    ``WatchTables`` stream resumes after the last step it delivered (the ring is the same),
-    keeping that step readable, and every later step arrives."""
+@contextlib.contextmanager
+def _stream_worker_behind_a_proxy(server_factory):
+    """A stream worker (no ring) reaching the service through a proxy the test can cut, and
+    a registered scheduler talking to it directly: ``(worker, scheduler, proxy)``."""
     server = server_factory("--num-pages", "64", publish_transport="none")
     proxy = CuttableProxy(server.grpc_address)
     try:
@@ -271,21 +271,29 @@ def test_a_stream_worker_resumes_after_its_connection_is_reset(server_factory):
             register_worker(proxy.address, "cpu", {0: [16]}) as worker,
             PagekeeperClient(server.grpc_address) as scheduler,
         ):
-            assert worker.view.kind == "stream"
             scheduler.register("scheduler")
-            scheduler.admit("blip-a", tokens(8, 40))
-            before = scheduler.step(batch=["blip-a"]).step_id
-            worker.view.wait(before, timeout=WAIT_S)
-            proxy.cut()
-            for n in range(4):
-                scheduler.allocate_slots("blip-a", 1, new_token_ids=[n])
-                step = scheduler.step(batch=["blip-a"])
-                tables = worker.view.wait(step.step_id, timeout=WAIT_S)
-                check_step(tables, scheduler, [("blip-a", 40 + n, 41 + n)], 16)
-            assert worker.view.num_reopens >= 1
-            assert worker.view.descriptor.generation == tables.epoch
+            yield worker, scheduler, proxy
     finally:
         proxy.close()
+
+
+def test_a_stream_worker_resumes_after_its_connection_is_reset(server_factory):
+    """A network blip resets a stream worker's connection while the service runs on: its
+    ``WatchTables`` stream resumes after the last step it delivered (the ring is the same),
+    keeping that step readable, and every later step arrives."""
+    with _stream_worker_behind_a_proxy(server_factory) as (worker, scheduler, proxy):
+        assert worker.view.kind == "stream"
+        scheduler.admit("blip-a", tokens(8, 40))
+        before = scheduler.step(batch=["blip-a"]).step_id
+        worker.view.wait(before, timeout=WAIT_S)
+        proxy.cut()
+        for n in range(4):
+            scheduler.allocate_slots("blip-a", 1, new_token_ids=[n])
+            step = scheduler.step(batch=["blip-a"])
+            tables = worker.view.wait(step.step_id, timeout=WAIT_S)
+            check_step(tables, scheduler, [("blip-a", 40 + n, 41 + n)], 16)
+        assert worker.view.num_reopens >= 1
+        assert worker.view.descriptor.generation == tables.epoch
 
 
 def test_a_stream_cut_before_its_first_step_gets_the_steps_published_meanwhile(
@@ -294,25 +302,16 @@ def test_a_stream_cut_before_its_first_step_gets_the_steps_published_meanwhile(
     """A stream worker whose connection is reset before any step reached it resumes after
     the last step published when it registered, not "from now": the step published while
     it was cut off arrives (it was lost before, the resume asking for step 0)."""
-    server = server_factory("--num-pages", "64", publish_transport="none")
-    proxy = CuttableProxy(server.grpc_address)
-    try:
-        with (
-            register_worker(proxy.address, "cpu", {0: [16]}) as worker,
-            PagekeeperClient(server.grpc_address) as scheduler,
-        ):
-            scheduler.register("scheduler")
-            scheduler.admit("cut-a", tokens(8, 40))
-            time.sleep(0.5)  # the worker's WatchTables is open
-            proxy.cut()
-            time.sleep(0.3)  # its stream saw the reset
-            step = scheduler.step(batch=["cut-a"])
-            assert step.is_published
-            tables = worker.view.wait(step.step_id, timeout=WAIT_S)
-            check_step(tables, scheduler, [("cut-a", 0, 40)], 16)
-            assert worker.view.num_reopens >= 1
-    finally:
-        proxy.close()
+    with _stream_worker_behind_a_proxy(server_factory) as (worker, scheduler, proxy):
+        scheduler.admit("cut-a", tokens(8, 40))
+        time.sleep(0.5)  # the worker's WatchTables is open
+        proxy.cut()
+        time.sleep(0.3)  # its stream saw the reset
+        step = scheduler.step(batch=["cut-a"])
+        assert step.is_published
+        tables = worker.view.wait(step.step_id, timeout=WAIT_S)
+        check_step(tables, scheduler, [("cut-a", 0, 40)], 16)
+        assert worker.view.num_reopens >= 1
 
 
 def test_a_fresh_worker_forgets_the_prefix_cache_and_its_own_reregistration_does_not(
