@@ -28,9 +28,12 @@ Rows:
   prefix (hashed by the service) + 4 frees — in one ``Step``.
 
 ``ratio`` = step p50 / echo p50 (goal: <= 1.5). ``in-proc`` is the server's own work for
-the same Step (parse, convert, apply, convert back, serialize) measured on an in-process
-``ServiceState`` that mirrors the service's (every request is applied to both), so
-``transport`` = step p50 - in-proc is what the process boundary costs.
+the same Step before its answer goes out (parse, convert, apply, convert back, serialize)
+measured on an in-process ``ServiceState`` that mirrors the service's (every request is
+applied to both), so ``transport`` = step p50 - in-proc is what the process boundary
+costs. ``after`` is the work the service does once the answer is on its way, as it does
+(admissions' prefix caching: hashing past the first miss, indexing, their events; see
+``ServiceState.defer_caching``), timed on the mirror.
 
 ``local p50``: the same steps sent over the service's same-node socket
 (``--local-socket``; what ``PagekeeperClient`` uses on the service's host) instead of gRPC:
@@ -38,10 +41,12 @@ the samples of a row alternate in pairs between the two transports (G G L L ...)
 beside its own echo, so a row takes twice the samples. ``--no-local`` leaves it out.
 
 The service runs at its default durability (``process``: each step journaled before it is
-answered); ``--durability none`` measures it without the journal. Run::
+answered); ``--durability none`` measures it without the journal. ``--no-defer`` runs it
+with ``--defer-caching=false`` (admissions cached before the answer; the mirror likewise,
+``after`` then 0). Run::
 
     .venv/bin/python bench/bench_step_rpc.py [--samples 200] [--quick] [--no-local]
-                                             [--durability none|process|fsync]
+                                             [--durability none|process|fsync] [--no-defer]
 """
 
 from __future__ import annotations
@@ -113,7 +118,7 @@ def _wait_file(path: Path, process: subprocess.Popen[bytes], what: str) -> str:
 
 
 def start_processes(
-    workdir: Path, local: bool, durability: str | None = None
+    workdir: Path, local: bool, durability: str | None = None, defer: bool = True
 ) -> tuple[list[subprocess.Popen[bytes]], str, str, str | None]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEKEEPER_")}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT / "service"), str(REPO_ROOT / "client")])
@@ -126,6 +131,7 @@ def start_processes(
             # The default durability (process): what a deployment runs; a fresh data dir.
             "--data-dir", str(workdir / "data"),
             *(["--durability", durability] if durability else []),
+            *([] if defer else ["--defer-caching=false"]),
             "--num-pages", str(NUM_PAGES), "--max-model-len", str(MAX_MODEL_LEN),
             "--page-size", str(PAGE_SIZE), "--lease-ttl-s", "600", "--max-lease-ttl-s", "600",
             "--log-level", "warning",
@@ -283,7 +289,7 @@ class Mirror:
     stays identical to the service's; timing it on the measured requests gives what the
     server does per Step without the transport (parse, convert, apply, convert, serialize)."""
 
-    def __init__(self) -> None:
+    def __init__(self, defer: bool = True) -> None:
         from pagekeeper.core.config import GroupConfig, PoolConfig
         from pagekeeper.rpc import convert
         from pagekeeper.state import ClientRole, Limits, RegisterCommand, ServiceState
@@ -298,15 +304,22 @@ class Mirror:
             Limits(lease_ttl_s=600.0, max_lease_ttl_s=600.0),
         )
         self.state.register(RegisterCommand(now=0.0, role=ClientRole.SCHEDULER))
+        if defer:
+            self.state.defer_caching(lambda: None)  # as the service: settled after the answer
+        self.settle_times: list[float] = []
 
     def apply(self, request: pb.StepRequest) -> float:
+        """The work before the answer; what follows it goes to ``settle_times``."""
         data = request.SerializeToString()
         started = time.perf_counter()
         parsed = pb.StepRequest.FromString(data)
         command = self.convert.step_from_pb(parsed, 0.0)
         result = self.state.step(command)
         self.convert.step_result_to_pb(result, parsed, command).SerializeToString()
-        return time.perf_counter() - started
+        answered = time.perf_counter()
+        self.state.settle()
+        self.settle_times.append(time.perf_counter() - answered)
+        return answered - started
 
 
 # -- timing -------------------------------------------------------------------------------
@@ -323,16 +336,16 @@ def summary(values: list[float]) -> tuple[float, float]:
     return statistics.median(ms), ms[int(0.9 * (len(ms) - 1))]
 
 
-Row = tuple[str, int, float, float, float, float, float | None]
+Row = tuple[str, int, float, float, float, float, float, float | None]
 
 
 async def run(
-    samples: int, workdir: Path, use_local: bool, durability: str | None = None
+    samples: int, workdir: Path, use_local: bool, durability: str | None = None, defer: bool = True
 ) -> list[Row]:
     from pagekeeper_client.local import LocalChannel
 
     processes, service_address, echo_address, local_path = start_processes(
-        workdir, use_local, durability
+        workdir, use_local, durability, defer
     )
     local = LocalChannel(local_path, timeout=60) if local_path else None
     rows: list[Row] = []
@@ -356,7 +369,7 @@ async def run(
             response_deserializer=pb.RegisterClientResponse.FromString,
         )
         reg = await register(pb.RegisterClientRequest(role=pb.CLIENT_ROLE_SCHEDULER, name="bench"))
-        mirror = Mirror()
+        mirror = Mirror(defer)
 
         async def service_step(request: pb.StepRequest) -> pb.StepResponse:
             mirror.apply(request)
@@ -384,6 +397,7 @@ async def run(
                 if between is not None:
                     await between()
             step_times, echo_times, mirror_times = [], [], []
+            mirror.settle_times.clear()
             local_times: list[float] = []
             for i in range(count * 2 if local is not None else count):
                 request = make()
@@ -403,7 +417,8 @@ async def run(
             local_p50 = summary(local_times)[0] if local_times else None
             size = request.ByteSize()
             in_proc = summary(mirror_times)[0]
-            rows.append((name, size, step_p50, step_p90, echo_p50, in_proc, local_p50))
+            after = summary(mirror.settle_times)[0]
+            rows.append((name, size, step_p50, step_p90, echo_p50, in_proc, after, local_p50))
             print(f"  {name}: step {step_p50:.3f} ms, echo {echo_p50:.3f} ms", file=sys.stderr)
 
         prompt_len = 33  # 3 pages; the 34th token's slot is in the third page
@@ -517,6 +532,9 @@ def main() -> int:
         "--no-local", action="store_true", help="leave out the same-node socket column"
     )
     parser.add_argument("--durability", help="the service's durability (default: its own, process)")
+    parser.add_argument(
+        "--no-defer", action="store_true", help="cache admissions before answering (the A/B)"
+    )
     parser.add_argument("--echo-server", metavar="PORT_FILE", help=argparse.SUPPRESS)
     ns = parser.parse_args()
     if ns.echo_server:
@@ -524,27 +542,30 @@ def main() -> int:
         return 0
     samples = 40 if ns.quick else ns.samples
     with tempfile.TemporaryDirectory(prefix="pk-bench-") as tmp:
-        rows = asyncio.run(run(samples, Path(tmp), not ns.no_local, ns.durability))
+        rows = asyncio.run(run(samples, Path(tmp), not ns.no_local, ns.durability, not ns.no_defer))
     print(
         f"Step round trip vs bare grpc.aio echo of the same request bytes ({samples} samples; "
-        f"service durability: {ns.durability or 'default (process)'})"
+        f"service durability: {ns.durability or 'default (process)'}"
+        f"{'; caching before the answer' if ns.no_defer else ''})"
     )
     print(
         f"{'row':<22} {'req KB':>6} {'step p50':>9} {'step p90':>9} {'echo p50':>9} "
-        f"{'ratio':>6} {'in-proc':>9} {'transport':>9} {'local p50':>9} {'ratio':>6}"
+        f"{'ratio':>6} {'in-proc':>9} {'after':>8} {'transport':>9} {'local p50':>9} {'ratio':>6}"
     )
-    for name, size, p50, p90, echo_p50, in_proc, local_p50 in rows:
+    for name, size, p50, p90, echo_p50, in_proc, after, local_p50 in rows:
         local_cols = (
             f" {local_p50:>7.3f}ms {local_p50 / echo_p50:>6.2f}" if local_p50 is not None else ""
         )
         print(
             f"{name:<22} {size / 1024:>6.1f} {p50:>7.3f}ms {p90:>7.3f}ms {echo_p50:>7.3f}ms "
-            f"{p50 / echo_p50:>6.2f} {in_proc:>7.3f}ms {p50 - in_proc:>7.3f}ms{local_cols}"
+            f"{p50 / echo_p50:>6.2f} {in_proc:>7.3f}ms {after:>6.3f}ms {p50 - in_proc:>7.3f}ms"
+            f"{local_cols}"
         )
     print(
         "ratio = step p50 / echo p50 (goal <= 1.5); in-proc = the server's own work per Step "
-        "(parse, convert, apply, convert, serialize) measured on an identical in-process "
-        "state; transport = step p50 - in-proc; local p50 = the same steps over the "
+        "before its answer (parse, convert, apply, convert, serialize) measured on an "
+        "identical in-process state; after = its work once the answer is out (deferred "
+        "prefix caching); transport = step p50 - in-proc; local p50 = the same steps over the "
         "same-node socket, its ratio against the same gRPC echo."
     )
     return 0

@@ -259,6 +259,20 @@ async def serve(
             loop.add_signal_handler(sig, stop.set)
     runtime.on_fatal.append(lambda reason: loop.call_soon_threadsafe(stop.set))
 
+    state = runtime.state
+
+    def settle() -> None:
+        try:
+            state.settle()
+        except Exception as exc:  # a bug: the state can no longer be trusted
+            log.exception("settling deferred prefix-cache work failed")
+            runtime.fail(f"settling deferred prefix-cache work failed: {exc}")
+
+    if settings.defer_caching:
+        # A step's admissions cache their pages after the answer is on its way (every
+        # other call settles first): the reply does not wait for hashing and indexing.
+        state.defer_caching(lambda: loop.call_soon(settle))
+
     runtime.tls = tls  # before the servicer: it binds registrations to certificates
     grpc_server = GrpcServer(runtime)
     grpc_address = await grpc_server.start(

@@ -116,6 +116,11 @@ class Settings:
     """The ``data_parallel_rank`` each batch carries (routers tell engines apart by it)."""
     debug_invariants: bool = False
     """Run the core's ``check_invariants()`` after every mutation (slow; for debugging)."""
+    defer_caching: bool = True
+    """Enter a step's admitted pages into the prefix cache (hashing past the lookup's first
+    miss, indexing, their ``stored`` events) once its answer is on its way, not before:
+    every other call settles that work first, so answers, events and state are those of
+    caching at once. ``false``: cache before answering."""
     data_dir: str = "data"
     """Where the durable state lives (the command log's segments in ``journal/``, the
     latest snapshot in ``snapshots/``, registered in one SQLite file; see
@@ -148,7 +153,7 @@ class Settings:
         self.validate()
 
     def validate(self) -> None:
-        for name in ("http_read_auth", "debug_invariants"):
+        for name in ("http_read_auth", "debug_invariants", "defer_caching"):
             check_switch(f"server.{name}", getattr(self, name))
         if not isinstance(self.publish_device, str):
             raise ConfigError(
@@ -316,6 +321,7 @@ class Settings:
             "kv_events_buffer_steps": self.kv_events_buffer_steps,
             "kv_events_data_parallel_rank": self.kv_events_data_parallel_rank,
             "debug_invariants": self.debug_invariants,
+            "defer_caching": self.defer_caching,
             "data_dir": self.data_dir,
             "durability": self.durability,
             "snapshot_every": self.snapshot_every,
@@ -459,6 +465,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("server.kv_events_buffer_steps", _parse_int, "KV-event batches kept for replay"),
     Option("server.kv_events_data_parallel_rank", _parse_int, "data_parallel_rank of each batch"),
     Option("server.debug_invariants", _parse_bool, "check core invariants after every mutation"),
+    Option(
+        "server.defer_caching",
+        _parse_bool,
+        "cache a step's admitted pages after its answer is sent (false: before)",
+    ),
     Option("server.data_dir", str, "directory for durable state"),
     Option(
         "server.durability",

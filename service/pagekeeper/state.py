@@ -682,6 +682,27 @@ class ServiceState:
         self._last_event_seq = 0
         self._listeners: list[Callable[[], None]] = []
         self._page_sizes = tuple(g.page_size for g in pool_config.groups)
+        # Called when a step leaves prefix-cache work for settle() (None: none is left).
+        self._schedule_settle: Callable[[], None] | None = None
+
+    # -- deferred caching --------------------------------------------------------------
+    def defer_caching(self, schedule: Callable[[], None]) -> None:
+        """Let steps leave their admissions' prefix-cache work (hashing past the lookup's
+        first miss, entering the pages into the index, their ``stored`` events) until
+        after the answer: a step that leaves some calls ``schedule()``, which must get
+        :meth:`settle` called soon (the service: ``loop.call_soon``). Every other method
+        settles first, so nothing reads the state half done; the events keep their seqs
+        and order. See :attr:`PageManager.defer_caching`."""
+        self._schedule_settle = schedule
+        self.manager.defer_caching = True
+
+    def settle(self) -> None:
+        """Do the prefix-cache work steps left (nothing when none is left)."""
+        if self.manager.has_deferred:
+            self.manager.settle()
+            self._take_events()
+            if self.debug_invariants:
+                self.check_invariants()
 
     # -- listeners ---------------------------------------------------------------------
     def add_listener(self, callback: Callable[[], None]) -> None:
@@ -692,6 +713,8 @@ class ServiceState:
         self._listeners.remove(callback)
 
     def _take_events(self) -> None:
+        if self.manager.has_deferred:
+            return  # settle() takes them, in order, once the deferred ones are made
         events = self.manager.take_events()
         if events:
             self._events.extend(events)
@@ -711,8 +734,8 @@ class ServiceState:
         """Collect events, check (debug), journal, then wake listeners: a watcher never
         sees an event whose command is not yet durable."""
         self._take_events()
-        if self.debug_invariants:
-            self.check_invariants()
+        if self.debug_invariants and not self.manager.has_deferred:
+            self.check_invariants()  # (else once settled: checking would settle now)
         self._record(command, result)
         for callback in self._listeners:
             callback()
@@ -1152,6 +1175,7 @@ class ServiceState:
         client.num_steps += 1
         self.counters.num_steps += 1
         self._take_events()
+        deferred = manager.has_deferred
         result = StepResult(
             step_id=cmd.step_id,
             listed=tuple(outcomes),
@@ -1160,7 +1184,8 @@ class ServiceState:
             published_slot=slot,
             unscheduled_request_ids=unscheduled,
             num_free_pages=manager.pool.num_free_pages,
-            last_event_seq=self._last_event_seq,
+            # Deferred events have their seqs already: the pool's count is the last one.
+            last_event_seq=manager.pool.last_event_seq if deferred else self._last_event_seq,
             publish_error=publish_error,
             revoked_request_ids=still_revoked,
             names_revoked=names_revoked,
@@ -1168,6 +1193,8 @@ class ServiceState:
         client.last_step_result = result
         self._after_mutation(cmd, result)
         self.counters.step_seconds.append(time.perf_counter() - started)
+        if deferred and self._schedule_settle is not None:
+            self._schedule_settle()
         return result
 
     def _validate_step(
@@ -1658,6 +1685,7 @@ class ServiceState:
     def reset_prefix_cache(self, cmd: ResetPrefixCacheCommand) -> int:
         """Drop the prefix cache; returns how many cached pages were dropped."""
         self._check_writable()
+        self.settle()
         before = self.manager.pool.num_cached_pages
         if not self.manager.reset_prefix_cache():
             num = len(self._requests)
@@ -1760,6 +1788,7 @@ class ServiceState:
         ``pause()`` between chunks of both."""
         from pagekeeper.core.snapshot import capture_manager, events_to_tree
 
+        self.settle()
         build_manager = capture_manager(self.manager, pause)
         tree = self._snapshot_without_events()
         events = list(self._events)
@@ -1828,6 +1857,7 @@ class ServiceState:
             raise InvalidArgument(
                 f"state snapshot is malformed: {type(exc).__name__}: {exc}"
             ) from None
+        manager.defer_caching = self.manager.defer_caching
         self.manager = manager
         self.limits = limits
         self._clients = {c.client_id: c for c in clients}
@@ -1845,12 +1875,14 @@ class ServiceState:
     # -- reads -------------------------------------------------------------------------
     @property
     def last_event_seq(self) -> int:
+        self.settle()
         return self._last_event_seq
 
     def event_buffer(self) -> tuple[int, int, int]:
         """``(events, bytes, first seq)`` of the KV-event buffer kept for resumption (the
         first seq is the next event's when the buffer is empty): a watcher behind the first
         seq has fallen behind."""
+        self.settle()
         return len(self._events), self._events_nbytes, self._first_event_seq()
 
     def _first_event_seq(self) -> int:
@@ -1866,6 +1898,7 @@ class ServiceState:
         return sum(self._kernel_sets.values())
 
     def stats(self) -> PoolStats:
+        self.settle()
         return self.manager.stats()
 
     def clients(self) -> list[ClientRecord]:
@@ -1930,6 +1963,7 @@ class ServiceState:
         return pages, expand_to_kernel_blocks(pages, page_size // kbs), kbs
 
     def page(self, page_id: int) -> PageView:
+        self.settle()
         pool = self.manager.pool
         if not 0 <= page_id < self.pool_config.num_pages:
             raise NotFound(f"page {page_id} does not exist (pool has {self.pool_config.num_pages})")
@@ -1954,6 +1988,7 @@ class ServiceState:
     ) -> tuple[list[int], int | None]:
         """Page ids ``>= start`` in ``state`` (all when None), at most ``limit``, and the next
         start (None at the end)."""
+        self.settle()
         states = self.manager.page_states()
         ref, cached = states["ref_count"], states["is_cached"]
         ids = np.arange(self.pool_config.num_pages)
@@ -1975,6 +2010,7 @@ class ServiceState:
 
     def is_cached(self, group_id: int, page_hash: bytes) -> bool:
         """Whether a page of group ``group_id`` is in the prefix cache under ``page_hash``."""
+        self.settle()
         return self.manager.pool.lookup(group_id, page_hash) is not None
 
     def events_since(self, since_seq: int, limit: int) -> EventsPage:
@@ -1983,6 +2019,7 @@ class ServiceState:
         ``since_seq`` is past every number given out (the watcher followed another state:
         one reset since, durability none or a wiped data dir), which starts it over from
         the oldest retained event."""
+        self.settle()
         events = self._events
         first = self._first_event_seq()
         fell_behind = since_seq < first - 1
@@ -1997,6 +2034,8 @@ class ServiceState:
         """The core's invariants, plus: every running request is in its owner's set, and
         every client's set names running requests of its own."""
         from pagekeeper.core.errors import InvariantViolation
+
+        self.settle()
 
         self.manager.check_invariants()
         problems = []

@@ -264,6 +264,7 @@ KNOWN_ATTRIBUTES = {
         "num_allocated_total", "_num_taken_by_hits",
         "_num_free_cached",  # derived from _state: recounted when a snapshot is restored
         "_ops",  # which loops run (C or Python): the restoring process's choice, not state
+        "_num_reserved",  # places held for deferred events: 0 once settled, as snapshots are
     },
     PageRows: {
         "_max_pages", "_table", "_num_pages", "_is_live", "_num_fresh", "_free_rows", "_num_live",
@@ -279,6 +280,9 @@ KNOWN_ATTRIBUTES = {
         "_hit_alignment", "_requests", "_stats", "_max_model_len", "_no_new_pages",
         "_single_full", "_hasher",
         "requests",  # a read-only view of _requests
+        # Deferred caching: a switch of the running service, and work that a snapshot
+        # settles first (so it is recorded done).
+        "defer_caching", "_deferred", "_deferred_firsts",
     },
     ServiceState: {
         "pool_config", "limits", "manager", "sink", "debug_invariants", "clock", "journal",
@@ -286,6 +290,7 @@ KNOWN_ATTRIBUTES = {
         "_last_published_step_seq", "_kernel_sets", "_events", "_last_event_seq",
         "_events_nbytes",  # derived from _events: recomputed when a snapshot is restored
         "_listeners", "_page_sizes",
+        "_schedule_settle",  # the running loop's hook (deferred caching), not state
     },
 }  # fmt: skip
 

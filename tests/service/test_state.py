@@ -717,3 +717,52 @@ def test_a_fresh_worker_revokes_running_requests_so_none_caches_over_lost_kv():
     twin = make_state()
     twin.restore_state(state.snapshot_state())
     assert twin.counters.num_kv_loss_revocations == 1
+
+
+def test_deferred_caching_answers_and_ends_as_the_eager_state():
+    """A state that leaves its admissions' caching for settle() (as the service does, the
+    loop calling it after the reply) gives the same answers, events (seqs included) and
+    snapshot as one that caches at once, settled or not between steps."""
+    from pagekeeper.durability.snapshot import state_digest
+
+    rng = np.random.default_rng(7)
+    config = PoolConfig(num_pages=40, max_model_len=512)
+    eager, lazy = ServiceState(config), ServiceState(config)
+    scheduled: list[int] = []
+    lazy.defer_caching(lambda: scheduled.append(1))
+    me = scheduler(eager)
+    assert scheduler(lazy) == me
+    running: list[str] = []
+    preempted: list[str] = []
+    num_steps_deferred = 0
+    for step_id in range(1, 120):
+        frees = tuple(preempted) + (tuple(running[:2]) if step_id % 4 == 0 else ())
+        running = [r for r in running if r not in frees]
+        growths = tuple(Growth(r, 1, tokens(int(rng.integers(0, 99)), 1)) for r in running)
+        admissions = tuple(
+            Admission(
+                f"r{step_id}.{k}",
+                np.concatenate(
+                    [
+                        tokens(int(rng.integers(0, 3)) * 1000, int(rng.integers(0, 40))),
+                        tokens(step_id * 7 + k, int(rng.integers(1, 30))),
+                    ]
+                ),
+            )
+            for k in range(int(rng.integers(0, 4)))
+        )
+        kw = {"frees": frees, "growths": growths, "admissions": admissions}
+        answers = [step(s, me, step_id, **kw) for s in (eager, lazy)]
+        assert answers[0] == answers[1]
+        num_steps_deferred += lazy.manager.has_deferred
+        if rng.random() < 0.5:
+            lazy.settle()  # the loop's call; otherwise the next step settles first
+        statuses = {o.request_id: o.status for o in answers[0].results}
+        preempted = [r for r in running if statuses.get(r) is AllocationStatus.NO_CAPACITY]
+        running = [r for r in running if r not in preempted]
+        ok = AllocationStatus.OK
+        running += [a.request_id for a in admissions if statuses[a.request_id] is ok]
+    assert num_steps_deferred > 20 and len(scheduled) == num_steps_deferred
+    assert lazy.events_since(0, 10**6) == eager.events_since(0, 10**6)
+    assert state_digest(lazy) == state_digest(eager)
+    lazy.check_invariants()

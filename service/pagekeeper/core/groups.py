@@ -22,7 +22,7 @@ from itertools import takewhile
 from operator import is_not
 
 from pagekeeper.core.config import GroupConfig, GroupKind
-from pagekeeper.core.pool import NULL_PAGE, PagePool
+from pagekeeper.core.pool import NULL_PAGE, EventPlace, PagePool
 from pagekeeper.core.tables import PageRows
 from pagekeeper.core.types import ExtraKeys
 
@@ -178,9 +178,11 @@ class GroupManager:
         hashes: Sequence[bytes],
         token_ids: Sequence[int],
         extra_keys: ExtraKeys | None,
+        reserved: EventPlace | None = None,
     ) -> None:
         """Enter the request's newly full pages (up to ``num_tokens``) into the index
-        (``extra_keys``: the request's, None when it has none)."""
+        (``extra_keys``: the request's, None when it has none; ``reserved``: the place of
+        its ``stored`` event, held when its caching was deferred)."""
         if not self.is_cacheable:
             return
         num_cached = self.num_cached_pages.get(request_id, 0)
@@ -200,6 +202,7 @@ class GroupManager:
             lora_name=None if extra_keys is None else extra_keys.lora_name,
             extra_keys=extra_keys,
             first_page=num_cached,
+            reserved=reserved,
         )
         self.num_cached_pages[request_id] = num_full
 

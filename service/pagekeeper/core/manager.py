@@ -40,7 +40,7 @@ from pagekeeper.core.errors import (
 from pagekeeper.core.events import KVEvent, TokenRun, new_stored
 from pagekeeper.core.groups import GroupManager, make_group_manager
 from pagekeeper.core.hashing import PageHasher, hash_pages, join_hashes
-from pagekeeper.core.pool import NULL_PAGE, PagePool
+from pagekeeper.core.pool import NULL_PAGE, EventPlace, PagePool
 from pagekeeper.core.tables import build_batch_tables
 from pagekeeper.core.types import (
     NO_EXTRA_KEYS,
@@ -77,6 +77,17 @@ class _Request:
     # The token range of the last allocation: what a published batch writes.
     scheduled_start: int = 0
     num_scheduled: int = 0
+
+
+@dataclass(slots=True)
+class _Deferred:
+    """An admission whose prefix-cache work waits for :meth:`PageManager.settle`: the
+    hashes of its pages past the lookup's first miss, and entering its full pages up to
+    ``num_tokens`` into the index under the ``stored`` event reserved at ``place``."""
+
+    req: _Request
+    num_tokens: int
+    place: EventPlace | None
 
 
 def _event_keys(extra_keys: ExtraKeys) -> ExtraKeys | None:
@@ -207,6 +218,18 @@ class PageManager:
         self._single_full = (
             only if only is not None and only.config.kind is GroupKind.FULL else None
         )
+        self.defer_caching = False
+        """Admissions leave their prefix-cache work (hashing past the first miss, entering
+        pages into the index, their ``stored`` event) to :meth:`settle`, so a caller can
+        answer first (the service settles right after its reply). Only on a single
+        full-attention group with caching, for admissions that read the cache and carry no
+        extra keys. Every other method settles first, and an admission whose lookup would
+        hit a deferred one's pages settles before it looks again: answers, pages, index
+        and events (seqs and order) are exactly those of caching at once."""
+        self._deferred: list[_Deferred] = []
+        # The hash of each deferred admission's first page to be cached: a later admission
+        # whose lookup stops on one of these would have hit that page (hashes chain).
+        self._deferred_firsts: set[bytes] = set()
 
     # -- helpers -------------------------------------------------------------------------
     def _group_hashes(self, group_id: int, hashes: list[bytes]) -> list[bytes]:
@@ -244,6 +267,49 @@ class PageManager:
             extra_keys=extra_keys,
             algorithm=self.config.hash_algorithm,
         )
+
+    def _hash_to_first_miss(
+        self, tokens: array[int], hashes: list[bytes], max_length: int
+    ) -> list[bytes]:
+        """Extend ``hashes`` (a prefix of ``tokens``' chain; no extra keys, one
+        full-attention group) until it covers the first page past the longest cached run
+        within ``max_length`` tokens, or every full page: what the lookup and the first
+        page the admission caches need. Chunks double, so a long hit costs ~2 passes."""
+        group = self._single_full
+        assert group is not None
+        ps = self.hash_page_size
+        limit = min(len(tokens) // ps, max(max_length, 0) // ps + 1)
+        want = 1
+        while len(hashes) < limit:
+            have = len(hashes)
+            want = min(limit, max(want, 2 * have, 1))
+            hashes += self._hasher.hash_pages(
+                tokens[have * ps : want * ps],
+                parent=hashes[-1] if hashes else None,
+                first_page_index=have,
+            )
+            if len(group.find_cache_hit(hashes, max_length)) < len(hashes):
+                break
+        return hashes
+
+    @property
+    def has_deferred(self) -> bool:
+        """Whether admissions left prefix-cache work for :meth:`settle`."""
+        return bool(self._deferred)
+
+    def settle(self) -> None:
+        """Do the deferred admissions' prefix-cache work, in their order, as each would
+        have done it (the same index, the same events in their reserved places)."""
+        deferred, self._deferred = self._deferred, []
+        self._deferred_firsts.clear()
+        for item in deferred:
+            req = item.req
+            if self._requests.get(req.request_id) is not req:
+                raise InvariantViolation(f"request {req.request_id!r} left before it settled")
+            if len(req.token_ids) // self.hash_page_size > len(req.hashes):
+                self._extend_hashes(req, None)
+            if item.place is not None:
+                self._cache(req, item.num_tokens, item.place)
 
     def _find_common_hit(self, hashes: list[bytes], max_length: int) -> tuple[list[list[int]], int]:
         """The longest prefix every group can reuse (vLLM's hybrid coordinator): shrink the
@@ -298,6 +364,8 @@ class PageManager:
         """Longest cached prefix of ``token_ids`` that every group can reuse, touching
         nothing (for routers). Unlike admission, it may cover every token. When
         ``page_hashes`` cover every full page, the token ids are only counted."""
+        if self._deferred:
+            self.settle()
         num_tokens = len(token_ids)
         if not self.enable_caching or not num_tokens:
             return LookupResult(0, tuple(() for _ in self.groups), ())
@@ -357,6 +425,8 @@ class PageManager:
         )
 
     def request_info(self, request_id: str) -> RequestInfo:
+        if self._deferred:
+            self.settle()
         req = self._get(request_id)
         return RequestInfo(
             request_id=request_id,
@@ -375,6 +445,8 @@ class PageManager:
         return group.rows.row(group.request_rows[request_id]).copy()
 
     def stats(self) -> PoolStats:
+        if self._deferred:
+            self.settle()
         s = self._stats
         pool = self.pool
         s.num_free_pages = pool.num_free_pages
@@ -404,6 +476,8 @@ class PageManager:
     def page_states(self) -> dict[str, np.ndarray]:
         """Per-page arrays for introspection: ``ref_count`` (int32), ``is_cached`` (bool),
         ``is_free`` (bool) and ``group`` (int16, -1 when no group holds or caches it)."""
+        if self._deferred:
+            self.settle()
         pool = self.pool
         group = np.full(pool.num_pages, -1, dtype=np.int16)
         for g in self.groups:
@@ -444,10 +518,39 @@ class PageManager:
         if num_lookahead_tokens < 0:
             raise InvalidArgument("num_lookahead_tokens must be >= 0")
         extra = extra_keys or NO_EXTRA_KEYS
-        hashes = self._compute_hashes(tokens, extra, page_hashes) if self.enable_caching else []
+        # Only an admission that reads the cache: its pages to cache start at its first
+        # miss, so a later lookup that would hit them stops on that page's hash (one that
+        # skips the read may cache pages whose hashes other pages hold, and an eviction
+        # could hand one of those entries to it).
+        defer = (
+            self.defer_caching
+            and enable_cache_read
+            and self._single_full is not None
+            and self.enable_caching
+            and (extra is NO_EXTRA_KEYS or extra == NO_EXTRA_KEYS)
+        )
+        if self._deferred and not defer:
+            self.settle()
         read_cache = self.enable_caching and enable_cache_read
+        max_hit = len(tokens) - 1 if read_cache else 0
+        lazy = defer and page_hashes is None
+        if lazy:
+            hashes = self._hash_to_first_miss(tokens, [], max_hit)
+        elif self.enable_caching:
+            hashes = self._compute_hashes(tokens, extra, page_hashes)
+        else:
+            hashes = []
         if read_cache:
-            hits, num_hit = self._find_common_hit(hashes, len(tokens) - 1)
+            hits, num_hit = self._find_common_hit(hashes, max_hit)
+            if defer and self._deferred_firsts:
+                k = len(hits[0])
+                if k < len(hashes) and hashes[k] in self._deferred_firsts:
+                    # Its lookup stops where a deferred admission's pages start: it would
+                    # have hit them. Cache them first, then look again.
+                    self.settle()
+                    if lazy:
+                        hashes = self._hash_to_first_miss(tokens, hashes, max_hit)
+                    hits, num_hit = self._find_common_hit(hashes, max_hit)
         else:
             hits, num_hit = [[] for _ in self.groups], 0
         # A chunked prefill asks for at most ``num_new_tokens``; the cache hit may leave fewer
@@ -479,7 +582,10 @@ class PageManager:
         for g, h in zip(self.groups, hits, strict=True):
             g.save_hits(request_id, h, num_hit)
         new_pages = tuple(tuple(g.allocate_new(request_id, num_slots)) for g in self.groups)
-        self._cache(req, num_hit + num_new_tokens)
+        if defer:
+            self._defer_cache(req, num_hit + num_new_tokens, len(hits[0]))
+        else:
+            self._cache(req, num_hit + num_new_tokens)
         req.num_computed_tokens = num_hit + num_new_tokens
         req.num_cached_tokens = num_hit
         req.scheduled_start, req.num_scheduled = num_hit, num_new_tokens
@@ -505,6 +611,8 @@ class PageManager:
         ``num_computed_tokens`` defaults to what the manager tracked. Returns None when pages
         run out; then only sliding-window releases have happened (as in vLLM) and the tokens
         are not appended."""
+        if self._deferred:
+            self.settle()
         req = self._requests.get(request_id)
         if req is None:
             raise NotFound(f"request {request_id!r} holds no pages")
@@ -622,6 +730,8 @@ class PageManager:
         (single full-attention group only): request ``request_ids[rows[k]]`` was handed
         page ``pages[k]``, and it is left out of the answer (no object per request).
         """
+        if self._deferred:
+            self.settle()
         tokens = _as_token_list(new_token_ids, "new_token_ids")
         if len(tokens) != len(request_ids):
             raise InvalidArgument(
@@ -859,7 +969,21 @@ class PageManager:
                 )
             )
 
-    def _cache(self, req: _Request, num_computed: int) -> None:
+    def _defer_cache(self, req: _Request, num_computed: int, num_hit_pages: int) -> None:
+        """Leave an admission's caching to :meth:`settle`, holding its ``stored`` event's
+        place now (after the evictions of its own allocation, as :meth:`_cache` would)."""
+        ps = self.hash_page_size
+        num_full = len(req.token_ids) // ps
+        place = None
+        if min(num_computed, len(req.token_ids)) // ps > num_hit_pages:
+            if len(req.hashes) <= num_hit_pages:
+                self._extend_hashes(req, None)
+            place = self.pool.reserve_event()
+            self._deferred_firsts.add(req.hashes[num_hit_pages])
+        if place is not None or len(req.hashes) < num_full:
+            self._deferred.append(_Deferred(req, num_computed, place))
+
+    def _cache(self, req: _Request, num_computed: int, place: EventPlace | None = None) -> None:
         if not self.enable_caching:
             return
         num_tokens = min(num_computed, len(req.token_ids))
@@ -874,10 +998,13 @@ class PageManager:
                     self._group_hashes(g.group_id, req.hashes),
                     req.token_ids,
                     _event_keys(req.extra_keys),
+                    place,
                 )
 
     def free(self, request_id: str) -> None:
         """Release every page of the request: groups in order, each last page first."""
+        if self._deferred:
+            self.settle()
         self._get(request_id)
         for g in self.groups:
             g.free(request_id)
@@ -885,6 +1012,8 @@ class PageManager:
 
     def reset_prefix_cache(self) -> bool:
         """Drop the whole prefix cache; refused (False) while any request holds pages."""
+        if self._deferred:
+            self.settle()
         if self._requests:
             return False
         return self.pool.reset_prefix_cache()
@@ -895,10 +1024,14 @@ class PageManager:
         as usual, so a caller whose reason is lost KV (a worker whose KV cache holds
         nothing joined) frees the running requests first, as the service does. Returns how
         many pages lost their hash."""
+        if self._deferred:
+            self.settle()
         return self.pool.forget_hashes()
 
     def take_events(self) -> list[KVEvent]:
         """Every KV event since the last call, oldest first."""
+        if self._deferred:
+            self.settle()
         return self.pool.take_events()
 
     # -- publication ---------------------------------------------------------------------
@@ -987,6 +1120,9 @@ class PageManager:
         :mod:`pagekeeper.core.snapshot`). :meth:`restore_state` gives it back exactly."""
         from pagekeeper.core.snapshot import snapshot_manager
 
+        if self._deferred:
+            self.settle()
+
         tree: dict[str, Any] = snapshot_manager(self)
         return tree
 
@@ -1005,6 +1141,8 @@ class PageManager:
         every breach: pages conserved, a page is free exactly when its ref count is 0,
         per-request references sum to the ref counts, every index entry points at a page
         with that hash, tables never exceed the request's needs."""
+        if self._deferred:
+            self.settle()
         problems: list[str] = []
         expected = np.zeros(self.pool.num_pages, dtype=np.int64)
         for g in self.groups:

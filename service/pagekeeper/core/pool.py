@@ -49,7 +49,7 @@ from array import array
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from types import ModuleType
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -105,6 +105,17 @@ def _keep_tracked(obj: object) -> bool:
 # them for many seconds, so they survived into the older generations, whose collections
 # then scanned them (3 objects a stored event; 10-25 ms pauses in a soak run).
 _untrack: Callable[[object], bool] = _keep_tracked if _ops is None else _ops.untrack
+
+
+class EventPlace(NamedTuple):
+    """A ``stored`` event's place held in the pool's event list, and its seq."""
+
+    position: int
+    seq: int
+
+
+# What a reserved place holds until its event is made (never taken out of the pool).
+_RESERVED = cast(KVEvent, object())
 
 
 class CacheIndex(Protocol):
@@ -188,6 +199,9 @@ class PagePool:
         self._page_hash: list[bytes | None] = [None] * num_pages
         self._events: list[KVEvent] = []
         self._event_seq = 0
+        # Places in ``_events`` held for a ``stored`` event whose caching was deferred
+        # (:meth:`reserve_event`): how many are still empty.
+        self._num_reserved = 0
         self.num_evictions = 0
         self.num_allocated_total = 0
         # Pages prefix hits took out of the free queue. With the allocations and the pages
@@ -679,9 +693,11 @@ class PagePool:
         lora_name: str | None,
         extra_keys: ExtraKeys | None = None,
         first_page: int = 0,
+        reserved: EventPlace | None = None,
     ) -> None:
         """Enter full pages into the index (one ``stored`` event for the run). ``extra_keys``
-        and ``first_page`` (the run's place in its request's table) go into the event."""
+        and ``first_page`` (the run's place in its request's table) go into the event;
+        ``reserved`` (from :meth:`reserve_event`) is where it goes and the seq it takes."""
         index, cached, hash_of = self._index[group_id], self._cached, self._page_hash
         if len(pages) != len(hashes):
             raise InvalidArgument(f"{len(pages)} pages but {len(hashes)} hashes")
@@ -734,6 +750,8 @@ class PagePool:
                 if first_stored < 0:
                     first_stored = i
             if not stored_pages:
+                if reserved is not None:
+                    raise InvariantViolation("a reserved stored event has no page to store")
                 return
             # One event over the run, null pages left out, as vLLM's: its first page is the
             # first stored one (a window's null pages lead). A null page between stored
@@ -749,6 +767,7 @@ class PagePool:
             lora_name,
             extra_keys,
             first_page,
+            reserved,
         )
 
     def cache_one(
@@ -816,8 +835,13 @@ class PagePool:
         lora_name: str | None,
         extra_keys: ExtraKeys | None,
         first_page: int,
+        reserved: EventPlace | None = None,
     ) -> None:
-        self._event_seq += 1
+        if reserved is None:
+            self._event_seq += 1
+            seq = self._event_seq
+        else:
+            seq = reserved.seq
         if extra_keys is not None:
             # Only what falls on these pages (not a thousand images into each event).
             extra_keys = narrow_extra_keys(extra_keys, first_page, len(pages), page_size)
@@ -831,7 +855,7 @@ class PagePool:
         run = TokenRun.adopt(packed)
         _untrack(run)
         event = new_stored(
-            self._event_seq,
+            seq,
             group_id,
             _event_tuple(hashes),
             parent_hash,
@@ -843,7 +867,27 @@ class PagePool:
             first_page,
         )
         _untrack(event)
-        self._events.append(event)
+        if reserved is None:
+            self._events.append(event)
+        else:
+            if self._events[reserved.position] is not _RESERVED:
+                raise InvariantViolation(f"event place {reserved.position} is not reserved")
+            self._events[reserved.position] = event
+            self._num_reserved -= 1
+
+    def reserve_event(self) -> EventPlace:
+        """Hold the next event's seq and place for a ``stored`` event made later (a deferred
+        caching, :meth:`cache` with ``reserved``): events after it keep their order and
+        seqs, as if it had been made now. Filled before :meth:`take_events`."""
+        self._event_seq += 1
+        self._events.append(_RESERVED)
+        self._num_reserved += 1
+        return EventPlace(len(self._events) - 1, self._event_seq)
+
+    @property
+    def num_reserved_events(self) -> int:
+        """Reserved event places not yet filled."""
+        return self._num_reserved
 
     def _evict(self, pages: list[int], *, event_per_page: bool = False) -> None:
         """Drop freshly taken pages from the index (lazy eviction happens here; the caller
@@ -946,6 +990,10 @@ class PagePool:
         return len(cached)
 
     def take_events(self) -> list[KVEvent]:
+        if self._num_reserved:
+            raise InvariantViolation(
+                f"{self._num_reserved} reserved events are not made yet (settle first)"
+            )
         events, self._events = self._events, []
         return events
 

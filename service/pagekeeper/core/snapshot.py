@@ -327,6 +327,8 @@ def capture_manager(manager: Any, pause: Callable[[], None] | None = None) -> Ca
 
     if not isinstance(manager, PageManager):
         raise InvalidArgument("snapshot_manager needs a PageManager")
+    if manager.has_deferred:
+        manager.settle()  # deferred caching is recorded done
     pool = manager.pool
     run = pool._buf_np[pool._head : pool._tail].copy()
     cached = pool._cached_np.copy()

@@ -1,0 +1,265 @@
+"""Deferred caching (``PageManager.defer_caching``): a manager that leaves its admissions'
+prefix-cache work for ``settle()`` answers exactly as one that does it at once, and after
+settling holds the same index, queue, tables and events (same seqs, same order)."""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from pagekeeper.core.config import GroupConfig, GroupKind, PoolConfig
+from pagekeeper.core.errors import InvariantViolation
+from pagekeeper.core.events import PageRemoved, PageStored
+from pagekeeper.core.hashing import hash_pages
+from pagekeeper.core.manager import PageManager
+from pagekeeper.core.types import ExtraKeys
+from pagekeeper.durability.snapshot import digest_tree
+from tests.helpers.props import examples
+
+PREFIXES = [[7] * 40, list(range(100, 150)), [3, 1, 4, 1, 5, 9, 2, 6] * 5]
+
+
+def prompt_strategy():
+    return st.tuples(
+        st.integers(0, len(PREFIXES)),  # len(PREFIXES) = no shared prefix
+        st.integers(0, 50),
+        st.lists(st.integers(0, 20), min_size=0, max_size=24),
+    ).map(lambda t: (PREFIXES[t[0]][: t[1]] if t[0] < len(PREFIXES) else []) + t[2])
+
+
+def _pair(num_pages: int, page_size: int, **kwargs) -> tuple[PageManager, PageManager]:
+    config = PoolConfig(
+        num_pages=num_pages,
+        groups=(GroupConfig(GroupKind.FULL, page_size),),
+        max_model_len=256,
+        **kwargs,
+    )
+    eager, lazy = PageManager(config), PageManager(config)
+    lazy.defer_caching = True
+    return eager, lazy
+
+
+def _digest(manager: PageManager) -> str:
+    return digest_tree({"manager": manager.snapshot_state()})
+
+
+class DeferredVsEager(RuleBasedStateMachine):
+    """Every operation on both managers; the deferred one settles only when an operation
+    makes it (or the ``settle`` rule does), so admissions pile up between settles."""
+
+    requests = Bundle("requests")
+
+    @initialize(num_pages=st.integers(2, 48), page_size=st.sampled_from([2, 4, 8, 16]))
+    def setup(self, num_pages, page_size):
+        self.eager, self.lazy = _pair(num_pages, page_size)
+        self.page_size = page_size
+        self.counter = 0
+        self.prompts: list[list[int]] = []
+
+    @rule(
+        target=requests,
+        tokens=prompt_strategy(),
+        chunk=st.integers(0, 30),
+        lookahead=st.integers(0, 3),
+        read_cache=st.booleans(),
+        send_hashes=st.sampled_from(["none", "all", "some"]),
+    )
+    def admit(self, tokens, chunk, lookahead, read_cache, send_hashes):
+        tokens = tokens or [1]
+        self.prompts.append(tokens)
+        self.counter += 1
+        rid = f"r{self.counter}"
+        page_hashes = None
+        if send_hashes != "none":
+            page_hashes = hash_pages(tokens, self.page_size)
+            if send_hashes == "some":
+                page_hashes = page_hashes[: len(page_hashes) // 2]
+        answers = [
+            m.admit(
+                rid,
+                tokens,
+                num_new_tokens=chunk or None,
+                num_lookahead_tokens=lookahead,
+                enable_cache_read=read_cache,
+                page_hashes=page_hashes,
+            )
+            for m in (self.eager, self.lazy)
+        ]
+        assert answers[0] == answers[1]
+        return rid
+
+    @precondition(lambda self: self.prompts)
+    @rule(target=requests, pick=st.integers(0, 2**16), extra=st.lists(st.integers(0, 20)))
+    def admit_again(self, pick, extra):
+        """An earlier prompt (perhaps still deferred), perhaps longer: a hit on pages a
+        deferred admission has not cached yet."""
+        tokens = self.prompts[pick % len(self.prompts)] + extra
+        return self.admit(tokens, 0, 0, True, "none")
+
+    @rule(rid=requests, new=st.lists(st.integers(0, 20), min_size=0, max_size=20))
+    def grow(self, rid, new):
+        if not self.eager.has_request(rid):
+            return
+        info = self.eager.request_info(rid)
+        num_tokens = info.num_tokens + len(new)
+        if num_tokens > 256 or num_tokens <= info.num_computed_tokens:
+            return
+        num_new = num_tokens - info.num_computed_tokens
+        answers = [m.allocate(rid, num_new, new_token_ids=new) for m in (self.eager, self.lazy)]
+        assert answers[0] == answers[1]
+
+    @rule(seed=st.integers(0, 2**16))
+    def decode_all(self, seed):
+        rids = [r for r in self.eager.request_ids() if self.eager.request_info(r).num_tokens < 256]
+        tokens = [(seed + 7 * i) % 21 for i in range(len(rids))]
+        answers = [m.allocate_decodes(rids, tokens) for m in (self.eager, self.lazy)]
+        assert answers[0] == answers[1]
+
+    @rule(rid=consumes(requests))
+    def free(self, rid):
+        if not self.eager.has_request(rid):
+            return
+        self.eager.free(rid)
+        self.lazy.free(rid)
+
+    @rule(tokens=prompt_strategy())
+    def lookup(self, tokens):
+        if tokens:
+            assert self.eager.lookup(tokens) == self.lazy.lookup(tokens)
+
+    @precondition(lambda self: not self.eager.request_ids())
+    @rule()
+    def reset(self):
+        assert self.eager.reset_prefix_cache() == self.lazy.reset_prefix_cache()
+
+    @rule()
+    def settle(self):
+        """What every reader does first: then the two are the same, event for event."""
+        self.lazy.settle()
+        assert not self.lazy.has_deferred
+        assert self.eager.take_events() == self.lazy.take_events()
+        assert _digest(self.eager) == _digest(self.lazy)
+
+    @invariant()
+    def same_tables(self):
+        # Reads that do not settle: the tables and the free pages are the same at once.
+        assert self.eager.pool.num_free_pages == self.lazy.pool.num_free_pages
+        assert self.eager.pool.last_event_seq == self.lazy.pool.last_event_seq
+        for rid in self.eager.request_ids():
+            assert self.eager.page_table(rid).tolist() == self.lazy.page_table(rid).tolist()
+
+    def teardown(self):
+        if hasattr(self, "lazy"):
+            self.settle()
+            self.lazy.check_invariants()
+
+
+DeferredVsEager = settings(
+    max_examples=examples(80),
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)(DeferredVsEager)
+TestDeferredVsEager = DeferredVsEager.TestCase
+
+
+def test_admissions_defer_and_settle_in_order():
+    """Three admissions in a row, the third sharing the first's prompt: the first two
+    defer, the third's lookup would hit the first's pages, so it settles them first."""
+    eager, lazy = _pair(64, 4)
+    first, second = list(range(1, 21)), list(range(50, 70))
+    for m in (eager, lazy):
+        m.admit("a", first)
+        m.admit("b", second)
+    assert lazy.has_deferred
+    assert lazy.pool.num_cached_pages == 0  # nothing indexed yet
+    assert lazy.pool.last_event_seq == eager.pool.last_event_seq == 2  # seqs held
+    hit = [m.admit("c", first) for m in (eager, lazy)]
+    assert hit[0] == hit[1]
+    assert hit[1].num_cached_tokens == 16  # the first's 4 full pages (not its last token)
+    lazy.settle()
+    events = eager.take_events()
+    # a's 5 pages, b's 5, then c's fifth page (its first 4 were a hit).
+    assert [len(e.page_ids) for e in events] == [5, 5, 1]
+    assert all(isinstance(e, PageStored) for e in events)
+    assert lazy.take_events() == events
+    assert _digest(eager) == _digest(lazy)
+
+
+def test_eviction_events_keep_their_place():
+    """A deferred admission's ``stored`` event comes before the ``removed`` events of a
+    later admission's evictions, as when caching is not deferred."""
+    eager, lazy = _pair(9, 4)  # 8 usable pages
+    for m in (eager, lazy):
+        m.admit("warm", list(range(200, 216)))  # 4 pages, cached
+        m.free("warm")
+        m.take_events()
+        m.admit("a", list(range(1, 17)))  # takes the 4 uncached pages
+        m.admit("b", list(range(300, 316)))  # evicts warm's 4 cached pages
+    assert lazy.has_deferred
+    lazy.settle()
+    events = eager.take_events()
+    assert [type(e).__name__ for e in events] == ["PageStored", "PageRemoved", "PageStored"]
+    assert lazy.take_events() == events
+    assert [e.seq for e in events] == sorted(e.seq for e in events)
+
+
+def test_readers_settle_first():
+    eager, lazy = _pair(64, 4)
+    tokens = list(range(1, 30))
+    for m in (eager, lazy):
+        m.admit("a", tokens)
+    assert lazy.has_deferred
+    assert lazy.lookup(tokens) == eager.lookup(tokens)
+    assert not lazy.has_deferred
+    for m in (eager, lazy):
+        m.admit("b", list(range(40, 60)))
+    assert lazy.stats() == eager.stats()
+    assert not lazy.has_deferred
+
+
+def test_unfilled_reservation_is_refused():
+    _eager, lazy = _pair(64, 4)
+    lazy.admit("a", list(range(1, 30)))
+    with pytest.raises(InvariantViolation, match="settle first"):
+        lazy.pool.take_events()
+
+
+def test_extra_keys_and_hybrid_pools_do_not_defer():
+    _eager, lazy = _pair(64, 4)
+    lazy.admit("a", list(range(1, 30)), extra_keys=ExtraKeys(cache_salt="s"))
+    assert not lazy.has_deferred
+    hybrid = PageManager(
+        PoolConfig(
+            num_pages=64,
+            groups=(
+                GroupConfig(GroupKind.FULL, 4),
+                GroupConfig(GroupKind.SLIDING_WINDOW, 4, window=8),
+            ),
+        )
+    )
+    hybrid.defer_caching = True
+    hybrid.admit("a", list(range(1, 30)))
+    assert not hybrid.has_deferred
+
+
+def test_events_record_the_same_tokens():
+    eager, lazy = _pair(64, 4)
+    for m in (eager, lazy):
+        m.admit("a", list(range(1, 30)))
+    lazy.settle()
+    (stored,) = lazy.take_events()
+    assert isinstance(stored, PageStored)
+    assert list(stored.token_ids) == list(range(1, 29))
+    assert eager.take_events() == [stored]
+    assert not isinstance(stored, PageRemoved)
