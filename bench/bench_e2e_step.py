@@ -40,10 +40,12 @@ the pagekeeper samples so machine drift hits both alike. Medians; ratio = vLLM /
 
 The service runs with its default durability (``process``: every step journaled to SQLite
 before it is answered) unless ``--durability none`` is given (no journal, like vLLM's
-in-process manager).
+in-process manager). ``--no-defer`` runs it with ``--defer-caching=false`` (a step's
+admissions cached before its answer, not after).
 
     .venv/bin/python bench/bench_e2e_step.py [--steps 60] [--with-hashing] [--no-vllm]
                                              [--durability none|process|fsync] [--local]
+                                             [--no-defer]
 """
 
 from __future__ import annotations
@@ -267,6 +269,7 @@ class Server:
         unix: bool = False,
         local: bool = False,
         num_sides: int = 1,
+        defer: bool = True,
     ) -> None:
         self.workdir = Path(tempfile.mkdtemp(prefix="pk-bench-e2e-"))
         self.num_pages = POOL_PAGES * -(-num_sides // 6)
@@ -292,6 +295,7 @@ class Server:
                 "--lease-ttl-s", "300",
                 "--log-level", "warning",
                 *(["--durability", durability] if durability else []),
+                *([] if defer else ["--defer-caching=false"]),
                 *(["--local-socket", str(self.workdir / "step.sock")] if local else []),
             ],
             stdout=self.log,
@@ -422,6 +426,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-vllm", action="store_true")
     parser.add_argument("--durability", help="the service's durability (default: its own)")
     parser.add_argument(
+        "--no-defer", action="store_true", help="cache admissions before answering (the A/B)"
+    )
+    parser.add_argument(
         "--unix", action="store_true", help="gRPC over a unix socket (same-node schedulers)"
     )
     parser.add_argument(
@@ -462,7 +469,9 @@ def main(argv: list[str] | None = None) -> int:
     have_vllm = not args.no_vllm and vllm_available()
     flavours = [False, True] if args.with_hashing else [False]
 
-    server = Server(args.durability, args.unix, args.local, num_sides=len(keys))
+    server = Server(
+        args.durability, args.unix, args.local, num_sides=len(keys), defer=not args.no_defer
+    )
     clients: list[Any] = []
     results: dict[str, Any] = {}
     try:
@@ -521,7 +530,8 @@ def main(argv: list[str] | None = None) -> int:
         f"tokens ({PREFIX_LEN} cached) + {NEW_PER_STEP} frees; pool "
         f"{server.num_pages:,} pages of "
         f"{PAGE}; medians of {args.steps} interleaved steps; service durability: "
-        f"{args.durability or 'default (process)'}; "
+        f"{args.durability or 'default (process)'}"
+        f"{'; admissions cached before the answer' if args.no_defer else ''}; "
         + (
             "each mode over gRPC (TCP loopback) and over the same-node socket "
             "(`--local-socket`), interleaved.\n"
