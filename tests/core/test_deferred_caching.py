@@ -24,17 +24,8 @@ from pagekeeper.core.hashing import hash_pages
 from pagekeeper.core.manager import PageManager
 from pagekeeper.core.types import ExtraKeys
 from pagekeeper.durability.snapshot import digest_tree
+from tests.core.test_manager_model import prompt_strategy
 from tests.helpers.props import examples
-
-PREFIXES = [[7] * 40, list(range(100, 150)), [3, 1, 4, 1, 5, 9, 2, 6] * 5]
-
-
-def prompt_strategy():
-    return st.tuples(
-        st.integers(0, len(PREFIXES)),  # len(PREFIXES) = no shared prefix
-        st.integers(0, 50),
-        st.lists(st.integers(0, 20), min_size=0, max_size=24),
-    ).map(lambda t: (PREFIXES[t[0]][: t[1]] if t[0] < len(PREFIXES) else []) + t[2])
 
 
 def _pair(num_pages: int, page_size: int, **kwargs) -> tuple[PageManager, PageManager]:
