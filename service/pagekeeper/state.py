@@ -697,9 +697,12 @@ class ServiceState:
         self.manager.defer_caching = True
 
     def settle(self) -> None:
-        """Do the prefix-cache work steps left (nothing when none is left)."""
-        if self.manager.has_deferred:
-            self.manager.settle()
+        """Do the prefix-cache work steps left (nothing when none is left), and take the
+        events it made into the buffer (also when a manager read settled it)."""
+        manager = self.manager
+        if manager.has_deferred:
+            manager.settle()
+        if manager.pool.has_events:
             self._take_events()
             if self.debug_invariants:
                 self.check_invariants()
@@ -1006,7 +1009,7 @@ class ServiceState:
         ring = None
         if client.role is ClientRole.WORKER and self.sink is not None:
             ring = self.sink.descriptor()
-        return HeartbeatResult(client.lease_ttl_s, ring, self._last_event_seq)
+        return HeartbeatResult(client.lease_ttl_s, ring, self.last_event_seq)
 
     def _remove_client(self, client: ClientRecord) -> int:
         """Free the client's requests and drop it; returns how many requests were freed."""
@@ -1924,6 +1927,7 @@ class ServiceState:
         return list(self._requests)
 
     def request_info(self, request_id: str) -> RequestInfo:
+        self.settle()
         return self.manager.request_info(request_id)
 
     def lookup(
@@ -1940,6 +1944,7 @@ class ServiceState:
         if tokens.size and int(tokens.min()) < 0:
             raise InvalidArgument("token ids must be >= 0")
         _validate_extra_keys(extra_keys, "lookup", tokens.shape[0])
+        self.settle()
         return self.manager.lookup(tokens, extra_keys=extra_keys, page_hashes=page_hashes)
 
     def block_table(

@@ -254,3 +254,44 @@ def test_events_record_the_same_tokens():
     assert list(stored.token_ids) == list(range(1, 29))
     assert eager.take_events() == [stored]
     assert not isinstance(stored, PageRemoved)
+
+
+def test_duplicate_lists_snapshot_alike_when_an_eviction_comes_between():
+    """A deferred page that waits behind a duplicate hash whose other waiting page is
+    evicted before settling re-creates that duplicate list elsewhere in the pool's dict:
+    the snapshot lists duplicate hashes in hash order, so the bytes do not differ."""
+    eager, lazy = _pair(8, 4)  # 7 usable pages
+    first, second = [1, 2, 3, 4], [9, 9, 9, 9]
+    for m in (eager, lazy):
+        m.admit("s", first)
+        m.admit("n1", first, enable_cache_read=False)  # a duplicate of s's page
+        m.admit("s2", second)
+        m.admit("n2", second, enable_cache_read=False)
+        m.free("n1")  # its page: free, cached, a duplicate
+        m.admit("a", first)  # caches its own page under that hash (deferred)
+        m.admit("b", [7] * 12)  # takes the last free pages, n1's among them
+    assert lazy.has_deferred
+    lazy.settle()
+    assert eager.take_events() == lazy.take_events()
+    assert _digest(eager) == _digest(lazy)
+
+
+def test_client_page_hashes_are_not_deferred():
+    """A client's hashes need not chain: a later prompt could match one of a deferred
+    admission's later pages without its first, which the conflict check would miss."""
+    eager, lazy = _pair(64, 4)
+
+    def h(name: str) -> bytes:
+        return name.encode().ljust(16, b"\0")
+
+    for m in (eager, lazy):
+        m.admit("w", list(range(1, 9)), page_hashes=[h("x"), h("w1")])
+        m.free("w")
+        m.admit("a", list(range(20, 33)), page_hashes=[h("y"), h("a1"), h("a2")])
+    assert not lazy.has_deferred
+    answers = [
+        m.admit("b", list(range(40, 53)), page_hashes=[h("x"), h("a1"), h("b2")])
+        for m in (eager, lazy)
+    ]
+    assert answers[0] == answers[1]
+    assert answers[1].num_cached_tokens == 8

@@ -766,3 +766,32 @@ def test_deferred_caching_answers_and_ends_as_the_eager_state():
     assert lazy.events_since(0, 10**6) == eager.events_since(0, 10**6)
     assert state_digest(lazy) == state_digest(eager)
     lazy.check_invariants()
+
+
+@pytest.mark.parametrize("reader", ["request_info", "lookup", "page_states", "heartbeat"])
+def test_a_read_that_settles_in_the_core_leaves_no_event_behind(reader):
+    """A read that reaches the manager (which settles itself) before the loop's settle
+    call: the events still reach the buffer, and the numbers are those of caching at once."""
+    from pagekeeper.durability.snapshot import state_digest
+
+    config = PoolConfig(num_pages=40, max_model_len=512)
+    eager, lazy = ServiceState(config), ServiceState(config)
+    lazy.defer_caching(lambda: None)
+    me = scheduler(eager)
+    scheduler(lazy)
+    for s in (eager, lazy):
+        step(s, me, 1, admissions=(Admission("a", tokens(0, 40)),))
+    assert lazy.manager.has_deferred
+    if reader == "request_info":
+        lazy.request_info("a")
+    elif reader == "lookup":
+        lazy.lookup(tokens(0, 40))
+    elif reader == "page_states":
+        lazy.manager.page_states()  # what /v1/pool and the dashboard call
+    else:
+        beat = [s.heartbeat(HeartbeatCommand(2.0, *me)) for s in (eager, lazy)]
+        assert beat[0] == beat[1] and beat[1].last_event_seq == 1
+    lazy.settle()  # the loop's call, after the read
+    assert lazy.last_event_seq == eager.last_event_seq == 1
+    assert lazy.events_since(0, 100) == eager.events_since(0, 100)
+    assert state_digest(lazy) == state_digest(eager)

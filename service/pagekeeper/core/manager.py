@@ -222,8 +222,9 @@ class PageManager:
         """Admissions leave their prefix-cache work (hashing past the first miss, entering
         pages into the index, their ``stored`` event) to :meth:`settle`, so a caller can
         answer first (the service settles right after its reply). Only on a single
-        full-attention group with caching, for admissions that read the cache and carry no
-        extra keys. Every other method settles first, and an admission whose lookup would
+        full-attention group with caching, for admissions that read the cache, carry no
+        extra keys and send no page hashes (this manager's hashes chain; a client's need
+        not, and the conflict check below relies on it). Every other method settles first, and an admission whose lookup would
         hit a deferred one's pages settles before it looks again: answers, pages, index
         and events (seqs and order) are exactly those of caching at once."""
         self._deferred: list[_Deferred] = []
@@ -518,13 +519,15 @@ class PageManager:
         if num_lookahead_tokens < 0:
             raise InvalidArgument("num_lookahead_tokens must be >= 0")
         extra = extra_keys or NO_EXTRA_KEYS
-        # Only an admission that reads the cache: its pages to cache start at its first
-        # miss, so a later lookup that would hit them stops on that page's hash (one that
-        # skips the read may cache pages whose hashes other pages hold, and an eviction
-        # could hand one of those entries to it).
+        # Only an admission that reads the cache and whose hashes are chained here: its
+        # pages to cache start at its first miss, so a later lookup that would hit them
+        # stops on that page's hash (one that skips the read may cache pages whose hashes
+        # other pages hold, and an eviction could hand one of those entries to it; a
+        # client's hashes need not chain, so a later page could match alone).
         defer = (
             self.defer_caching
             and enable_cache_read
+            and page_hashes is None
             and self._single_full is not None
             and self.enable_caching
             and (extra is NO_EXTRA_KEYS or extra == NO_EXTRA_KEYS)
@@ -533,8 +536,7 @@ class PageManager:
             self.settle()
         read_cache = self.enable_caching and enable_cache_read
         max_hit = len(tokens) - 1 if read_cache else 0
-        lazy = defer and page_hashes is None
-        if lazy:
+        if defer:
             hashes = self._hash_to_first_miss(tokens, [], max_hit)
         elif self.enable_caching:
             hashes = self._compute_hashes(tokens, extra, page_hashes)
@@ -548,8 +550,7 @@ class PageManager:
                     # Its lookup stops where a deferred admission's pages start: it would
                     # have hit them. Cache them first, then look again.
                     self.settle()
-                    if lazy:
-                        hashes = self._hash_to_first_miss(tokens, hashes, max_hit)
+                    hashes = self._hash_to_first_miss(tokens, hashes, max_hit)
                     hits, num_hit = self._find_common_hit(hashes, max_hit)
         else:
             hits, num_hit = [[] for _ in self.groups], 0

@@ -885,6 +885,11 @@ class PagePool:
         return EventPlace(len(self._events) - 1, self._event_seq)
 
     @property
+    def has_events(self) -> bool:
+        """Whether events wait for :meth:`take_events`."""
+        return bool(self._events)
+
+    @property
     def num_reserved_events(self) -> int:
         """Reserved event places not yet filled."""
         return self._num_reserved

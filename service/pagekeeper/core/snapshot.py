@@ -359,7 +359,9 @@ def capture_manager(manager: Any, pause: Callable[[], None] | None = None) -> Ca
     def build() -> Tree:
         index_tree = []
         for group_id, group_dups in enumerate(dups):
-            dup_hashes = list(group_dups)
+            # In hash order: the dict's order means nothing (a duplicate list deferred
+            # caching re-creates lands elsewhere in it), and the bytes must not differ.
+            dup_hashes = sorted(group_dups)
             dup_pages = [p for h in dup_hashes for p in group_dups[h]]
             pages = np.flatnonzero(cached == group_id + 1)
             if dup_pages:
