@@ -224,9 +224,10 @@ class PageManager:
         answer first (the service settles right after its reply). Only on a single
         full-attention group with caching, for admissions that read the cache, carry no
         extra keys and send no page hashes (this manager's hashes chain; a client's need
-        not, and the conflict check below relies on it). Every other method settles first, and an admission whose lookup would
-        hit a deferred one's pages settles before it looks again: answers, pages, index
-        and events (seqs and order) are exactly those of caching at once."""
+        not, and the conflict check relies on it). Every other method settles first, and
+        an admission whose lookup would hit a deferred one's pages settles before it looks
+        again: answers, pages, index and events (seqs and order) are exactly those of
+        caching at once."""
         self._deferred: list[_Deferred] = []
         # The hash of each deferred admission's first page to be cached: a later admission
         # whose lookup stops on one of these would have hit that page (hashes chain).
