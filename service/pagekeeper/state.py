@@ -53,6 +53,7 @@ from pagekeeper.core.errors import (
     AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
+    InvariantViolation,
     NotFound,
     PagekeeperError,
     PermissionDenied,
@@ -701,7 +702,13 @@ class ServiceState:
         events it made into the buffer (also when a manager read settled it)."""
         manager = self.manager
         if manager.has_deferred:
-            manager.settle()
+            try:
+                manager.settle()
+            except Exception as exc:
+                # A bug, with the index half done: refuse every change from now on (the
+                # restart replays the log, which caches at once).
+                self._fenced_reason = f"deferred prefix caching failed: {type(exc).__name__}: {exc}"
+                raise InvariantViolation(self._fenced_reason) from exc
         if manager.pool.has_events:
             self._take_events()
             if self.debug_invariants:
@@ -752,7 +759,7 @@ class ServiceState:
         except Exception as exc:
             # The change is applied in memory but not durable: refuse everything from now
             # on (the process must restart and recover the log's state).
-            self._fenced_reason = f"{type(exc).__name__}: {exc}"
+            self._fenced_reason = f"its durable log failed: {type(exc).__name__}: {exc}"
             raise PagekeeperError(
                 f"the change could not be made durable ({self._fenced_reason}); the "
                 "service refuses further changes until it restarts"
@@ -761,8 +768,7 @@ class ServiceState:
     def _check_writable(self) -> None:
         if self._fenced_reason:
             raise FailedPrecondition(
-                "the service lost its durable log and refuses changes until it restarts "
-                f"({self._fenced_reason})"
+                f"the service refuses changes until it restarts ({self._fenced_reason})"
             )
 
     @property
@@ -1068,7 +1074,7 @@ class ServiceState:
                     # Its record may be the one that failed to be written: not vouched
                     # for. The client keeps the step and sends it to the restarted service.
                     raise Unavailable(
-                        f"the service lost its durable log ({self._fenced_reason}) and cannot "
+                        f"the service refuses changes ({self._fenced_reason}) and cannot "
                         f"confirm step {cmd.step_id}; send it again once it has restarted"
                     )
                 self.counters.num_step_retries += 1
@@ -1084,6 +1090,7 @@ class ServiceState:
             )
         self._check_writable()
         self._check_lease(client, cmd.now)
+        self.settle()  # the last steps' deferred caching, before anything of this one
         frees = cmd.frees
         revoked: set[str] = set()
         revoked_frees: tuple[str, ...] = ()
@@ -2038,8 +2045,6 @@ class ServiceState:
     def check_invariants(self) -> None:
         """The core's invariants, plus: every running request is in its owner's set, and
         every client's set names running requests of its own."""
-        from pagekeeper.core.errors import InvariantViolation
-
         self.settle()
 
         self.manager.check_invariants()

@@ -12,6 +12,7 @@ from pagekeeper.core.errors import (
     AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
+    InvariantViolation,
     NotFound,
     PermissionDenied,
     ResourceExhausted,
@@ -795,3 +796,26 @@ def test_a_read_that_settles_in_the_core_leaves_no_event_behind(reader):
     assert lazy.last_event_seq == eager.last_event_seq == 1
     assert lazy.events_since(0, 100) == eager.events_since(0, 100)
     assert state_digest(lazy) == state_digest(eager)
+
+
+def test_a_failed_settle_refuses_every_later_change():
+    """Deferred caching that fails half done (a bug) fences the state: later changes are
+    refused before they touch anything, as after a lost log."""
+    config = PoolConfig(num_pages=40, max_model_len=512)
+    state = ServiceState(config)
+    state.defer_caching(lambda: None)
+    me = scheduler(state)
+    step(state, me, 1, admissions=(Admission("a", tokens(0, 40)),))
+    assert state.manager.has_deferred
+
+    def broken() -> None:
+        raise RuntimeError("boom")
+
+    state.manager.settle = broken  # type: ignore[method-assign]
+    with pytest.raises(InvariantViolation, match="deferred prefix caching failed"):
+        state.settle()
+    assert "boom" in state.fenced_reason
+    free_before = state.manager.pool.num_free_pages
+    with pytest.raises(FailedPrecondition, match="refuses changes until it restarts"):
+        step(state, me, 2, admissions=(Admission("b", tokens(100, 20)),))
+    assert state.manager.pool.num_free_pages == free_before
