@@ -281,10 +281,9 @@ class PageManager:
         assert group is not None
         ps = self.hash_page_size
         limit = min(len(tokens) // ps, max(max_length, 0) // ps + 1)
-        want = 1
         while len(hashes) < limit:
             have = len(hashes)
-            want = min(limit, max(want, 2 * have, 1))
+            want = min(limit, max(2 * have, 1))
             hashes += self._hasher.hash_pages(
                 tokens[have * ps : want * ps],
                 parent=hashes[-1] if hashes else None,

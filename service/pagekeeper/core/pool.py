@@ -889,11 +889,6 @@ class PagePool:
         """Whether events wait for :meth:`take_events`."""
         return bool(self._events)
 
-    @property
-    def num_reserved_events(self) -> int:
-        """Reserved event places not yet filled."""
-        return self._num_reserved
-
     def _evict(self, pages: list[int], *, event_per_page: bool = False) -> None:
         """Drop freshly taken pages from the index (lazy eviction happens here; the caller
         has already cleared their cached bit in the state). One ``removed`` event per run
