@@ -205,6 +205,65 @@ def test_eviction_events_keep_their_place():
     assert [e.seq for e in events] == sorted(e.seq for e in events)
 
 
+def test_evictions_wait_and_a_taken_page_is_not_hit():
+    """A deferred admission's allocation takes cached pages at once but leaves their
+    index entries and ``removed`` event for settling; a later admission's lookup stops
+    at a hit page that was taken, as it would once the entry is gone."""
+    eager, lazy = _pair(9, 4)  # 8 usable pages
+    a, w = list(range(1, 17)), list(range(100, 116))
+    for m in (eager, lazy):
+        m.admit("a", a)  # pages 1-4
+        m.admit("w", w)  # pages 5-8
+        m.free("a")  # queue: a's pages last first, then w's
+        m.free("w")
+        m.take_events()
+        m.admit("b", list(range(200, 208)))  # takes a's last two pages, evicting them
+    assert lazy.has_deferred
+    assert lazy.pool.has_pending_evictions
+    assert lazy.pool.num_evictions == 0 and eager.pool.num_evictions == 2
+    assert lazy.pool.last_event_seq == eager.pool.last_event_seq  # the seq is held
+    # a's first three page hashes are still indexed in the lazy pool, the third on a page
+    # b holds now: the lookup must stop before it.
+    hit = [m.admit("c", a[:13]) for m in (eager, lazy)]
+    assert hit[0] == hit[1]
+    assert hit[1].num_cached_tokens == 8
+    lazy.settle()
+    assert not lazy.pool.has_pending_evictions
+    events = eager.take_events()
+    assert [type(e).__name__ for e in events] == [
+        "PageRemoved",  # b's allocation
+        "PageStored",  # b's pages
+        "PageRemoved",  # c's allocation (w's last two pages)
+        "PageStored",  # c's pages past the hit
+    ]
+    assert lazy.take_events() == events
+    assert _digest(eager) == _digest(lazy)
+    assert not lazy.pool.check_invariants()
+
+
+def test_evictions_do_not_wait_while_a_hash_has_two_pages():
+    """Evicting a page whose hash another page also holds hands the entry to that page:
+    a lookup could not tell the taken page's entry from a live one, so such evictions
+    happen at once (the lookup then hits the duplicate, as without deferring)."""
+    eager, lazy = _pair(13, 4)  # 12 usable pages
+    a, w = list(range(1, 17)), list(range(100, 116))
+    for m in (eager, lazy):
+        m.admit("a", a)  # pages 1-4
+        m.settle()
+        m.admit("d", a, enable_cache_read=False)  # pages 5-8: duplicates of a's hashes
+        m.admit("w", w)  # pages 9-12
+        m.free("a")
+        m.free("w")
+        m.admit("b", list(range(200, 208)))  # takes a's last two pages
+    assert not lazy.pool.has_pending_evictions
+    hit = [m.admit("c", a[:13]) for m in (eager, lazy)]
+    assert hit[0] == hit[1]
+    assert hit[1].num_cached_tokens == 12  # the third page through d's duplicate
+    lazy.settle()
+    assert eager.take_events() == lazy.take_events()
+    assert _digest(eager) == _digest(lazy)
+
+
 def test_readers_settle_first():
     eager, lazy = _pair(64, 4)
     tokens = list(range(1, 30))

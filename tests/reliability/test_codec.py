@@ -265,6 +265,8 @@ KNOWN_ATTRIBUTES = {
         "_num_free_cached",  # derived from _state: recounted when a snapshot is restored
         "_ops",  # which loops run (C or Python): the restoring process's choice, not state
         "_num_reserved",  # places held for deferred events: 0 once settled, as snapshots are
+        "_num_pending_evictions",  # likewise: 0 once settled
+        "evict_later",  # set only inside a deferred admission's allocation
     },
     PageRows: {
         "_max_pages", "_table", "_num_pages", "_is_live", "_num_fresh", "_free_rows", "_num_live",

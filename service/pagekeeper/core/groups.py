@@ -68,13 +68,17 @@ class GroupManager:
         where the kind needs none). Hashes are this group's, one per page."""
         # The longest run of hashes found, in one C-level pass that stops at the first miss
         # (the native index's own, which asks for the slots a few hashes ahead).
-        index = self.pool.index(self.group_id)
+        pool = self.pool
+        index = pool.index(self.group_id)
         limit = max_length // self.page_size
         prefix = getattr(index, "prefix", None)
         if prefix is not None:
-            return prefix(hashes, limit)  # type: ignore[no-any-return]
-        found: Iterator[int] = map(index.get, hashes[:limit])  # type: ignore[arg-type]
-        return list(takewhile(_is_not_none, found))
+            hit: list[int] = prefix(hashes, limit)
+        else:
+            found: Iterator[int] = map(index.get, hashes[:limit])  # type: ignore[arg-type]
+            hit = list(takewhile(_is_not_none, found))
+        # A page taken by an allocation whose eviction is deferred still has its entry.
+        return pool.live_prefix(hit) if pool.has_pending_evictions else hit
 
     # -- per-request state ---------------------------------------------------------------
     def has(self, request_id: str) -> bool:

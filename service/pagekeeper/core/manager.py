@@ -40,7 +40,7 @@ from pagekeeper.core.errors import (
 from pagekeeper.core.events import KVEvent, TokenRun, new_stored
 from pagekeeper.core.groups import GroupManager, make_group_manager
 from pagekeeper.core.hashing import PageHasher, hash_pages, join_hashes
-from pagekeeper.core.pool import NULL_PAGE, EventPlace, PagePool
+from pagekeeper.core.pool import NULL_PAGE, EventPlace, PagePool, PendingEviction
 from pagekeeper.core.tables import build_batch_tables
 from pagekeeper.core.types import (
     NO_EXTRA_KEYS,
@@ -224,11 +224,13 @@ class PageManager:
         answer first (the service settles right after its reply). Only on a single
         full-attention group with caching, for admissions that read the cache, carry no
         extra keys and send no page hashes (this manager's hashes chain; a client's need
-        not, and the conflict check relies on it). Every other method settles first, and
-        an admission whose lookup would hit a deferred one's pages settles before it looks
-        again: answers, pages, index and events (seqs and order) are exactly those of
-        caching at once."""
-        self._deferred: list[_Deferred] = []
+        not, and the conflict check relies on it). Their allocations' evictions wait too
+        (the pages are taken at once; their index entries and ``removed`` events wait),
+        and a lookup meanwhile stops at a hit page that was taken. Every other method
+        settles first, and an admission whose lookup would hit a deferred one's pages
+        settles before it looks again: answers, pages, index and events (seqs and order)
+        are exactly those of caching at once."""
+        self._deferred: list[_Deferred | PendingEviction] = []
         # The hash of each deferred admission's first page to be cached: a later admission
         # whose lookup stops on one of these would have hit that page (hashes chain).
         self._deferred_firsts: set[bytes] = set()
@@ -299,11 +301,16 @@ class PageManager:
         return bool(self._deferred)
 
     def settle(self) -> None:
-        """Do the deferred admissions' prefix-cache work, in their order, as each would
-        have done it (the same index, the same events in their reserved places)."""
+        """Do the deferred admissions' evictions and prefix-cache work, in their order, as
+        each would have done it (the same index, the same events in their reserved
+        places)."""
         deferred, self._deferred = self._deferred, []
         self._deferred_firsts.clear()
+        evict_pending = self.pool.evict_pending
         for item in deferred:
+            if isinstance(item, PendingEviction):
+                evict_pending(item)
+                continue
             req = item.req
             if self._requests.get(req.request_id) is not req:
                 raise InvariantViolation(f"request {req.request_id!r} left before it settled")
@@ -582,10 +589,21 @@ class PageManager:
         self._requests[request_id] = req
         for g, h in zip(self.groups, hits, strict=True):
             g.save_hits(request_id, h, num_hit)
-        new_pages = tuple(tuple(g.allocate_new(request_id, num_slots)) for g in self.groups)
         if defer:
+            # Its evictions wait too (their index entries and ``removed`` event), in the
+            # same list, so settling replays evictions and cachings in their order.
+            group, pool = self._single_full, self.pool
+            assert group is not None
+            pool.evict_later = self._deferred
+            try:
+                new_pages: tuple[tuple[int, ...], ...] = (
+                    tuple(group.allocate_new(request_id, num_slots)),
+                )
+            finally:
+                pool.evict_later = None
             self._defer_cache(req, num_hit + num_new_tokens, len(hits[0]))
         else:
+            new_pages = tuple(tuple(g.allocate_new(request_id, num_slots)) for g in self.groups)
             self._cache(req, num_hit + num_new_tokens)
         req.num_computed_tokens = num_hit + num_new_tokens
         req.num_cached_tokens = num_hit

@@ -118,6 +118,14 @@ class EventPlace(NamedTuple):
 _RESERVED = cast(KVEvent, object())
 
 
+class PendingEviction(NamedTuple):
+    """Cached pages an allocation took whose index entries and ``removed`` event wait for
+    :meth:`PagePool.evict_pending` (see :attr:`PagePool.evict_later`)."""
+
+    pages: list[int]
+    place: EventPlace
+
+
 class CacheIndex(Protocol):
     """A group's prefix-cache index, hash -> first page holding it: a dict with the Python
     loops; with the C loops a ``_poolops.PageIndex``, which has the dict methods used here
@@ -202,6 +210,15 @@ class PagePool:
         # Places in ``_events`` held for a ``stored`` event whose caching was deferred
         # (:meth:`reserve_event`): how many are still empty.
         self._num_reserved = 0
+        self.evict_later: list[Any] | None = None
+        """When a list: an allocation that takes cached pages appends a
+        :class:`PendingEviction` to it (their ``removed`` event's seq and place reserved at
+        once) instead of dropping them from the index now, unless some hash is held by two
+        pages; the caller hands each to :meth:`evict_pending`, in order, before anything
+        but lookups, hits and allocations reads or changes the pool (a lookup meanwhile
+        passes its hits through :meth:`live_prefix`). Only for one group: the eviction
+        then makes exactly one event."""
+        self._num_pending_evictions = 0
         self.num_evictions = 0
         self.num_allocated_total = 0
         # Pages prefix hits took out of the free queue. With the allocations and the pages
@@ -429,13 +446,45 @@ class PagePool:
             self.num_allocated_total += 1
             if cached:
                 self._num_free_cached -= 1
-                self._evict([page])
+                self._evict_or_defer([page])
             return [page]
         if num <= 0:
             return []
         pages, evicted = self._take(num)
         if evicted:
+            self._evict_or_defer(evicted)
+        return pages
+
+    def _evict_or_defer(self, evicted: list[int]) -> None:
+        later = self.evict_later
+        if later is None or any(self._dups):
+            # With a hash held by two pages, evicting one hands its entry to the other:
+            # a lookup could not tell a taken page's entry from a live one (and no
+            # duplicate appears before the deferred work is done: only caching makes them).
             self._evict(evicted)
+        else:
+            later.append(PendingEviction(evicted, self.reserve_event()))
+            self._num_pending_evictions += 1
+
+    def evict_pending(self, pending: PendingEviction) -> None:
+        """Drop a deferred eviction's pages from the index, its event in its place."""
+        if self._num_pending_evictions <= 0:
+            raise InvariantViolation("no eviction is pending")
+        self._evict(pending.pages, place=pending.place)
+        self._num_pending_evictions -= 1
+
+    @property
+    def has_pending_evictions(self) -> bool:
+        return self._num_pending_evictions > 0
+
+    def live_prefix(self, pages: list[int]) -> list[int]:
+        """``pages`` (an index hit) up to the first one an allocation took while its
+        eviction is pending: that page's hash is gone from the cache as far as a lookup is
+        concerned (it holds other KV now)."""
+        state = self._state
+        for i, page in enumerate(pages):
+            if not state[page] & 1:  # the cached bit: cleared when the page was taken
+                return pages[:i]
         return pages
 
     def allocate_each(self, num: int) -> list[int]:
@@ -870,15 +919,19 @@ class PagePool:
         if reserved is None:
             self._events.append(event)
         else:
-            if self._events[reserved.position] is not _RESERVED:
-                raise InvariantViolation(f"event place {reserved.position} is not reserved")
-            self._events[reserved.position] = event
-            self._num_reserved -= 1
+            self._fill_place(reserved, event)
+
+    def _fill_place(self, place: EventPlace, event: KVEvent) -> None:
+        if self._events[place.position] is not _RESERVED:
+            raise InvariantViolation(f"event place {place.position} is not reserved")
+        self._events[place.position] = event
+        self._num_reserved -= 1
 
     def reserve_event(self) -> EventPlace:
-        """Hold the next event's seq and place for a ``stored`` event made later (a deferred
-        caching, :meth:`cache` with ``reserved``): events after it keep their order and
-        seqs, as if it had been made now. Filled before :meth:`take_events`."""
+        """Hold the next event's seq and place for an event made later (a deferred caching's
+        ``stored``, :meth:`cache` with ``reserved``; a deferred eviction's ``removed``):
+        events after it keep their order and seqs, as if it had been made now. Filled
+        before :meth:`take_events`."""
         self._event_seq += 1
         self._events.append(_RESERVED)
         self._num_reserved += 1
@@ -889,11 +942,14 @@ class PagePool:
         """Whether events wait for :meth:`take_events`."""
         return bool(self._events)
 
-    def _evict(self, pages: list[int], *, event_per_page: bool = False) -> None:
+    def _evict(
+        self, pages: list[int], *, event_per_page: bool = False, place: EventPlace | None = None
+    ) -> None:
         """Drop freshly taken pages from the index (lazy eviction happens here; the caller
         has already cleared their cached bit in the state). One ``removed`` event per run
         of pages of the same group, in allocation order (per page with
-        ``event_per_page``: pages taken by separate one-page allocations)."""
+        ``event_per_page``: pages taken by separate one-page allocations); into the
+        reserved ``place`` when given (the pages must then be of one group)."""
         cached, hash_of = self._cached, self._page_hash
         k = len(pages)
         if k > 1:
@@ -920,7 +976,7 @@ class PagePool:
                         for page, removed in zip(pages, hashes, strict=True):
                             self._removed_event(group_id, [page], [removed])
                     else:
-                        self._removed_event(group_plus_one - 1, pages, hashes)
+                        self._removed_event(group_plus_one - 1, pages, hashes, place)
                     self.num_evictions += k
                     return
         run_group = -1
@@ -948,20 +1004,35 @@ class PagePool:
                 if not waiting:
                     del dups[page_hash]
             if (group_id != run_group or event_per_page) and run_pages:
+                if place is not None:
+                    raise InvariantViolation("a deferred eviction spans several groups")
                 self._removed_event(run_group, run_pages, run_hashes)
                 run_pages, run_hashes = [], []
             run_group = group_id
             run_pages.append(page)
             run_hashes.append(page_hash)
         if run_pages:
-            self._removed_event(run_group, run_pages, run_hashes)
+            self._removed_event(run_group, run_pages, run_hashes, place)
         self.num_evictions += len(pages)
 
-    def _removed_event(self, group_id: int, pages: list[int], hashes: list[bytes]) -> None:
-        self._event_seq += 1
-        event = new_removed(self._event_seq, group_id, _event_tuple(hashes), _event_tuple(pages))
+    def _removed_event(
+        self,
+        group_id: int,
+        pages: list[int],
+        hashes: list[bytes],
+        place: EventPlace | None = None,
+    ) -> None:
+        if place is None:
+            self._event_seq += 1
+            seq = self._event_seq
+        else:
+            seq = place.seq
+        event = new_removed(seq, group_id, _event_tuple(hashes), _event_tuple(pages))
         _untrack(event)
-        self._events.append(event)
+        if place is None:
+            self._events.append(event)
+        else:
+            self._fill_place(place, event)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every hash; only when no request holds a page (as vLLM)."""
@@ -1009,6 +1080,8 @@ class PagePool:
         counts when given.
         """
         problems: list[str] = []
+        if self._num_pending_evictions:
+            problems.append(f"{self._num_pending_evictions} evictions are pending (settle first)")
         n = self.num_pages
         run = self._buf_np[self._head : self._tail]
         queued = run[run >= 0]
