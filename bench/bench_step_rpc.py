@@ -43,10 +43,16 @@ beside its own echo, so a row takes twice the samples. ``--no-local`` leaves it 
 The service runs at its default durability (``process``: each step journaled before it is
 answered); ``--durability none`` measures it without the journal. ``--no-defer`` runs it
 with ``--defer-caching=false`` (admissions cached before the answer; the mirror likewise,
-``after`` then 0). Run::
+``after`` then 0).
+
+Each timed call (step or echo) starts after 3 ms of idle time (``--gap-ms``), as a
+scheduler's steps come between forward passes: the work the service does after an answer
+then never falls inside the next call's time, whichever server that call goes to (back to
+back, ``--gap-ms 0``, on a 2-core machine it lands in the echo after the step). Run::
 
     .venv/bin/python bench/bench_step_rpc.py [--samples 200] [--quick] [--no-local]
                                              [--durability none|process|fsync] [--no-defer]
+                                             [--gap-ms 3]
 """
 
 from __future__ import annotations
@@ -325,7 +331,15 @@ class Mirror:
 # -- timing -------------------------------------------------------------------------------
 
 
+GAP_S = 0.003
+"""Idle time before each timed call (``--gap-ms``): a scheduler runs a forward pass between
+its steps, so the work a service does after an answer (and the echo's teardown) never
+lands inside the next call's time; back to back on a 2-core machine it would."""
+
+
 async def timed(call: Callable, request: pb.StepRequest) -> float:
+    if GAP_S:
+        await asyncio.sleep(GAP_S)
     started = time.perf_counter()
     await call(request)
     return time.perf_counter() - started
@@ -525,6 +539,7 @@ async def run(
 
 
 def main() -> int:
+    global GAP_S
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=200)
     parser.add_argument("--quick", action="store_true", help="40 samples per row")
@@ -535,8 +550,16 @@ def main() -> int:
     parser.add_argument(
         "--no-defer", action="store_true", help="cache admissions before answering (the A/B)"
     )
+    parser.add_argument(
+        "--gap-ms",
+        type=float,
+        default=GAP_S * 1000,
+        help="idle time before each timed call, as a forward pass between steps (0: back "
+        "to back)",
+    )
     parser.add_argument("--echo-server", metavar="PORT_FILE", help=argparse.SUPPRESS)
     ns = parser.parse_args()
+    GAP_S = ns.gap_ms / 1000
     if ns.echo_server:
         asyncio.run(_echo_server(ns.echo_server))
         return 0
@@ -545,7 +568,8 @@ def main() -> int:
         rows = asyncio.run(run(samples, Path(tmp), not ns.no_local, ns.durability, not ns.no_defer))
     print(
         f"Step round trip vs bare grpc.aio echo of the same request bytes ({samples} samples; "
-        f"service durability: {ns.durability or 'default (process)'}"
+        f"service durability: {ns.durability or 'default (process)'}; "
+        f"{ns.gap_ms:g} ms idle before each call"
         f"{'; caching before the answer' if ns.no_defer else ''})"
     )
     print(
