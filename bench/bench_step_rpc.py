@@ -554,8 +554,7 @@ def main() -> int:
         "--gap-ms",
         type=float,
         default=GAP_S * 1000,
-        help="idle time before each timed call, as a forward pass between steps (0: back "
-        "to back)",
+        help="idle time before each timed call, as a forward pass between steps (0: back to back)",
     )
     parser.add_argument("--echo-server", metavar="PORT_FILE", help=argparse.SUPPRESS)
     ns = parser.parse_args()
