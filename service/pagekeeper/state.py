@@ -63,7 +63,7 @@ from pagekeeper.core.errors import (
 )
 from pagekeeper.core.events import KVEvent, event_nbytes
 from pagekeeper.core.hashing import validate_extra_keys
-from pagekeeper.core.manager import PageManager
+from pagekeeper.core.manager import PageManager, non_negative_token_ids
 from pagekeeper.core.tables import MultipleOf, choose_kernel_block_size, expand_to_kernel_blocks
 from pagekeeper.core.types import (
     Allocation,
@@ -1572,7 +1572,7 @@ class ServiceState:
             raise InvalidArgument(
                 f"request {rid!r}: {tokens.shape[0]} tokens exceed max_model_len {max_len}"
             )
-        if int(tokens.min()) < 0:
+        if not non_negative_token_ids(tokens):
             raise InvalidArgument(f"request {rid!r}: token ids must be >= 0")
         if not 0 <= admission.num_new_tokens <= tokens.shape[0]:
             raise InvalidArgument(

@@ -231,11 +231,14 @@ def pool_cases(cases: int, seed: int) -> int:
     assert native.check_invariants() == python.check_invariants()
     # The functions' own refusals: pages outside, wrong types. Each must raise.
     for call in (
-        lambda: ops.take([0, 0], [1, 2]),
+        lambda: ops.take_run(array.array("i", [1, 2]), 0, 2, [0, 0]),
+        lambda: ops.take_run(array.array("i", [1]), 0, 2, [0, 0]),
+        lambda: ops.pack_i32([2**40]),
+        lambda: ops.widen_tokens(np.array([-1], dtype=np.int32), None),
         lambda: ops.release([0, 2], [1, -1], 2, 0),
         lambda: ops.cache({}, [None] * 2, [0, 2], bytearray(2), [1, 7], [b"a", b"b"], 1),
         lambda: ops.evict({}, [None] * 2, bytearray(2), [1, 7], 1),
-        lambda: ops.take((0, 0), [1]),
+        lambda: ops.take_run(array.array("i", [1]), 0, 1, (0, 0)),
         lambda: ops.cache({}, [None] * 2, [0, 2], bytearray(3), [1], [b"a"], 1),
     ):
         checked += _refused(call, "pagekeeper.core._poolops")
@@ -247,7 +250,7 @@ def _refused(call: Callable[[], object], what: str) -> int:
     """1 when ``call`` raises one of the refusals a bad argument gets; fails otherwise."""
     try:
         call()
-    except (IndexError, KeyError, TypeError, ValueError):
+    except (IndexError, KeyError, TypeError, ValueError, OverflowError):
         return 1
     raise AssertionError(f"a bad call to {what} was accepted")
 

@@ -175,8 +175,9 @@ def test_cache_enters_a_fresh_run() -> None:
 def test_out_of_range_pages_change_nothing(bad: int) -> None:
     index, hash_of, state, cached = fresh()
     before = (dict(index), list(hash_of), list(state), bytes(cached))
-    with pytest.raises(IndexError):
-        ops().take(state, [5, bad])
+    if -1 < bad < 2**31:
+        with pytest.raises(IndexError):
+            ops().take_run(array.array("i", [5, bad]), 0, 2, state)
     with pytest.raises(IndexError):
         ops().release(state, [1, bad], 2, 0)
     with pytest.raises(IndexError):
@@ -198,10 +199,61 @@ def test_release_undoes_a_broken_run() -> None:
 
 
 @needs_native
-def test_take_reports_cached_pages() -> None:
+def test_take_run_skips_holes_and_reports_cached_pages() -> None:
     state = [0, 0, 1, 0, 1]
-    assert ops().take(state, [4, 1, 2]) == [4, 2]
+    queue = array.array("i", [-1, 4, -1, 1, 2, 3])
+    assert ops().take_run(queue, 0, 3, state) == ([4, 1, 2], [4, 2], 5)
     assert state == [0, 2, 2, 0, 2]
+    assert ops().take_run(queue, 5, 0, state) == ([], [], 5)
+
+
+@needs_native
+def test_take_run_changes_nothing_when_it_fails() -> None:
+    state = [0, 0, 1, 0, 1]
+    with pytest.raises(ValueError, match="fewer than 3"):
+        ops().take_run(array.array("i", [1, -1, 2]), 0, 3, state)  # the queue runs out
+    with pytest.raises(ValueError, match="state"):
+        ops().take_run(array.array("i", [1, 2]), 0, 2, [0, 0, -3])  # not a page's state
+    with pytest.raises(TypeError):
+        ops().take_run(array.array("q", [1, 2]), 0, 2, state)  # not int32 cells
+    assert state == [0, 0, 1, 0, 1]
+
+
+@needs_native
+def test_pack_i32_is_the_wire_layout() -> None:
+    values = (0, 1, -1, 2**31 - 1, -(2**31), 131071)
+    assert ops().pack_i32(values) == np.array(values, dtype="<i4").tobytes()
+    assert ops().pack_i32([]) == b""
+    with pytest.raises(OverflowError):
+        ops().pack_i32([2**31])
+    with pytest.raises(TypeError):
+        ops().pack_i32([1.0])
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", ["int32", "int64", "uint32", "uint64"])
+def test_widen_tokens_checks_and_widens(dtype: str) -> None:
+    src = np.array([0, 7, 50_000, 2**31 - 1], dtype=dtype)
+    dst = array.array("Q", bytes(8 * len(src)))
+    assert ops().widen_tokens(src, dst) is True
+    assert list(dst) == src.tolist()
+    assert ops().widen_tokens(src, None) is True
+    if dtype.startswith("int"):
+        negative = np.array([3, -1], dtype=dtype)
+        out = array.array("Q", bytes(16))
+        with pytest.raises(ValueError, match="non-negative"):
+            ops().widen_tokens(negative, out)
+        assert list(out) == [0, 0]  # nothing written
+
+
+@needs_native
+def test_widen_tokens_declines_other_layouts() -> None:
+    assert ops().widen_tokens(np.arange(4, dtype=np.int16), None) is False
+    assert ops().widen_tokens(np.arange(8, dtype=np.int32)[::2], None) is False  # strided
+    assert ops().widen_tokens(np.arange(4, dtype=">i4"), None) is False  # foreign order
+    assert ops().widen_tokens(np.arange(4.0), None) is False
+    with pytest.raises(ValueError, match="as many items"):
+        ops().widen_tokens(np.arange(4, dtype=np.int32), array.array("Q", bytes(8)))
 
 
 @needs_native
@@ -290,8 +342,9 @@ def test_untrack_only_what_can_be_in_no_cycle() -> None:
 @pytest.mark.parametrize(
     "call",
     [
-        lambda o: o.take((0, 0), [1]),
-        lambda o: o.take([0, 0], [np.int64(1)]),  # exact ints only: no Python code runs
+        lambda o: o.take_run(array.array("i", [1]), 0, 1, (0, 0)),
+        lambda o: o.take_run(b"\1\0\0\0", 0, 1, [0, 0]),  # bytes: no int32 format
+        lambda o: o.take_run(array.array("i", [1]), -1, 1, [0, 0]),
         lambda o: o.release([0, 2], 1, 2, 0),
         lambda o: o.cache({}, [None] * 2, [0, 2], b"\0\0", [1], [b"a"], 1),
         lambda o: o.cache({}, [None] * 2, [0, 2], bytearray(2), [1], [b"a"], 0),

