@@ -164,8 +164,12 @@ class UnregisterCommand:
     generation: int
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(slots=True, eq=False)
 class Admission:
+    """A new (or resumed) request. Not ``frozen`` for the reason :class:`Growth` is not (a
+    frozen ``__init__`` costs several times more, per admission of every step); treat it
+    as immutable like every command."""
+
     request_id: str
     token_ids: Int32Array
     num_new_tokens: int = 0

@@ -945,6 +945,30 @@ def test_hash_next_of_stored_ids_matches_the_general_path(
 @pytest.mark.parametrize(
     "extra",
     [
+        None,
+        ExtraKeys(lora_name="l"),
+        ExtraKeys(cache_salt="s"),
+        ExtraKeys(mm_inputs=(MultiModalKey("img", 2, 4),)),
+    ],
+)
+def test_hash_page_is_that_page_of_the_chain(extra: ExtraKeys | None) -> None:
+    """hash_page (a lookup's one-page step) gives page ``index`` of the chain, for a
+    request's stored ids and for a list, from anywhere in a longer prompt; a page that is
+    not full is refused."""
+    hasher = PageHasher(4, extra_keys=extra)
+    tokens = list(range(100, 121))  # 5 full pages and one token
+    chain = hash_pages(tokens, 4, extra_keys=extra)
+    for ids in (array.array("Q", tokens), tokens):
+        for index in range(5):
+            parent = chain[index - 1] if index else None
+            assert hasher.hash_page(ids, index, parent) == chain[index]
+        with pytest.raises(InvalidArgument, match="not full"):
+            hasher.hash_page(ids, 5, chain[4])
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
         ExtraKeys(mm_inputs=(MultiModalKey("img", 2, 4),)),
         ExtraKeys(cache_salt="s"),
         None,

@@ -718,28 +718,40 @@ class PageHasher:
         hash and return it. The decode step's shortest path, with no chain machinery."""
         page_size = self.page_size
         k = len(hashes)
-        start = k * page_size
         if len(token_ids) // page_size != k + 1:
             raise InvalidArgument(
                 f"hash_next needs one page of {page_size} tokens past {k} hashed pages, "
                 f"got {len(token_ids)} tokens"
             )
-        parent = hashes[-1] if k else self._none_hash
+        new = self.hash_page(token_ids, k, hashes[-1] if k else None)
+        hashes.append(new)
+        return new
+
+    def hash_page(self, token_ids: Sequence[int], index: int, parent: bytes | None) -> bytes:
+        """The hash of full page ``index`` of ``token_ids`` under ``parent`` (the hash of
+        page ``index - 1``; None for page 0): one page of a chain without the chain
+        machinery (a lookup's first page, the page a decode filled)."""
+        if parent is None:
+            parent = self._none_hash
+        page_size = self.page_size
+        start = index * page_size
         extra = self._one_page_extra
         if (
             extra is not None
             and _native is not None
             and type(token_ids) is array.array
             and token_ids.typecode == "Q"
-            and (k or not self._keys.salt)
+            and (index or not self._keys.salt)
+            and start >= 0
+            and start + page_size <= len(token_ids)
         ):
             # A request's stored ids (valid by type): read in place by one C call, 0.3
             # against 1.5 us through _hash's checks and a slice.
-            new = _sha256_one_page(parent, token_ids, start, page_size, self._array_head, extra)
-        else:
-            (new,) = self._hash(token_ids[start : start + page_size], parent, k)
-        hashes.append(new)
-        return new
+            return _sha256_one_page(parent, token_ids, start, page_size, self._array_head, extra)
+        pages = self._hash(token_ids[start : start + page_size], parent, index)
+        if len(pages) != 1:
+            raise InvalidArgument(f"page {index} of {len(token_ids)} tokens is not full")
+        return pages[0]
 
     def _hash(self, token_ids: TokenIds, parent: bytes, first_page: int) -> list[bytes]:
         page_size = self.page_size

@@ -307,14 +307,19 @@ class PageManager:
         assert group is not None
         ps = self.hash_page_size
         limit = min(len(tokens) // ps, max(max_length, 0) // ps + 1)
+        hasher = self._hasher
         while len(hashes) < limit:
             have = len(hashes)
             want = min(limit, max(2 * have, 1))
-            hashes += self._hasher.hash_pages(
-                tokens[have * ps : want * ps],
-                parent=hashes[-1] if hashes else None,
-                first_page_index=have,
-            )
+            if want == have + 1:
+                # One page (most often a fresh prompt's first): no chain machinery.
+                hashes.append(hasher.hash_page(tokens, have, hashes[-1] if hashes else None))
+            else:
+                hashes += hasher.hash_pages(
+                    tokens[have * ps : want * ps],
+                    parent=hashes[-1] if hashes else None,
+                    first_page_index=have,
+                )
             if len(group.find_cache_hit(hashes, max_length)) < len(hashes):
                 break
         return hashes
