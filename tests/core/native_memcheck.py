@@ -229,11 +229,17 @@ def pool_cases(cases: int, seed: int) -> int:
                         held.remove(page)
         checked += 1
     assert native.check_invariants() == python.check_invariants()
+    table, lengths = np.zeros((3, 4), np.int32), np.array([1, 0, 4], np.int32)
+    assert ops.append_each(table, lengths, [0, 1, 0], [1, 0, 1], [5, 6, 8]) is False  # put back
+    assert ops.append_each(table, lengths, [1, 0], [0, 1], [6, 5]) is True
+    checked += 2
     # The functions' own refusals: pages outside, wrong types. Each must raise.
     for call in (
         lambda: ops.take_run(array.array("i", [1, 2]), 0, 2, [0, 0]),
         lambda: ops.take_run(array.array("i", [1]), 0, 2, [0, 0]),
         lambda: ops.pack_i32([2**40]),
+        lambda: ops.append_each(np.zeros((2, 2), np.int64), np.zeros(2, np.int32), [], [], []),
+        lambda: ops.append_each(np.zeros((2, 2), np.int32), np.zeros(2, np.int32), [0], [0]),
         lambda: ops.widen_tokens(np.array([-1], dtype=np.int32), None),
         lambda: ops.release([0, 2], [1, -1], 2, 0),
         lambda: ops.cache({}, [None] * 2, [0, 2], bytearray(2), [1, 7], [b"a", b"b"], 1),

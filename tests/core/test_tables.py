@@ -772,7 +772,12 @@ def test_page_rows_append_run_at_the_kept_length_only() -> None:
     assert rows.row(row).tolist() == [4, 2, 8, 1, 3]
 
 
-def test_page_rows_append_page_each_is_all_or_nothing() -> None:
+@pytest.mark.parametrize("native", [True, False])
+def test_page_rows_append_page_each_is_all_or_nothing(native: bool, monkeypatch) -> None:
+    if native and tables._ops is None:
+        pytest.skip("the C pool loops are not built")
+    if not native:
+        monkeypatch.setattr(tables, "_ops", None)
     rows = PageRows(3)
     a, b, c = rows.add_row(), rows.add_row(), rows.add_row()
     rows.append(a, [7])
@@ -790,3 +795,32 @@ def test_page_rows_append_page_each_is_all_or_nothing() -> None:
     assert [rows.row(r).tolist() for r in (a, b, c)] == [[7, 9], [5], [1, 2, 3]]
     rows.append_page_each([], [], [])
     assert [rows.num_pages(r) for r in (a, b, c)] == [2, 1, 3]
+
+
+def test_native_append_each_changes_nothing_when_a_check_fails() -> None:
+    """The C pass refuses (False) before writing, and puts back the rows it wrote when a
+    row turns out to be listed twice: the table and lengths are as before."""
+    if tables._ops is None:
+        pytest.skip("the C pool loops are not built")
+    table = np.zeros((3, 4), dtype=np.int32)
+    lengths = np.array([1, 0, 4], dtype=np.int32)
+    table[0, 0], table[2] = 7, [1, 2, 3, 4]
+    before = table.copy(), lengths.copy()
+    append_each = tables._ops.append_each
+    refused = [
+        ([0, 1], [1, 0], [5]),  # lists of different lengths
+        ([0, 3], [1, 0], [5, 6]),  # no row 3
+        ([0, 1], [1, 1], [5, 6]),  # row 1's length is 0
+        ([2], [4], [5]),  # row 2 is full
+        ([0], [1], [2**31]),  # not an int32 page id
+        ([0], [1], [-1]),
+        ([0, 1, 0], [1, 0, 1], [5, 6, 8]),  # row 0 twice: written, then put back
+    ]
+    for rows, at, pages in refused:
+        assert append_each(table, lengths, rows, at, pages) is False
+        assert (table == before[0]).all() and (lengths == before[1]).all()
+    assert append_each(table, lengths, [1, 0], [0, 1], [6, 5]) is True
+    assert table[:2].tolist() == [[7, 5, 0, 0], [6, 0, 0, 0]]
+    assert lengths.tolist() == [2, 1, 4]
+    with pytest.raises(TypeError):
+        append_each(table.astype(np.int64), lengths, [], [], [])

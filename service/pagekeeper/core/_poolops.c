@@ -11,6 +11,11 @@
  *       cached). The pages, those whose state was not 0 (cached: evicted now), in order,
  *       and the cell after the last one taken.
  *
+ *   append_each(table, lengths, rows, at, pages) -> bool
+ *       PageRows.append_page_each: row rows[i] of an int32 matrix, of length at[i] (the
+ *       int32 vector `lengths`), gets pages[i] and grows by one; False, with nothing
+ *       changed, when a check fails (the caller then names it).
+ *
  *   pack_i32(ints) -> bytes
  *       A sequence of ints as little-endian int32 bytes (the wire's arrays of page ids).
  *
@@ -2176,6 +2181,89 @@ negative:
     return NULL;
 }
 
+/* append_each(table, lengths, rows, at, pages) -> bool: PageRows.append_page_each in one
+ * pass: row rows[i] of the C-contiguous int32 matrix `table`, whose length (the int32
+ * vector `lengths`) is at[i], gets pages[i] there and grows by one. True when done; False,
+ * with nothing changed, when the lists differ in length, a row or page is out of range,
+ * a length is not at[i], a row is full or listed twice (the caller's checks name it). */
+static PyObject *
+pool_append_each(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "append_each(table, lengths, rows, at, pages)");
+        return NULL;
+    }
+    Py_buffer table, lengths;
+    int flags = PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS;
+    if (PyObject_GetBuffer(args[0], &table, flags) < 0) {
+        return NULL;
+    }
+    if (PyObject_GetBuffer(args[1], &lengths, flags) < 0) {
+        PyBuffer_Release(&table);
+        return NULL;
+    }
+    PyObject *result = NULL, *rows = NULL, *at = NULL, *pages = NULL;
+    if (table.ndim != 2 || table.itemsize != 4 || strcmp(table.format, "i") != 0
+        || lengths.ndim != 1 || lengths.itemsize != 4 || strcmp(lengths.format, "i") != 0
+        || lengths.shape[0] < table.shape[0]) {
+        PyErr_SetString(PyExc_TypeError, "table and lengths must be int32 (2-D, 1-D)");
+        goto done;
+    }
+    rows = PySequence_Fast(args[2], "rows must be a sequence");
+    at = rows ? PySequence_Fast(args[3], "at must be a sequence") : NULL;
+    pages = at ? PySequence_Fast(args[4], "pages must be a sequence") : NULL;
+    if (pages == NULL) {
+        goto done;
+    }
+    Py_ssize_t k = PySequence_Fast_GET_SIZE(rows);
+    int32_t *cells = (int32_t *)table.buf, *len = (int32_t *)lengths.buf;
+    Py_ssize_t num_rows = table.shape[0], width = table.shape[1];
+    if (PySequence_Fast_GET_SIZE(at) != k || PySequence_Fast_GET_SIZE(pages) != k) {
+        result = Py_NewRef(Py_False);
+        goto done;
+    }
+    PyObject **r = PySequence_Fast_ITEMS(rows), **a = PySequence_Fast_ITEMS(at);
+    PyObject **p = PySequence_Fast_ITEMS(pages);
+    for (Py_ssize_t i = 0; i < k; i++) {
+        long row = PyLong_AsLong(r[i]), col = PyLong_AsLong(a[i]), page = PyLong_AsLong(p[i]);
+        if (PyErr_Occurred()) {
+            PyErr_Clear();
+            result = Py_NewRef(Py_False);
+            goto done;
+        }
+        if (row < 0 || row >= num_rows || col < 0 || col >= width || len[row] != col
+            || page < 0 || page > INT32_MAX) {
+            result = Py_NewRef(Py_False);
+            goto done;
+        }
+    }
+    /* Checked: write, growing each row; a row listed twice finds its length moved on, and
+     * the rows written so far are put back. */
+    for (Py_ssize_t i = 0; i < k; i++) {
+        long row = PyLong_AsLong(r[i]), col = PyLong_AsLong(a[i]), page = PyLong_AsLong(p[i]);
+        if (len[row] != col) {
+            for (Py_ssize_t j = i - 1; j >= 0; j--) {
+                long back_row = PyLong_AsLong(r[j]), back_col = PyLong_AsLong(a[j]);
+                cells[back_row * width + back_col] = 0;
+                len[back_row] = (int32_t)back_col;
+            }
+            result = Py_NewRef(Py_False);
+            goto done;
+        }
+        cells[row * width + col] = (int32_t)page;
+        len[row] = (int32_t)(col + 1);
+    }
+    result = Py_NewRef(Py_True);
+done:
+    Py_XDECREF(rows);
+    Py_XDECREF(at);
+    Py_XDECREF(pages);
+    PyBuffer_Release(&lengths);
+    PyBuffer_Release(&table);
+    return result;
+}
+
 static PyMethodDef poolops_methods[] = {
     {"untrack", (PyCFunction)pool_untrack, METH_O,
      "untrack(obj) -> bool: stop the GC tracking obj when nothing it references is "
@@ -2186,6 +2274,9 @@ static PyMethodDef poolops_methods[] = {
     {"take_run", (PyCFunction)(void (*)(void))pool_take_run, METH_FASTCALL,
      "take_run(buf, head, num, state) -> (pages, evicted, head): the next num pages of "
      "the free queue, taken."},
+    {"append_each", (PyCFunction)(void (*)(void))pool_append_each, METH_FASTCALL,
+     "append_each(table, lengths, rows, at, pages) -> bool: one new page at the end of "
+     "each of these distinct rows (False: nothing changed, a check failed)."},
     {"pack_i32", (PyCFunction)pool_pack_i32, METH_O,
      "pack_i32(ints) -> bytes: little-endian int32."},
     {"widen_tokens", (PyCFunction)(void (*)(void))pool_widen_tokens, METH_FASTCALL,

@@ -45,7 +45,11 @@ import numpy as np
 import numpy.typing as npt
 
 from pagekeeper.core.errors import FailedPrecondition, InvalidArgument
+from pagekeeper.core.extensions import load_extension
 from pagekeeper.core.types import BatchTables, Int32Array, Int64Array
+
+# The pool's C loops (``_poolops.c``); PageRows uses one of them (None: numpy only).
+_ops = load_extension("_poolops", "PAGEKEEPER_NATIVE_POOL")
 
 __all__ = [
     "PAD_IDS",
@@ -721,6 +725,10 @@ class PageRows:
         many requests cross into a new page): row ``rows[i]``, whose length the caller
         keeps as ``num_pages[i]``, gets ``page_ids[i]`` (ids a pool just handed out). All
         or nothing: checked before any row changes."""
+        if _ops is not None and _ops.append_each(
+            self._table, self._num_pages, rows, num_pages, page_ids
+        ):
+            return  # checked and written in one C pass (else: nothing changed, named below)
         index = np.asarray(rows, dtype=np.intp)
         at = np.asarray(num_pages, dtype=np.intp)
         if not index.shape == at.shape == (len(page_ids),):
