@@ -118,9 +118,10 @@ class Settings:
     """Run the core's ``check_invariants()`` after every mutation (slow; for debugging)."""
     defer_caching: bool = True
     """Enter a step's admitted pages into the prefix cache (hashing past the lookup's first
-    miss, indexing, their ``stored`` events) once its answer is on its way, not before:
+    miss, indexing, their ``stored`` events), and drop the cached pages their allocations
+    took from it (their ``removed`` events), once its answer is on its way, not before:
     every other call settles that work first, so answers, events and state are those of
-    caching at once. ``false``: cache before answering."""
+    doing it at once. ``false``: do it before answering."""
     data_dir: str = "data"
     """Where the durable state lives (the command log's segments in ``journal/``, the
     latest snapshot in ``snapshots/``, registered in one SQLite file; see
