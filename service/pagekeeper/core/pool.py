@@ -895,11 +895,7 @@ class PagePool:
         first_page: int,
         reserved: EventPlace | None = None,
     ) -> None:
-        if reserved is None:
-            self._event_seq += 1
-            seq = self._event_seq
-        else:
-            seq = reserved.seq
+        seq = self._seq_for(reserved)
         if extra_keys is not None:
             # Only what falls on these pages (not a thousand images into each event).
             extra_keys = narrow_extra_keys(extra_keys, first_page, len(pages), page_size)
@@ -924,13 +920,21 @@ class PagePool:
             extra_keys,
             first_page,
         )
-        _untrack(event)
-        if reserved is None:
-            self._events.append(event)
-        else:
-            self._fill_place(reserved, event)
+        self._put_event(event, reserved)
 
-    def _fill_place(self, place: EventPlace, event: KVEvent) -> None:
+    def _seq_for(self, place: EventPlace | None) -> int:
+        """The seq of an event made now: the next one, or the one its place holds."""
+        if place is None:
+            self._event_seq += 1
+            return self._event_seq
+        return place.seq
+
+    def _put_event(self, event: KVEvent, place: EventPlace | None) -> None:
+        """Append an event made now, or fill the place reserved for it."""
+        _untrack(event)
+        if place is None:
+            self._events.append(event)
+            return
         if self._events[place.position] is not _RESERVED:
             raise InvariantViolation(f"event place {place.position} is not reserved")
         self._events[place.position] = event
@@ -1031,17 +1035,10 @@ class PagePool:
         hashes: list[bytes],
         place: EventPlace | None = None,
     ) -> None:
-        if place is None:
-            self._event_seq += 1
-            seq = self._event_seq
-        else:
-            seq = place.seq
-        event = new_removed(seq, group_id, _event_tuple(hashes), _event_tuple(pages))
-        _untrack(event)
-        if place is None:
-            self._events.append(event)
-        else:
-            self._fill_place(place, event)
+        seq = self._seq_for(place)
+        self._put_event(
+            new_removed(seq, group_id, _event_tuple(hashes), _event_tuple(pages)), place
+        )
 
     def reset_prefix_cache(self) -> bool:
         """Forget every hash; only when no request holds a page (as vLLM)."""
