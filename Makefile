@@ -90,6 +90,7 @@ test-vllm: $(STAMP)
 # The core against vLLM 0.33's own KVCacheManager, op by op (side venv of shared/VLLM_ANCHOR.md).
 vllm-diff: $(STAMP)
 	VLLM_TARGET_DEVICE=cpu /opt/vllm-anchor/bin/python tests/vllm_diff/run_diff.py
+	VLLM_TARGET_DEVICE=cpu /opt/vllm-anchor/bin/python tests/vllm_diff/run_diff.py --defer-caching
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

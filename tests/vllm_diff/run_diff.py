@@ -512,6 +512,11 @@ class VllmBackend:
 # ---------------------------------------------------------------------------------------
 
 
+DEFER_CACHING = False
+"""``--defer-caching``: pagekeeper's manager defers admissions' prefix-cache work and
+evictions as the service runs it (``PageManager.defer_caching``); every view settles."""
+
+
 class PagekeeperBackend:
     """pagekeeper's PageManager through its public API (plus the pool for the queue)."""
 
@@ -540,6 +545,7 @@ class PagekeeperBackend:
                 max_model_len=cfg.max_model_len,
             )
         )
+        self.pm.defer_caching = DEFER_CACHING
         self.running: set[str] = set()
         self.tokens: dict[str, list[int]] = {}
         self.extra: dict[str, Any] = {}
@@ -1146,7 +1152,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--no-shrink", action="store_true")
     ap.add_argument("--replay", help="a reproducer JSON written by an earlier run")
     ap.add_argument("--max-failures", type=int, default=3, help="per config, then move on")
+    ap.add_argument(
+        "--defer-caching",
+        action="store_true",
+        help="pagekeeper defers admissions' caching and evictions as the service does",
+    )
     args = ap.parse_args(argv)
+    global DEFER_CACHING
+    DEFER_CACHING = args.defer_caching
 
     try:
         import vllm  # noqa: F401
