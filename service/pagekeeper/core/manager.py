@@ -302,7 +302,10 @@ class PageManager:
         """Extend ``hashes`` (a prefix of ``tokens``' chain; no extra keys, one
         full-attention group) until it covers the first page past the longest cached run
         within ``max_length`` tokens, or every full page: what the lookup and the first
-        page the admission caches need. Chunks double, so a long hit costs ~2 passes."""
+        page the admission caches need. The first page goes alone (a fresh prompt stops
+        there); then chunks grow fourfold, so a long hit takes a few rounds, each hashing
+        at most 3x what the hit has reached (pages the admission caches after its answer
+        anyway)."""
         group = self._single_full
         assert group is not None
         ps = self.hash_page_size
@@ -310,7 +313,7 @@ class PageManager:
         hasher = self._hasher
         while len(hashes) < limit:
             have = len(hashes)
-            want = min(limit, max(2 * have, 1))
+            want = min(limit, max(4 * have, 1))
             if want == have + 1:
                 # One page (most often a fresh prompt's first): no chain machinery.
                 hashes.append(hasher.hash_page(tokens, have, hashes[-1] if hashes else None))
