@@ -268,10 +268,11 @@ async def serve(
     runtime.on_fatal.append(lambda reason: loop.call_soon_threadsafe(stop.set))
 
     state = runtime.state
-    settle_timer: list[asyncio.TimerHandle | None] = [None]
+    settle_timer: asyncio.TimerHandle | None = None
 
     def settle() -> None:
-        settle_timer[0] = None
+        nonlocal settle_timer
+        settle_timer = None
         try:
             state.settle()
         except Exception as exc:  # a bug: the state can no longer be trusted
@@ -279,8 +280,9 @@ async def serve(
             runtime.fail(f"settling deferred prefix-cache work failed: {exc}")
 
     def schedule_settle() -> None:
-        if settle_timer[0] is None:
-            settle_timer[0] = loop.call_later(SETTLE_DELAY_S, settle)
+        nonlocal settle_timer
+        if settle_timer is None:
+            settle_timer = loop.call_later(SETTLE_DELAY_S, settle)
 
     if settings.defer_caching:
         # A step's admissions cache their pages (and drop the pages they evicted from the

@@ -693,17 +693,18 @@ class ServiceState:
     # -- deferred caching --------------------------------------------------------------
     def defer_caching(self, schedule: Callable[[], None]) -> None:
         """Let steps leave their admissions' prefix-cache work (hashing past the lookup's
-        first miss, entering the pages into the index, their ``stored`` events) until
-        after the answer: a step that leaves some calls ``schedule()``, which must get
-        :meth:`settle` called soon (the service: ``loop.call_soon``). Every other method
-        settles first, so nothing reads the state half done; the events keep their seqs
-        and order. See :attr:`PageManager.defer_caching`."""
+        first miss, entering the pages into the index, their ``stored`` events; dropping
+        the cached pages their allocations took, their ``removed`` events) until after
+        the answer: a step that leaves some calls ``schedule()``, which must get
+        :meth:`settle` called soon (the service: a timer, ``SETTLE_DELAY_S``). Every other
+        method settles first, so nothing reads the state half done; the events keep their
+        seqs and order. See :attr:`PageManager.defer_caching`."""
         self._schedule_settle = schedule
         self.manager.defer_caching = True
 
     def settle(self) -> None:
-        """Do the prefix-cache work steps left (nothing when none is left), and take the
-        events it made into the buffer (also when a manager read settled it)."""
+        """Do the evictions and prefix-cache work steps left (nothing when none is left),
+        and take the events it made into the buffer (also when a manager read settled it)."""
         manager = self.manager
         if manager.has_deferred:
             try:
@@ -1952,7 +1953,7 @@ class ServiceState:
             raise InvalidArgument(
                 f"{tokens.shape[0]} tokens exceed max_model_len {self.pool_config.max_model_len}"
             )
-        if tokens.size and int(tokens.min()) < 0:
+        if not non_negative_token_ids(tokens):
             raise InvalidArgument("token ids must be >= 0")
         _validate_extra_keys(extra_keys, "lookup", tokens.shape[0])
         self.settle()

@@ -964,6 +964,8 @@ def test_hash_page_is_that_page_of_the_chain(extra: ExtraKeys | None) -> None:
             assert hasher.hash_page(ids, index, parent) == chain[index]
         with pytest.raises(InvalidArgument, match="not full"):
             hasher.hash_page(ids, 5, chain[4])
+        with pytest.raises(InvalidArgument, match="must be >= 0"):
+            hasher.hash_page(ids, -2, chain[0])  # would read page 3 from the end
 
 
 @pytest.mark.parametrize(

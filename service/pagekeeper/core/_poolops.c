@@ -2022,14 +2022,9 @@ pool_take_run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             goto done;
         }
     }
-    PyObject *two = PyLong_FromLong(2); /* a shared small int: cannot fail */
     for (Py_ssize_t i = 0; i < num; i++) {
-        PyObject *old = PyList_GET_ITEM(state, ids[i]);
-        Py_INCREF(two);
-        PyList_SET_ITEM(state, ids[i], two);
-        Py_DECREF(old);
+        (void)set_state(state, ids[i], 2); /* a shared small int: cannot fail */
     }
-    Py_DECREF(two);
     result = Py_BuildValue("(OOn)", pages, evicted, cell);
 done:
     Py_XDECREF(pages);
@@ -2108,7 +2103,7 @@ pool_widen_tokens(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         f++;
     }
     int is_signed;
-    if (f[1] != '\0') {
+    if (f[0] == '\0' || f[1] != '\0') {
         PyBuffer_Release(&src);
         Py_RETURN_FALSE;
     }

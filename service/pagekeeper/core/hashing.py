@@ -731,6 +731,8 @@ class PageHasher:
         """The hash of full page ``index`` of ``token_ids`` under ``parent`` (the hash of
         page ``index - 1``; None for page 0): one page of a chain without the chain
         machinery (a lookup's first page, the page a decode filled)."""
+        if index < 0:
+            raise InvalidArgument(f"page index must be >= 0, got {index}")
         if parent is None:
             parent = self._none_hash
         page_size = self.page_size
@@ -742,7 +744,6 @@ class PageHasher:
             and type(token_ids) is array.array
             and token_ids.typecode == "Q"
             and (index or not self._keys.salt)
-            and start >= 0
             and start + page_size <= len(token_ids)
         ):
             # A request's stored ids (valid by type): read in place by one C call, 0.3

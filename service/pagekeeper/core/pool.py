@@ -508,14 +508,18 @@ class PagePool:
         those of them that were cached, still indexed (the caller evicts them)."""
         if num > self._num_free:
             raise InvalidArgument(f"cannot allocate {num} pages: {self._num_free} free")
-        state = self._state
         if self._ops is not None:
             # The queue's scan, the state pass and the pages' list in one C call.
-            pages, evicted, self._head = self._ops.take_run(self._buf, self._head, num, state)
-            self._num_free -= num
-            self._num_free_cached -= len(evicted)
-            self.num_allocated_total += num
-            return pages, evicted
+            pages, evicted, self._head = self._ops.take_run(self._buf, self._head, num, self._state)
+        else:
+            pages, evicted = self._take_py(num)
+        self._num_free -= num
+        self._num_free_cached -= len(evicted)
+        self.num_allocated_total += num
+        return pages, evicted
+
+    def _take_py(self, num: int) -> tuple[list[int], list[int]]:
+        """``_ops.take_run`` in Python: the queue's scan and the state pass."""
         head = self._head
         end = head + num
         if num <= _SMALL and -1 not in (run := self._buf[head:end]):
@@ -534,14 +538,12 @@ class PagePool:
             pages = (parts[0] if len(parts) == 1 else np.concatenate(parts)).tolist()
         self._head = head
         # Free pages have state 0 (no hash) or 1 (cached: evicted now); taken, they hold 2.
+        state = self._state
         evicted = []
         for page in pages:
             if state[page]:
                 evicted.append(page)
             state[page] = 2
-        self._num_free -= num
-        self._num_free_cached -= len(evicted)
-        self.num_allocated_total += num
         return pages, evicted
 
     def touch(self, pages: Iterable[int]) -> None:

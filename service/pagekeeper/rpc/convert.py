@@ -43,7 +43,6 @@ I64 = np.dtype("<i8")
 _EMPTY_I32: Int32Array = np.empty(0, dtype=np.int32)
 _EMPTY_I32.flags.writeable = False
 _IS_LITTLE_ENDIAN = sys.byteorder == "little"
-_pack_i32 = pack_i32_native
 
 GROUP_KIND_TO_PB = {
     GroupKind.FULL: pb.GROUP_KIND_FULL,
@@ -89,9 +88,9 @@ def encode_i32(values: Sequence[int] | np.ndarray) -> bytes:
         return values.astype(I32, copy=False).tobytes()
     if not values:
         return b""
-    if _pack_i32 is not None:
+    if pack_i32_native is not None:
         # An admission's 125 page ids: ~0.4 us, against ~2.9 us through numpy.
-        return _pack_i32(values)
+        return pack_i32_native(values)
     if _IS_LITTLE_ENDIAN and len(values) < 64:
         # The page ids of one growth: array.array is several times cheaper than numpy.
         return array.array("i", values).tobytes()
