@@ -18,7 +18,7 @@ from hypothesis.stateful import (
 )
 
 from pagekeeper.core.config import GroupConfig, GroupKind, PoolConfig
-from pagekeeper.core.errors import InvariantViolation
+from pagekeeper.core.errors import InvariantViolation, PagekeeperError
 from pagekeeper.core.events import PageRemoved, PageStored
 from pagekeeper.core.hashing import hash_pages
 from pagekeeper.core.manager import PageManager
@@ -56,6 +56,7 @@ class DeferredVsEager(RuleBasedStateMachine):
         self.page_size = page_size
         self.counter = 0
         self.prompts: list[list[int]] = []
+        self.known_hashes: list[bytes] = []
 
     @rule(
         target=requests,
@@ -63,7 +64,7 @@ class DeferredVsEager(RuleBasedStateMachine):
         chunk=st.integers(0, 30),
         lookahead=st.integers(0, 3),
         read_cache=st.booleans(),
-        send_hashes=st.sampled_from(["none", "all", "some"]),
+        send_hashes=st.sampled_from(["none", "all", "some", "unchained", "unchained-some"]),
     )
     def admit(self, tokens, chunk, lookahead, read_cache, send_hashes):
         tokens = tokens or [1]
@@ -71,21 +72,40 @@ class DeferredVsEager(RuleBasedStateMachine):
         self.counter += 1
         rid = f"r{self.counter}"
         page_hashes = None
-        if send_hashes != "none":
+        if send_hashes in ("all", "some"):
             page_hashes = hash_pages(tokens, self.page_size)
-            if send_hashes == "some":
-                page_hashes = page_hashes[: len(page_hashes) // 2]
-        answers = [
-            m.admit(
-                rid,
-                tokens,
-                num_new_tokens=chunk or None,
-                num_lookahead_tokens=lookahead,
-                enable_cache_read=read_cache,
-                page_hashes=page_hashes,
-            )
-            for m in (self.eager, self.lazy)
-        ]
+        elif send_hashes.startswith("unchained"):
+            # A client's hashes need not chain: each page named by its own tokens, so a
+            # page of one prompt matches a page of another at any place, without the
+            # pages before it (a repeat within a prompt is refused, alike on both).
+            ps = self.page_size
+            page_hashes = [
+                b"u" + bytes(tokens[i * ps : (i + 1) * ps]) for i in range(len(tokens) // ps)
+            ]
+        if page_hashes is not None and send_hashes.endswith("some"):
+            page_hashes = page_hashes[: len(page_hashes) // 2]
+        return self._admit(rid, tokens, chunk, lookahead, read_cache, page_hashes)
+
+    def _admit(self, rid, tokens, chunk, lookahead, read_cache, page_hashes):
+        ps = self.page_size
+        self.known_hashes.extend(hash_pages(tokens, ps))
+        if page_hashes is not None:
+            self.known_hashes.extend(page_hashes)
+        answers = []
+        for m in (self.eager, self.lazy):
+            try:
+                answers.append(
+                    m.admit(
+                        rid,
+                        tokens,
+                        num_new_tokens=chunk or None,
+                        num_lookahead_tokens=lookahead,
+                        enable_cache_read=read_cache,
+                        page_hashes=page_hashes,
+                    )
+                )
+            except PagekeeperError as exc:
+                answers.append(f"{type(exc).__name__}: {exc.message}")
         assert answers[0] == answers[1]
         return rid
 
@@ -96,6 +116,22 @@ class DeferredVsEager(RuleBasedStateMachine):
         deferred admission has not cached yet."""
         tokens = self.prompts[pick % len(self.prompts)] + extra
         return self.admit(tokens, 0, 0, True, "none")
+
+    @precondition(lambda self: self.known_hashes)
+    @rule(
+        target=requests,
+        picks=st.lists(st.integers(0, 2**16), min_size=1, max_size=12),
+        extra=st.integers(0, 3),
+        seed=st.integers(0, 20),
+    )
+    def admit_borrowed_hashes(self, picks, extra, seed):
+        """A client naming its pages by hashes other prompts' pages have (cached, deferred
+        or not yet hashed here), at any place: matches without the pages before them."""
+        known = self.known_hashes
+        page_hashes = list(dict.fromkeys(known[p % len(known)] for p in picks))
+        tokens = [seed] * (len(page_hashes) * self.page_size + extra)
+        self.counter += 1
+        return self._admit(f"r{self.counter}", tokens, 0, 0, True, page_hashes)
 
     @rule(rid=requests, new=st.lists(st.integers(0, 20), min_size=0, max_size=20))
     def grow(self, rid, new):
@@ -335,9 +371,10 @@ def test_duplicate_lists_snapshot_alike_when_an_eviction_comes_between():
     assert _digest(eager) == _digest(lazy)
 
 
-def test_client_page_hashes_are_not_deferred():
-    """A client's hashes need not chain: a later prompt could match one of a deferred
-    admission's later pages without its first, which the conflict check would miss."""
+def test_client_page_hashes_are_checked_page_by_page():
+    """A client's hashes need not chain: a later prompt can match one of a deferred
+    admission's later pages without its first. Every page such an admission will cache
+    is checked, so the later lookup settles it first and hits as at once."""
     eager, lazy = _pair(64, 4)
 
     def h(name: str) -> bytes:
@@ -347,10 +384,37 @@ def test_client_page_hashes_are_not_deferred():
         m.admit("w", list(range(1, 9)), page_hashes=[h("x"), h("w1")])
         m.free("w")
         m.admit("a", list(range(20, 33)), page_hashes=[h("y"), h("a1"), h("a2")])
-    assert not lazy.has_deferred
+    assert lazy.has_deferred  # deferred, with every page's hash known
     answers = [
         m.admit("b", list(range(40, 53)), page_hashes=[h("x"), h("a1"), h("b2")])
         for m in (eager, lazy)
     ]
     assert answers[0] == answers[1]
     assert answers[1].num_cached_tokens == 8
+    lazy.settle()
+    assert eager.take_events() == lazy.take_events()
+    assert _digest(eager) == _digest(lazy)
+
+
+def test_client_hashes_settle_a_chained_admission_first():
+    """A chained admission deferred knows only its first page to cache; a prompt with the
+    client's hashes could match one of its later pages alone, so it settles first."""
+    eager, lazy = _pair(64, 4)
+    first = list(range(1, 13))
+    w_hash = b"w0".ljust(16, b"\0")
+    for m in (eager, lazy):
+        m.admit("w", [90] * 5, page_hashes=[w_hash])
+        m.free("w")
+        m.settle()
+        m.admit("a", first)
+    assert lazy.has_deferred
+    # The client names b's first page as w's (cached), its second as a's third (as no
+    # chain would): at once, a's pages are cached and b hits both.
+    b_hashes = [w_hash, hash_pages(first, 4)[2], b"b2".ljust(16, b"\0")]
+    answers = [m.admit("b", list(range(50, 63)), page_hashes=b_hashes) for m in (eager, lazy)]
+    assert answers[0] == answers[1]
+    assert answers[1].num_cached_tokens == 8
+    assert lazy.has_deferred  # b deferred in turn, after a settled
+    lazy.settle()
+    assert eager.take_events() == lazy.take_events()
+    assert _digest(eager) == _digest(lazy)

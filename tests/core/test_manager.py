@@ -146,6 +146,23 @@ def test_client_page_hashes_are_used():
     assert b.num_cached_tokens == 8
 
 
+def test_client_hashes_that_meet_their_completed_chain_are_refused():
+    """The client names page 0 by the chain's second hash and page 1 by its first; the
+    manager completes page 2 from the client's last hash, which gives the second again.
+    Both would hit the same cached page: refused, and nothing changes."""
+    m = PageManager(
+        PoolConfig(num_pages=4, groups=(GroupConfig(GroupKind.FULL, 2),), max_model_len=16)
+    )
+    m.admit("a", [7, 7, 7, 7])
+    h0, h1 = m.lookup([7, 7, 7, 7]).page_hashes
+    before = (m.pool.free_queue(), pages(m, "a"), m.pool.num_cached_pages)
+    with pytest.raises(InvalidArgument, match="repeat once the chain is completed"):
+        m.admit("b", [7] * 7, page_hashes=[h1, h0])
+    assert not m.has_request("b")
+    assert (m.pool.free_queue(), pages(m, "a"), m.pool.num_cached_pages) == before
+    m.check_invariants()
+
+
 def test_reset_prefix_cache():
     m = full()
     m.admit("a", list(range(9)))

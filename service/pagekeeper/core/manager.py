@@ -246,18 +246,27 @@ class PageManager:
         """Admissions leave their prefix-cache work (hashing past the first miss, entering
         pages into the index, their ``stored`` event) to :meth:`settle`, so a caller can
         answer first (the service settles right after its reply). Only on a single
-        full-attention group with caching, for admissions that read the cache, carry no
-        extra keys and send no page hashes (this manager's hashes chain; a client's need
-        not, and the conflict check relies on it). Their allocations' evictions wait too
-        (the pages are taken at once; their index entries and ``removed`` events wait),
-        and a lookup meanwhile stops at a hit page that was taken. Every other method
-        settles first, and an admission whose lookup would hit a deferred one's pages
-        settles before it looks again: answers, pages, index and events (seqs and order)
-        are exactly those of caching at once."""
+        full-attention group with caching, for admissions that read the cache and carry no
+        extra keys. Their allocations' evictions wait too (the pages are taken at once;
+        their index entries and ``removed`` events wait), and a lookup meanwhile stops at
+        a hit page that was taken. Every other method settles first, and an admission
+        whose lookup would hit a deferred one's pages settles before it looks again:
+        answers, pages, index and events (seqs and order) are exactly those of caching at
+        once.
+
+        Which lookups would hit a deferred admission's pages: one hashed here knows only
+        its first page to cache (this manager's hashes chain, so a chained lookup reaches
+        any of its pages through that one); one that sent the client's page hashes knows
+        every page (they need not chain: a later lookup may match any of them alone). An
+        admission with the client's hashes settles first while a chained one is deferred
+        (its hashes could match that one's pages past the first, not yet hashed)."""
         self._deferred: list[_Deferred | PendingEviction] = []
-        # The hash of each deferred admission's first page to be cached: a later admission
-        # whose lookup stops on one of these would have hit that page (hashes chain).
-        self._deferred_firsts: set[bytes] = set()
+        # Hashes a later lookup that stops on one of them would have hit, had the deferred
+        # admissions cached at once: a chained admission's first page to cache, every page
+        # to cache of one with the client's hashes.
+        self._deferred_hashes: set[bytes] = set()
+        # Whether a chained admission (pages past its first to cache unhashed) is deferred.
+        self._deferred_chained = False
 
     # -- helpers -------------------------------------------------------------------------
     def _group_hashes(self, group_id: int, hashes: list[bytes]) -> list[bytes]:
@@ -288,6 +297,14 @@ class PageManager:
                     parent=hashes[-1] if hashes else None,
                     first_page_index=start,
                 )
+                if start and len(set(hashes)) != len(hashes):
+                    # Hashes that do not chain as this manager's can meet the completed
+                    # chain again (one page twice in the table if both hit).
+                    raise InvalidArgument(
+                        f"page hashes repeat once the chain is completed from the client's "
+                        f"last one (page {start} on): send every full page's hash, or "
+                        "hashes that chain"
+                    )
             return hashes
         return hash_pages(
             tokens,
@@ -337,7 +354,8 @@ class PageManager:
         each would have done it (the same index, the same events in their reserved
         places)."""
         deferred, self._deferred = self._deferred, []
-        self._deferred_firsts.clear()
+        self._deferred_hashes.clear()
+        self._deferred_chained = False
         evict_pending = self.pool.evict_pending
         for item in deferred:
             if isinstance(item, PendingEviction):
@@ -558,24 +576,23 @@ class PageManager:
         if num_lookahead_tokens < 0:
             raise InvalidArgument("num_lookahead_tokens must be >= 0")
         extra = extra_keys or NO_EXTRA_KEYS
-        # Only an admission that reads the cache and whose hashes are chained here: its
-        # pages to cache start at its first miss, so a later lookup that would hit them
-        # stops on that page's hash (one that skips the read may cache pages whose hashes
-        # other pages hold, and an eviction could hand one of those entries to it; a
-        # client's hashes need not chain, so a later page could match alone).
+        # Only an admission that reads the cache: its pages to cache start at its first
+        # miss, where a later lookup that would hit them stops (one that skips the read
+        # may cache pages whose hashes other pages hold, and an eviction could hand one
+        # of those entries to it).
         defer = (
             self.defer_caching
             and enable_cache_read
-            and page_hashes is None
             and self._single_full is not None
             and self.enable_caching
             and (extra is NO_EXTRA_KEYS or extra == NO_EXTRA_KEYS)
         )
-        if self._deferred and not defer:
+        chained = page_hashes is None
+        if self._deferred and (not defer or (self._deferred_chained and not chained)):
             self.settle()
         read_cache = self.enable_caching and enable_cache_read
         max_hit = len(tokens) - 1 if read_cache else 0
-        if defer:
+        if defer and chained:
             hashes = self._hash_to_first_miss(tokens, [], max_hit)
         elif self.enable_caching:
             hashes = self._compute_hashes(tokens, extra, page_hashes)
@@ -583,13 +600,14 @@ class PageManager:
             hashes = []
         if read_cache:
             hits, num_hit = self._find_common_hit(hashes, max_hit)
-            if defer and self._deferred_firsts:
+            if defer and self._deferred_hashes:
                 k = len(hits[0])
-                if k < len(hashes) and hashes[k] in self._deferred_firsts:
-                    # Its lookup stops where a deferred admission's pages start: it would
-                    # have hit them. Cache them first, then look again.
+                if k < len(hashes) and hashes[k] in self._deferred_hashes:
+                    # Its lookup stops on a page a deferred admission caches: it would
+                    # have hit it. Cache them first, then look again.
                     self.settle()
-                    hashes = self._hash_to_first_miss(tokens, hashes, max_hit)
+                    if chained:
+                        hashes = self._hash_to_first_miss(tokens, hashes, max_hit)
                     hits, num_hit = self._find_common_hit(hashes, max_hit)
         else:
             hits, num_hit = [[] for _ in self.groups], 0
@@ -633,7 +651,7 @@ class PageManager:
                 )
             finally:
                 pool.evict_later = None
-            self._defer_cache(req, num_hit + num_new_tokens, len(hits[0]))
+            self._defer_cache(req, num_hit + num_new_tokens, len(hits[0]), chained)
         else:
             new_pages = tuple(tuple(g.allocate_new(request_id, num_slots)) for g in self.groups)
             self._cache(req, num_hit + num_new_tokens)
@@ -1020,17 +1038,26 @@ class PageManager:
                 )
             )
 
-    def _defer_cache(self, req: _Request, num_computed: int, num_hit_pages: int) -> None:
+    def _defer_cache(
+        self, req: _Request, num_computed: int, num_hit_pages: int, chained: bool
+    ) -> None:
         """Leave an admission's caching to :meth:`settle`, holding its ``stored`` event's
-        place now (after the evictions of its own allocation, as :meth:`_cache` would)."""
+        place now (after the evictions of its own allocation, as :meth:`_cache` would).
+        ``chained``: its hashes are this manager's, known up to the first miss (else the
+        client's, completed: every one known)."""
         ps = self.hash_page_size
         num_full = len(req.token_ids) // ps
         place = None
-        if min(num_computed, len(req.token_ids)) // ps > num_hit_pages:
+        end = min(num_computed, len(req.token_ids)) // ps
+        if end > num_hit_pages:
             if len(req.hashes) <= num_hit_pages:
                 self._extend_hashes(req, None)
             place = self.pool.reserve_event()
-            self._deferred_firsts.add(req.hashes[num_hit_pages])
+            if chained:
+                self._deferred_hashes.add(req.hashes[num_hit_pages])
+                self._deferred_chained = True
+            else:
+                self._deferred_hashes.update(req.hashes[num_hit_pages:end])
         if place is not None or len(req.hashes) < num_full:
             self._deferred.append(_Deferred(req, num_computed, place))
 
