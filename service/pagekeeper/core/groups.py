@@ -111,7 +111,8 @@ class GroupManager:
         """Admission: take the cached prefix (pages the window no longer needs become null)."""
         num_skipped_pages = self.num_skipped_tokens(num_computed_tokens) // self.page_size
         kept = list(hit_pages[num_skipped_pages:])
-        self.pool.touch(kept)
+        if kept:
+            self.pool.touch(kept)
         row = self.rows.add_row()
         self.request_rows[request_id] = row
         table = [NULL_PAGE] * min(num_skipped_pages, self.max_pages_per_request) + kept

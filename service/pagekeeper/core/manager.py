@@ -315,19 +315,20 @@ class PageManager:
 
     def _hash_to_first_miss(
         self, tokens: array[int], hashes: list[bytes], max_length: int
-    ) -> list[bytes]:
+    ) -> list[int]:
         """Extend ``hashes`` (a prefix of ``tokens``' chain; no extra keys, one
         full-attention group) until it covers the first page past the longest cached run
         within ``max_length`` tokens, or every full page: what the lookup and the first
-        page the admission caches need. The first page goes alone (a fresh prompt stops
-        there); then chunks grow fourfold, so a long hit takes a few rounds, each hashing
-        at most 3x what the hit has reached (pages the admission caches after its answer
-        anyway)."""
+        page the admission caches need. Returns that run (the group's hit). The first
+        page goes alone (a fresh prompt stops there); then chunks grow fourfold, so a long
+        hit takes a few rounds, each hashing at most 3x what the hit has reached (pages
+        the admission caches after its answer anyway)."""
         group = self._single_full
         assert group is not None
         ps = self.hash_page_size
         limit = min(len(tokens) // ps, max(max_length, 0) // ps + 1)
         hasher = self._hasher
+        hit: list[int] | None = None
         while len(hashes) < limit:
             have = len(hashes)
             want = min(limit, max(4 * have, 1))
@@ -340,9 +341,10 @@ class PageManager:
                     parent=hashes[-1] if hashes else None,
                     first_page_index=have,
                 )
-            if len(group.find_cache_hit(hashes, max_length)) < len(hashes):
+            hit = group.find_cache_hit(hashes, max_length)
+            if len(hit) < len(hashes):
                 break
-        return hashes
+        return group.find_cache_hit(hashes, max_length) if hit is None else hit
 
     @property
     def has_deferred(self) -> bool:
@@ -592,25 +594,36 @@ class PageManager:
             self.settle()
         read_cache = self.enable_caching and enable_cache_read
         max_hit = len(tokens) - 1 if read_cache else 0
-        if defer and chained:
-            hashes = self._hash_to_first_miss(tokens, [], max_hit)
-        elif self.enable_caching:
-            hashes = self._compute_hashes(tokens, extra, page_hashes)
+        if defer:
+            # One full-attention group (the service's common admission): its lookup and
+            # page count without the per-group machinery.
+            group = self._single_full
+            assert group is not None
+            if chained:
+                hashes = []
+                hit = self._hash_to_first_miss(tokens, hashes, max_hit)
+            else:
+                hashes = self._compute_hashes(tokens, extra, page_hashes)
+                hit = group.find_cache_hit(hashes, max_hit)
+            k = len(hit)
+            if k < len(hashes) and hashes[k] in self._deferred_hashes:
+                # Its lookup stops on a page a deferred admission caches: it would have
+                # hit it. Cache them first, then look again.
+                self.settle()
+                if chained:
+                    hit = self._hash_to_first_miss(tokens, hashes, max_hit)
+                else:
+                    hit = group.find_cache_hit(hashes, max_hit)
+            hits, num_hit = [hit], len(hit) * group.page_size
         else:
-            hashes = []
-        if read_cache:
-            hits, num_hit = self._find_common_hit(hashes, max_hit)
-            if defer and self._deferred_hashes:
-                k = len(hits[0])
-                if k < len(hashes) and hashes[k] in self._deferred_hashes:
-                    # Its lookup stops on a page a deferred admission caches: it would
-                    # have hit it. Cache them first, then look again.
-                    self.settle()
-                    if chained:
-                        hashes = self._hash_to_first_miss(tokens, hashes, max_hit)
-                    hits, num_hit = self._find_common_hit(hashes, max_hit)
-        else:
-            hits, num_hit = [[] for _ in self.groups], 0
+            if self.enable_caching:
+                hashes = self._compute_hashes(tokens, extra, page_hashes)
+            else:
+                hashes = []
+            if read_cache:
+                hits, num_hit = self._find_common_hit(hashes, max_hit)
+            else:
+                hits, num_hit = [[] for _ in self.groups], 0
         # A chunked prefill asks for at most ``num_new_tokens``; the cache hit may leave fewer
         # (the scheduler cannot know the hit before asking), so the chunk is clamped.
         rest = len(tokens) - num_hit
@@ -621,10 +634,17 @@ class PageManager:
                 f"request {request_id!r}: num_new_tokens must be >= 1, got {num_new_tokens}"
             )
         num_slots = min(num_hit + num_new_tokens + num_lookahead_tokens, self.config.max_model_len)
-        needed = sum(
-            g.num_pages_to_allocate(request_id, num_slots, h, num_hit)
-            for g, h in zip(self.groups, hits, strict=True)
-        )
+        if defer:
+            # A new request on a full-attention group: its new pages, plus the hit pages
+            # that sit in the free queue (they count against the same free pages).
+            needed = max(-(-num_slots // group.page_size) - len(hit), 0)
+            if hit:
+                needed += self.pool.count_free(hit)
+        else:
+            needed = sum(
+                g.num_pages_to_allocate(request_id, num_slots, h, num_hit)
+                for g, h in zip(self.groups, hits, strict=True)
+            )
         if needed > self.pool.num_free_pages:
             self._stats.num_no_capacity += 1
             return None
@@ -662,7 +682,7 @@ class PageManager:
             request_id=request_id,
             num_cached_tokens=num_hit,
             new_page_ids=new_pages,
-            hit_page_ids=tuple(tuple(h) for h in hits),
+            hit_page_ids=tuple(map(tuple, hits)),
         )
 
     def allocate(
