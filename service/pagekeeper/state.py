@@ -63,7 +63,7 @@ from pagekeeper.core.errors import (
 )
 from pagekeeper.core.events import KVEvent, event_nbytes
 from pagekeeper.core.hashing import validate_extra_keys
-from pagekeeper.core.manager import PageManager, non_negative_token_ids
+from pagekeeper.core.manager import PageManager, check_page_hashes, non_negative_token_ids
 from pagekeeper.core.tables import MultipleOf, choose_kernel_block_size, expand_to_kernel_blocks
 from pagekeeper.core.types import (
     Allocation,
@@ -1594,14 +1594,11 @@ class ServiceState:
                     f"request {rid!r}: {len(hashes)} page hashes for {tokens.shape[0]} tokens "
                     f"(at most {num_full})"
                 )
-            if not all(hashes):
-                raise InvalidArgument(f"request {rid!r}: page hashes must be non-empty")
-            if len(set(hashes)) != len(hashes):
-                # A chain never repeats (each hash covers the whole prefix); a repeat would
-                # put one cached page at two places of the table.
-                raise InvalidArgument(
-                    f"request {rid!r}: page hash {_first_repeat(hashes).hex()} repeats"
-                )
+            try:
+                # Checked once: the manager takes the checked tuple as it is.
+                admission.page_hashes = check_page_hashes(hashes)
+            except InvalidArgument as exc:
+                raise InvalidArgument(f"request {rid!r}: {exc.message}") from None
         _validate_extra_keys(admission.extra_keys, rid, tokens.shape[0])
 
     def _apply_growth(self, growth: Growth) -> AllocationOutcome | None:

@@ -8,7 +8,7 @@ import pytest
 from pagekeeper.core.config import GroupConfig, GroupKind, PoolConfig
 from pagekeeper.core.errors import AlreadyExists, ConfigError, InvalidArgument, NotFound
 from pagekeeper.core.events import AllCleared, PageRemoved, PageStored
-from pagekeeper.core.manager import PageManager
+from pagekeeper.core.manager import CheckedPageHashes, PageManager, check_page_hashes
 from pagekeeper.core.types import ExtraKeys
 
 PS = 4
@@ -144,6 +144,25 @@ def test_client_page_hashes_are_used():
     # Same hashes, different tokens: the client's hashes decide (vLLM's engine sends them).
     b = m.admit("b", [9] * 9, page_hashes=[b"H1", b"H2"])
     assert b.num_cached_tokens == 8
+
+
+def test_page_hashes_are_checked_once():
+    """check_page_hashes refuses what admit refuses (naming a repeated hash); what it
+    returns passes through again unchanged, and admit takes it as the plain list."""
+    with pytest.raises(InvalidArgument, match="non-empty bytes"):
+        check_page_hashes([b"a", b""])
+    with pytest.raises(InvalidArgument, match="non-empty bytes"):
+        check_page_hashes([b"a", "b"])  # type: ignore[list-item]
+    with pytest.raises(InvalidArgument, match=f"page hash {b'B'.hex()} repeats"):
+        check_page_hashes([b"A", b"B", b"C", b"B"])
+    checked = check_page_hashes([b"H1", b"H2"])
+    assert type(checked) is CheckedPageHashes and checked == (b"H1", b"H2")
+    assert check_page_hashes(checked) is checked
+    m, n = full(), full()
+    m.admit("a", list(range(9)), page_hashes=checked)
+    n.admit("a", list(range(9)), page_hashes=[b"H1", b"H2"])
+    assert m.lookup(list(range(9))) == n.lookup(list(range(9)))
+    assert m.take_events() == n.take_events()
 
 
 def test_client_hashes_that_meet_their_completed_chain_are_refused():

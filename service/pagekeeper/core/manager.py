@@ -155,15 +155,38 @@ def _as_token_list(token_ids: TokenIds, what: str) -> list[int]:
     return tokens
 
 
-def _checked_hashes(page_hashes: Sequence[bytes]) -> list[bytes]:
-    """A private list of client page hashes, or InvalidArgument (one C-level type pass)."""
-    hashes = list(page_hashes)
+class CheckedPageHashes(tuple[bytes, ...]):
+    """Client page hashes :func:`check_page_hashes` passed: the manager takes them as they
+    are (the service checks a step's admissions before applying any, then hands these
+    over). Build them with that function only."""
+
+    __slots__ = ()
+
+
+def check_page_hashes(page_hashes: Sequence[bytes]) -> CheckedPageHashes:
+    """Client page hashes as :class:`CheckedPageHashes`, or InvalidArgument: each
+    non-empty bytes (one C-level type pass), none twice."""
+    if type(page_hashes) is CheckedPageHashes:
+        return page_hashes
+    hashes = CheckedPageHashes(page_hashes)
     if set(map(type, hashes)) - {bytes} or not all(hashes):
         raise InvalidArgument("page hashes must be non-empty bytes")
     if len(set(hashes)) != len(hashes):
         # A chain never repeats; a repeat would map one cached page into two table slots.
-        raise InvalidArgument("page hashes must not repeat (each covers its whole prefix)")
+        seen: set[bytes] = set()
+        for repeat in hashes:
+            if repeat in seen:
+                break
+            seen.add(repeat)
+        raise InvalidArgument(
+            f"page hash {repeat.hex()} repeats (each hash covers its whole prefix)"
+        )
     return hashes
+
+
+def _checked_hashes(page_hashes: Sequence[bytes]) -> list[bytes]:
+    """A private list of client page hashes, or InvalidArgument."""
+    return list(check_page_hashes(page_hashes))
 
 
 _RELEASING_KINDS = frozenset({GroupKind.SLIDING_WINDOW, GroupKind.CHUNKED_LOCAL})
@@ -600,7 +623,7 @@ class PageManager:
             group = self._single_full
             assert group is not None
             if chained:
-                hashes = []
+                hashes: list[bytes] = []
                 hit = self._hash_to_first_miss(tokens, hashes, max_hit)
             else:
                 hashes = self._compute_hashes(tokens, extra, page_hashes)
@@ -614,7 +637,8 @@ class PageManager:
                     hit = self._hash_to_first_miss(tokens, hashes, max_hit)
                 else:
                     hit = group.find_cache_hit(hashes, max_hit)
-            hits, num_hit = [hit], len(hit) * group.page_size
+            page_size = group.page_size
+            hits, num_hit = [hit], len(hit) * page_size
         else:
             if self.enable_caching:
                 hashes = self._compute_hashes(tokens, extra, page_hashes)
@@ -637,7 +661,7 @@ class PageManager:
         if defer:
             # A new request on a full-attention group: its new pages, plus the hit pages
             # that sit in the free queue (they count against the same free pages).
-            needed = max(-(-num_slots // group.page_size) - len(hit), 0)
+            needed = max(-(-num_slots // page_size) - len(hit), 0)
             if hit:
                 needed += self.pool.count_free(hit)
         else:
