@@ -284,7 +284,7 @@ KNOWN_ATTRIBUTES = {
         "requests",  # a read-only view of _requests
         # Deferred caching: a switch of the running service, and work that a snapshot
         # settles first (so it is recorded done).
-        "defer_caching", "_deferred", "_deferred_firsts",
+        "defer_caching", "_deferred", "_deferred_hashes", "_deferred_chained",
     },
     ServiceState: {
         "pool_config", "limits", "manager", "sink", "debug_invariants", "clock", "journal",
