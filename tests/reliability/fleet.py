@@ -29,6 +29,7 @@ import grpc
 import numpy as np
 import torch
 
+from pagekeeper.core.hashing import hash_pages
 from pagekeeper_client._proto.pagekeeper.v1 import pagekeeper_pb2 as pb
 from pagekeeper_client._proto.pagekeeper.v1 import pagekeeper_pb2_grpc as pb_grpc
 from pagekeeper_client.attention import ReferencePagedAttention, dense_attention
@@ -200,13 +201,25 @@ class SimScheduler:
                 for rid, token in growths.items()
             ],
             admissions=[
-                pb.Admission(request_id=rid, token_ids=i32(tokens))
+                pb.Admission(
+                    request_id=rid, token_ids=i32(tokens), page_hashes=self._hashes(tokens)
+                )
                 for rid, tokens in admissions.items()
             ],
             batch=pb.Batch(request_ids=[*growths, *admissions]),
         )
         self.pending = Pending(request, growths, admissions)
         return self.pending
+
+    def _hashes(self, tokens: list[int]) -> list[bytes]:
+        """Page hashes sent with an admission, as vLLM's engine sends them: for a third of
+        them every full page's, for a third the first half's (the service completes the
+        chain), none for the rest (the service hashes)."""
+        kind = int(self.rng.integers(0, 3))
+        if kind == 0:
+            return []
+        hashes = hash_pages(tokens, PAGE_SIZE)
+        return hashes if kind == 1 else hashes[: len(hashes) // 2]
 
     def send(self, pending: Pending) -> pb.StepResponse:
         if self.local_socket is not None:
