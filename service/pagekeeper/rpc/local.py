@@ -18,7 +18,7 @@ import os
 import socket
 import stat
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -64,8 +64,8 @@ class _Connection(asyncio.Protocol):
         self.presented: PresentedToken | None = None  # the hello's token, when one is asked
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # A stream transport (uvloop's are not asyncio.Transport subclasses: no isinstance).
+        self.transport = cast(asyncio.Transport, transport)
         self.server.connections.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
