@@ -52,12 +52,7 @@ back, ``--gap-ms 0``, on a 2-core machine it lands in the echo after the step). 
 
     .venv/bin/python bench/bench_step_rpc.py [--samples 200] [--quick] [--no-local]
                                              [--durability none|process|fsync] [--no-defer]
-                                             [--gap-ms 3] [--event-loop auto|uvloop|asyncio]
-                                             [--echo-loop asyncio|uvloop]
-
-The service runs on its default event loop (uvloop, ``--event-loop``); the echo on the
-standard asyncio loop, a bare ``grpc.aio`` server as it has always been measured
-(``--echo-loop uvloop`` puts the echo on uvloop too).
+                                             [--gap-ms 3]
 """
 
 from __future__ import annotations
@@ -129,12 +124,7 @@ def _wait_file(path: Path, process: subprocess.Popen[bytes], what: str) -> str:
 
 
 def start_processes(
-    workdir: Path,
-    local: bool,
-    durability: str | None = None,
-    defer: bool = True,
-    event_loop: str | None = None,
-    echo_loop: str = "asyncio",
+    workdir: Path, local: bool, durability: str | None = None, defer: bool = True
 ) -> tuple[list[subprocess.Popen[bytes]], str, str, str | None]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEKEEPER_")}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT / "service"), str(REPO_ROOT / "client")])
@@ -148,7 +138,6 @@ def start_processes(
             "--data-dir", str(workdir / "data"),
             *(["--durability", durability] if durability else []),
             *([] if defer else ["--defer-caching=false"]),
-            *(["--event-loop", event_loop] if event_loop else []),
             "--num-pages", str(NUM_PAGES), "--max-model-len", str(MAX_MODEL_LEN),
             "--page-size", str(PAGE_SIZE), "--lease-ttl-s", "600", "--max-lease-ttl-s", "600",
             "--log-level", "warning",
@@ -158,7 +147,7 @@ def start_processes(
     )  # fmt: skip
     port_file = workdir / "echo.port"
     echo = subprocess.Popen(
-        [sys.executable, __file__, "--echo-server", str(port_file), "--echo-loop", echo_loop],
+        [sys.executable, __file__, "--echo-server", str(port_file)],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     info = json.loads(_wait_file(ready, service, "the service"))
@@ -365,18 +354,12 @@ Row = tuple[str, int, float, float, float, float, float, float | None]
 
 
 async def run(
-    samples: int,
-    workdir: Path,
-    use_local: bool,
-    durability: str | None = None,
-    defer: bool = True,
-    event_loop: str | None = None,
-    echo_loop: str = "asyncio",
+    samples: int, workdir: Path, use_local: bool, durability: str | None = None, defer: bool = True
 ) -> list[Row]:
     from pagekeeper_client.local import LocalChannel
 
     processes, service_address, echo_address, local_path = start_processes(
-        workdir, use_local, durability, defer, event_loop, echo_loop
+        workdir, use_local, durability, defer
     )
     local = LocalChannel(local_path, timeout=60) if local_path else None
     rows: list[Row] = []
@@ -573,46 +556,18 @@ def main() -> int:
         default=GAP_S * 1000,
         help="idle time before each timed call, as a forward pass between steps (0: back to back)",
     )
-    parser.add_argument(
-        "--event-loop",
-        choices=("auto", "uvloop", "asyncio"),
-        help="the service's event loop (default: its own, auto = uvloop)",
-    )
-    parser.add_argument(
-        "--echo-loop",
-        choices=("asyncio", "uvloop"),
-        default="asyncio",
-        help="the echo server's event loop (default: the standard one, a bare grpc.aio server)",
-    )
     parser.add_argument("--echo-server", metavar="PORT_FILE", help=argparse.SUPPRESS)
     ns = parser.parse_args()
     GAP_S = ns.gap_ms / 1000
     if ns.echo_server:
-        factory = None
-        if ns.echo_loop == "uvloop":
-            import uvloop
-
-            factory = uvloop.new_event_loop
-        with asyncio.Runner(loop_factory=factory) as runner:
-            runner.run(_echo_server(ns.echo_server))
+        asyncio.run(_echo_server(ns.echo_server))
         return 0
     samples = 40 if ns.quick else ns.samples
     with tempfile.TemporaryDirectory(prefix="pk-bench-") as tmp:
-        rows = asyncio.run(
-            run(
-                samples,
-                Path(tmp),
-                not ns.no_local,
-                ns.durability,
-                not ns.no_defer,
-                ns.event_loop,
-                ns.echo_loop,
-            )
-        )
+        rows = asyncio.run(run(samples, Path(tmp), not ns.no_local, ns.durability, not ns.no_defer))
     print(
         f"Step round trip vs bare grpc.aio echo of the same request bytes ({samples} samples; "
         f"service durability: {ns.durability or 'default (process)'}; "
-        f"service loop: {ns.event_loop or 'default (auto)'}; echo loop: {ns.echo_loop}; "
         f"{ns.gap_ms:g} ms idle before each call"
         f"{'; caching before the answer' if ns.no_defer else ''})"
     )

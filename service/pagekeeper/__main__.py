@@ -97,7 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from pagekeeper.auth import load_server_tokens
     from pagekeeper.durability import Durability, DurabilityError
     from pagekeeper.runtime import build_runtime
-    from pagekeeper.server import event_loop_factory, serve
+    from pagekeeper.server import serve
     from pagekeeper.tls import load_server_tls
 
     durability = None
@@ -120,8 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"pagekeeper: cannot recover the durable state: {exc}", file=sys.stderr)
         return EXIT_DATA
     try:
-        with asyncio.Runner(loop_factory=event_loop_factory(settings.event_loop)) as runner:
-            runner.run(serve(settings, ready_file=ns.ready_file, runtime=runtime, tls=tls))
+        asyncio.run(serve(settings, ready_file=ns.ready_file, runtime=runtime, tls=tls))
     except OSError as exc:
         runtime.close()
         print(f"pagekeeper: cannot start: {exc}", file=sys.stderr)

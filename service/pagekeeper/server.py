@@ -93,27 +93,6 @@ def _socket_address(sock: socket.socket, asked: str) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def event_loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """The loop factory for ``asyncio.Runner`` that ``server.event_loop`` names (None: the
-    standard loop). ``auto`` takes uvloop when it imports (gRPC's asyncio server and
-    uvicorn both run on it)."""
-    if choice == "asyncio":
-        return None
-    try:
-        import uvloop
-    except ImportError:
-        if choice == "uvloop":
-            raise  # the settings check found it; gone since
-        return None
-    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
-    return factory
-
-
-def loop_name(loop: asyncio.AbstractEventLoop) -> str:
-    """``uvloop`` or ``asyncio``: which loop runs the service (logged at start-up)."""
-    return "uvloop" if type(loop).__module__.startswith("uvloop") else "asyncio"
-
-
 def write_ready_file(path: str, info: dict[str, object]) -> None:
     """Atomically (write + rename): a reader never sees half a file."""
     tmp = f"{path}.tmp.{os.getpid()}"
@@ -400,10 +379,9 @@ async def serve(
             "tls": tls is not None,
             "kv_events_endpoint": None if kv is None else kv.endpoint,
             "kv_events_replay_endpoint": None if kv is None else kv.replay_endpoint,
-            "event_loop": loop_name(asyncio.get_running_loop()),
         }
         log.info(
-            "gRPC on %s, HTTP on %s%s%s; page hashing in %s, pool loops in %s, event loop %s",
+            "gRPC on %s, HTTP on %s%s%s; page hashing in %s, pool loops in %s",
             grpc_address,
             http_address,
             ""
@@ -415,7 +393,6 @@ async def serve(
             + (f", KV events on {kv.endpoint}" if kv is not None else ""),
             "C (pagekeeper.core._native)" if native_hashing() else "pure Python",
             "C (pagekeeper.core._poolops)" if native_pool() else "pure Python",
-            info["event_loop"],
         )
         print(f"{READY_LINE_PREFIX} {json.dumps(info)}", flush=True)
         if ready_file:

@@ -23,7 +23,6 @@ The TOML file mirrors :meth:`Settings.to_dict`::
 from __future__ import annotations
 
 import difflib
-import importlib.util
 import json
 import math
 import os
@@ -40,7 +39,6 @@ PUBLISH_TRANSPORTS = ("shm", "cpu_ipc", "cuda_ipc", "none")
 DURABILITY_LEVELS = ("none", "process", "fsync")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("text", "json")
-EVENT_LOOPS = ("auto", "uvloop", "asyncio")
 KV_EVENT_HASH_FORMATS = ("int", "bytes")
 _REDACTED = "<redacted>"
 _MAX_UNIX_PATH = 107  # sun_path holds 108 bytes, the terminating NUL included
@@ -142,11 +140,6 @@ class Settings:
     ``level``, ``logger``, ``message``, ``exc`` with a traceback), both on stderr."""
     shutdown_grace_s: float = 5.0
     """How long SIGTERM waits for in-flight calls before cancelling them."""
-    event_loop: str = "auto"
-    """The process's asyncio event loop: ``uvloop`` (libuv's, ~30-50 us less a ``Step``
-    round trip than the standard loop here, see docs/benchmarks.md), ``asyncio`` (the
-    standard library's), or ``auto`` (uvloop when it is installed, as it is with the
-    service's dependencies)."""
     # -- pool --------------------------------------------------------------------------
     pool: PoolConfig = field(default_factory=PoolConfig)
     # -- publish -----------------------------------------------------------------------
@@ -246,12 +239,6 @@ class Settings:
             raise ConfigError(
                 "server.log_format", f"one of {list(LOG_FORMATS)}, got {self.log_format!r}"
             )
-        if self.event_loop not in EVENT_LOOPS:
-            raise ConfigError(
-                "server.event_loop", f"one of {list(EVENT_LOOPS)}, got {self.event_loop!r}"
-            )
-        if self.event_loop == "uvloop" and importlib.util.find_spec("uvloop") is None:
-            raise ConfigError("server.event_loop", "uvloop is not installed (pip install uvloop)")
         if not isinstance(self.data_dir, str) or not self.data_dir:
             raise ConfigError("server.data_dir", "must be a non-empty path string")
         if self.durability not in DURABILITY_LEVELS:
@@ -342,7 +329,6 @@ class Settings:
             "log_level": self.log_level,
             "log_format": self.log_format,
             "shutdown_grace_s": self.shutdown_grace_s,
-            "event_loop": self.event_loop,
         }
         pool = self.pool.to_dict()
         pool["groups"] = [{k: v for k, v in g.items() if v is not None} for g in pool["groups"]]
@@ -495,7 +481,6 @@ OPTIONS: tuple[Option, ...] = (
     Option("server.log_level", str, "debug, info, warning or error"),
     Option("server.log_format", str, "text, or json (one object a line) for log collectors"),
     Option("server.shutdown_grace_s", float, "drain time on SIGTERM, seconds"),
-    Option("server.event_loop", str, "auto (uvloop when installed), uvloop or asyncio"),
     Option("pool.num_pages", _parse_int, "pages in the pool, null page included"),
     Option("pool.page_size", _parse_int, "page size of the (single) KV-cache group, tokens"),
     Option("pool.max_model_len", _parse_int, "most tokens per request"),

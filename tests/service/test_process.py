@@ -45,7 +45,6 @@ def test_config_command_prints_effective_settings():
         (("serve", "--num-pages", "1"), "pool.num_pages"),
         (("serve", "--grpc-address", "bad"), "server.grpc_address"),
         (("config", "--ring-depth", "x"), "publish.ring_depth"),
-        (("serve", "--event-loop", "trio"), "server.event_loop"),
     ],
 )
 def test_bad_config_exits_with_one_line(args, field):
@@ -111,22 +110,6 @@ def test_ready_line_and_sigterm_drains(server_factory):
     assert ended.wait(5)
     assert not (server.workdir / "ready.json").exists()
     assert "stopped" in server.logs()
-
-
-@pytest.mark.parametrize("loop", ["auto", "asyncio"])
-def test_event_loop_choice_serves_and_drains(server_factory, loop):
-    """``auto`` runs on uvloop (a service dependency), ``asyncio`` on the standard loop;
-    either serves both protocols, its streams, and stops on SIGTERM."""
-    server = server_factory("--event-loop", loop)
-    expected = "uvloop" if loop == "auto" else "asyncio"
-    assert server.info["event_loop"] == expected
-    assert f"event loop {expected}" in server.logs()
-    sched = Scheduler(server)
-    assert sched.admit("e", list(range(40))).status == pb.ALLOCATION_STATUS_OK
-    events = server.stub().WatchEvents(pb.WatchEventsRequest())
-    assert next(iter(events)).events[0].stored.page_hashes
-    assert server.http().get("/v1/requests/e").status_code == 200
-    assert server.stop(signal.SIGTERM) == 0
 
 
 def test_sigint_exits_zero(server_factory):

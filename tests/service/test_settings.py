@@ -130,26 +130,6 @@ def test_bad_values_name_the_field(tmp_path, source, field):
     assert exc.value.field == field
 
 
-def test_event_loop_uvloop_must_be_installed(monkeypatch):
-    """Asked for by name, uvloop must import; ``auto`` falls back to the standard loop."""
-    import importlib.util
-
-    from pagekeeper.server import event_loop_factory
-
-    assert Settings(event_loop="uvloop").event_loop == "uvloop"
-    assert event_loop_factory("asyncio") is None
-    real = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util, "find_spec", lambda name, *a: None if name == "uvloop" else real(name, *a)
-    )
-    with pytest.raises(ConfigError) as exc:
-        Settings(event_loop="uvloop")
-    assert exc.value.field == "server.event_loop" and "not installed" in exc.value.reason
-    monkeypatch.setitem(sys.modules, "uvloop", None)  # import fails
-    assert Settings(event_loop="auto").event_loop == "auto"
-    assert event_loop_factory("auto") is None
-
-
 def test_every_option_has_env_and_flag():
     envs = {o.env for o in OPTIONS}
     flags = {o.flag for o in OPTIONS}

@@ -64,7 +64,8 @@ class _Connection(asyncio.Protocol):
         self.presented: PresentedToken | None = None  # the hello's token, when one is asked
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # A stream transport (uvloop's are not asyncio.Transport subclasses: no isinstance).
+        # A stream transport (another loop's, such as uvloop's, need not subclass
+        # asyncio.Transport: no isinstance).
         self.transport = cast(asyncio.Transport, transport)
         self.server.connections.add(self)
 
