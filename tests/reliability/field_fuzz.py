@@ -159,11 +159,18 @@ class FieldFuzz:
                     page_hashes=hash_pages(prompt, PAGE),
                     enable_cache_read=False,
                 ),
+                # Reads the cache with the first half of its hashes sent (the service
+                # completes the chain; on odd seeds its caching waits for settling).
+                pb.Admission(
+                    request_id="pd",
+                    token_ids=_i32(prompt[::-1]),
+                    page_hashes=hash_pages(prompt[::-1], PAGE)[:2],
+                ),
             ],
             batch=pb.Batch(
-                request_ids=["ek", "ph"],
-                num_scheduled_tokens=_i32([40, 70]),
-                num_computed_tokens=_i32([40, 70]),
+                request_ids=["ek", "ph", "pd"],
+                num_scheduled_tokens=_i32([40, 70, 70]),
+                num_computed_tokens=_i32([40, 70, 70]),
             ),
         )
 
