@@ -63,7 +63,12 @@ from pagekeeper.core.errors import (
 )
 from pagekeeper.core.events import KVEvent, event_nbytes
 from pagekeeper.core.hashing import validate_extra_keys
-from pagekeeper.core.manager import PageManager, check_page_hashes, non_negative_token_ids
+from pagekeeper.core.manager import (
+    PageManager,
+    check_page_hashes,
+    first_repeat,
+    non_negative_token_ids,
+)
 from pagekeeper.core.tables import MultipleOf, choose_kernel_block_size, expand_to_kernel_blocks
 from pagekeeper.core.types import (
     Allocation,
@@ -1248,7 +1253,7 @@ class ServiceState:
             named = [*revoked_frees, *(g.request_id for g in revoked_growths)]
             if len(set(named)) != len(named):
                 raise InvalidArgument(
-                    f"request {_first_repeat(named)!r} is named twice (freed or grown) in one step"
+                    f"request {first_repeat(named)!r} is named twice (freed or grown) in one step"
                 )
         if num_items > limits.max_requests_per_step:
             raise ResourceExhausted(
@@ -1300,7 +1305,7 @@ class ServiceState:
         batch_ids = batch.request_ids
         in_batch = set(batch_ids)
         if len(in_batch) != len(batch_ids):
-            dup = _first_repeat(batch_ids)
+            dup = first_repeat(batch_ids)
             raise InvalidArgument(f"request {dup!r} appears twice in the batch")
         freed_listed = (in_batch & revoked_freed) - admitted
         if freed_listed:
@@ -1393,7 +1398,7 @@ class ServiceState:
             tracked[:] = list(map(_NUM_COMPUTED_TOKENS, recs))
         grown = set(ids)
         if len(grown) != n:
-            raise InvalidArgument(f"request {_first_repeat(ids)!r} is grown twice in one step")
+            raise InvalidArgument(f"request {first_repeat(ids)!r} is grown twice in one step")
         both = grown & freed
         if both:
             raise InvalidArgument(f"request {min(both)!r} is both freed and grown")
@@ -2086,16 +2091,6 @@ def _check_v1_requests(tree: dict[str, Any], manager: PageManager) -> None:
     }
     if listed != core:
         raise ValueError("its request list disagrees with the core's")
-
-
-def _first_repeat(ids: Sequence[str]) -> str:
-    """The first id that appears a second time (the caller knows there is one)."""
-    seen: set[str] = set()
-    for request_id in ids:
-        if request_id in seen:
-            return request_id
-        seen.add(request_id)
-    raise AssertionError("no repeated id")  # pragma: no cover - callers check first
 
 
 def _first_true(mask: npt.NDArray[np.bool_]) -> int:

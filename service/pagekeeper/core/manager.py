@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from math import lcm
 from operator import attrgetter
 from types import MappingProxyType
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -155,6 +155,19 @@ def _as_token_list(token_ids: TokenIds, what: str) -> list[int]:
     return tokens
 
 
+_T = TypeVar("_T")
+
+
+def first_repeat(items: Sequence[_T]) -> _T:
+    """The first item that appears a second time (the caller knows there is one)."""
+    seen: set[_T] = set()
+    for item in items:
+        if item in seen:
+            return item
+        seen.add(item)
+    raise AssertionError("no repeated item")  # pragma: no cover - callers check first
+
+
 class CheckedPageHashes(tuple[bytes, ...]):
     """Client page hashes :func:`check_page_hashes` passed: the manager takes them as they
     are (the service checks a step's admissions before applying any, then hands these
@@ -173,13 +186,8 @@ def check_page_hashes(page_hashes: Sequence[bytes]) -> CheckedPageHashes:
         raise InvalidArgument("page hashes must be non-empty bytes")
     if len(set(hashes)) != len(hashes):
         # A chain never repeats; a repeat would map one cached page into two table slots.
-        seen: set[bytes] = set()
-        for repeat in hashes:
-            if repeat in seen:
-                break
-            seen.add(repeat)
         raise InvalidArgument(
-            f"page hash {repeat.hex()} repeats (each hash covers its whole prefix)"
+            f"page hash {first_repeat(hashes).hex()} repeats (each hash covers its whole prefix)"
         )
     return hashes
 
@@ -686,8 +694,8 @@ class PageManager:
         if defer:
             # Its evictions wait too (their index entries and ``removed`` event), in the
             # same list, so settling replays evictions and cachings in their order.
-            group, pool = self._single_full, self.pool
             assert group is not None
+            pool = self.pool
             pool.evict_later = self._deferred
             try:
                 new_pages: tuple[tuple[int, ...], ...] = (
