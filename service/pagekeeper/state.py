@@ -325,8 +325,11 @@ class StepCommand:
     growth_columns: GrowthColumns | None = None
     """The growths in column form, instead of ``growths`` (not both)."""
     wire: Any = field(default=None, repr=False)
-    """The ``StepRequest`` message this command was read from, when it came over gRPC: the
-    journal stores its bytes (one serialization) instead of encoding the command."""
+    """The ``StepRequest`` message this command was read from, when it came over gRPC or
+    the same-node socket: the journal stores its bytes instead of encoding the command."""
+    wire_bytes: bytes | memoryview | None = field(default=None, repr=False)
+    """The bytes ``wire`` was parsed from, when the transport kept them: the journal writes
+    them as they are (``None``: it serializes ``wire``)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,6 +29,7 @@ from pagekeeper.durability.commands import (
     RecordFromNewerVersion,
     decode_command,
     encode_command,
+    encode_command_parts,
 )
 from pagekeeper.durability.log import record_crc
 from pagekeeper.durability.snapshot import SnapshotError, decode_snapshot, encode_snapshot
@@ -506,6 +507,13 @@ def test_a_step_read_over_grpc_is_journaled_as_its_request_bytes():
     # (Damage inside the bytes is the record CRC's to catch; a cut record cannot parse.)
     with pytest.raises(RecordDecodeError):
         decode_command(body[:-5])
+    # With the bytes the request came in, the record's last part is that very object (no
+    # serialization, no copy); its body is the same and reads back the same.
+    data = request.SerializeToString()
+    received = step_from_pb(pb.StepRequest.FromString(data), 9.25, memoryview(data))
+    parts = encode_command_parts(received, result)
+    assert parts[-1] is received.wire_bytes and b"".join(parts) == body
+    assert _step_fields(decode_command(b"".join(parts))[0]) == _step_fields(step)
     # Version 2 has a fixed header; a version-1 record (a tree) of the same step, as data
     # dirs before 2026-12-06 hold them, reads back the same; so do other publications.
     assert body[1] == 2

@@ -540,3 +540,79 @@ def test_threads_share_the_socket_and_each_gets_its_own_answer(local_server):
     assert client.transport == "local" and client.stats.num_local_calls >= 850
     assert client._local is not None and 2 <= client._local.num_connections <= 4
     client.close()
+
+
+def test_steps_are_journaled_as_the_bytes_they_came_in(tmp_path, sockdir):
+    """A step's journal record holds the request bytes as they came, over gRPC and over
+    the socket (not the message serialized again): bytes whose fields come in another
+    order than protobuf writes them are found verbatim in the journal after a kill -9,
+    and the restarted service replays them into the pages it answered."""
+    import signal
+
+    from pagekeeper.durability.commands import KIND_STEP_WIRE
+    from tests.reliability.journal_files import record_crc, records
+
+    path = str(sockdir / "journal.sock")
+    args = ("--local-socket", path, "--durability", "process", "--num-pages", "256")
+    workdir = tmp_path / "svc"
+    server = launch(workdir, *args)
+    restarted = None
+    try:
+        channel = server.channel()
+        register = channel.unary_unary(
+            "/pagekeeper.v1.PagekeeperService/RegisterClient",
+            request_serializer=pb.RegisterClientRequest.SerializeToString,
+            response_deserializer=pb.RegisterClientResponse.FromString,
+        )
+        reg = register(pb.RegisterClientRequest(role=pb.CLIENT_ROLE_SCHEDULER, name="raw"))
+        step_bytes = channel.unary_unary(  # no serializer: the bytes go as they are
+            "/pagekeeper.v1.PagekeeperService/Step",
+            response_deserializer=pb.StepResponse.FromString,
+        )
+        rng = np.random.default_rng(11)
+
+        def reordered(step_id: int, request_id: str) -> bytes:
+            # The admission (field 6) before the client id (field 1): a valid encoding of
+            # the message that protobuf itself never writes.
+            admission = pb.StepRequest(
+                admissions=[
+                    pb.Admission(request_id=request_id, token_ids=i32(rng.integers(0, 9_000, 70)))
+                ]
+            )
+            head = pb.StepRequest(
+                client_id=reg.client_id, generation=reg.generation, step_id=step_id
+            )
+            sent = admission.SerializeToString() + head.SerializeToString()
+            assert pb.StepRequest.FromString(sent).SerializeToString() != sent
+            return sent
+
+        over_grpc = reordered(1, "raw-grpc")
+        answered = {"raw-grpc": step_bytes(over_grpc).results[0]}
+        over_socket = reordered(2, "raw-local")
+        conn = FrameConnection(path)
+        conn.hello("")
+        conn.send(METHOD_NUMBERS["Step"], over_socket)
+        status, body = conn.answer()
+        assert status == 0, body
+        answered["raw-local"] = pb.StepResponse.FromString(body).results[0]
+        conn.sock.close()
+        server.process.send_signal(signal.SIGKILL)
+        server.process.wait(10)
+
+        steps = [(s, c, b) for s, c, b in records(workdir / "data") if b[0] == KIND_STEP_WIRE]
+        assert len(steps) == 2
+        for (seq, crc, body), sent in zip(steps, (over_grpc, over_socket), strict=True):
+            assert body.endswith(sent)
+            assert crc == record_crc(seq, body)
+
+        restarted = launch(workdir, *args)
+        http = restarted.http()
+        for rid, result in answered.items():
+            served = http.get(f"/v1/requests/{rid}").json()
+            assert served["page_ids"][0] == np.frombuffer(result.new_page_ids[0], "<i4").tolist()
+            assert served["num_tokens"] == 70
+    finally:
+        if restarted is not None:
+            restarted.stop()
+        if server.process.poll() is None:
+            server.stop()

@@ -173,9 +173,13 @@ class LogError(RuntimeError):
     """The database cannot be opened or written (its message is one line for an operator)."""
 
 
-def record_crc(seq: int, body: bytes | memoryview) -> int:
-    """CRC-32 of ``seq`` (8 bytes LE) then ``body``."""
-    return zlib.crc32(body, zlib.crc32(_SEQ.pack(seq)))
+def record_crc(seq: int, *body: bytes | memoryview) -> int:
+    """CRC-32 of ``seq`` (8 bytes LE) then ``body`` (its parts in order: the CRC of their
+    concatenation)."""
+    crc = zlib.crc32(_SEQ.pack(seq))
+    for part in body:
+        crc = zlib.crc32(part, crc)
+    return crc
 
 
 class SnapshotFile(NamedTuple):
@@ -562,19 +566,22 @@ class CommandLog:
         if wrote and self._checkpointer is not None:
             self._checkpointer.dirty = True
 
-    def append(self, seq: int, body: bytes) -> None:
+    def append(self, seq: int, *body: bytes | memoryview) -> None:
         """Write one record (after the last one) to the journal; durable at this level once
-        it returns: in the OS page cache (``process``) or on the disk (``fsync``)."""
+        it returns: in the OS page cache (``process``) or on the disk (``fsync``). The
+        record's body is ``body``'s parts in order (written as they are, not joined first:
+        a step's part is the request as it came, tens of KB)."""
         try:
             if self._segment_fd is None or self._segment_size >= self.segment_bytes:
                 self._start_segment(seq)
             fd = self._segment_fd
             assert fd is not None
-            header = _RECORD_HEADER.pack(len(body), record_crc(seq, body), seq)
-            written = os.writev(fd, (header, body))
-            if written != len(header) + len(body):
+            size = sum(map(len, body))
+            header = _RECORD_HEADER.pack(size, record_crc(seq, *body), seq)
+            written = os.writev(fd, (header, *body))
+            if written != len(header) + size:
                 # A short write (a full disk, a signal): finish it, or fail with the reason.
-                rest = memoryview(header + body)[written:]
+                rest = memoryview(b"".join((header, *body)))[written:]
                 while rest:
                     n = os.write(fd, rest)
                     rest, written = rest[n:], written + n

@@ -51,7 +51,7 @@ from pagekeeper.durability.commands import (
     RecordDecodeError,
     RecordFromNewerVersion,
     decode_command,
-    encode_command,
+    encode_command_parts,
 )
 from pagekeeper.durability.log import (
     CUT_SHORT,
@@ -475,7 +475,7 @@ class Durability:
         if self.failure:
             raise LogError(f"the log failed earlier: {self.failure}")
         commands_log = self._require_log()
-        body = encode_command(command, result)
+        body = encode_command_parts(command, result)
         seq = self._seq + 1
         started = time.perf_counter()
         try:
@@ -484,14 +484,14 @@ class Durability:
                 # later one) as damage: make it refuse the dir instead.
                 commands_log.require_format(IDENTITY_FORMAT)
                 self._identity_format = True
-            commands_log.append(seq, body)
+            commands_log.append(seq, *body)
         except LogError as exc:
             self._fail(str(exc))
             raise
         stats = self.stats
         stats.append_seconds.append(time.perf_counter() - started)
         stats.num_records += 1
-        stats.num_bytes += len(body)
+        stats.num_bytes += sum(map(len, body))
         self._seq = seq
         self._since_snapshot += 1
 

@@ -274,7 +274,11 @@ def growth_columns_from_pb(c: pb.GrowthColumns) -> GrowthColumns:
     )
 
 
-def step_from_pb(request: pb.StepRequest, now: float) -> StepCommand:
+def step_from_pb(
+    request: pb.StepRequest, now: float, data: bytes | memoryview | None = None
+) -> StepCommand:
+    """``data``: the bytes ``request`` was parsed from (the journal writes them as they
+    are), or ``None``."""
     # The hot part of a decode step: up to hundreds of growths, so one plain call each
     # (or a few arrays in column form).
     growths = tuple(map(_growth_from_pb, request.growths))
@@ -317,6 +321,7 @@ def step_from_pb(request: pb.StepRequest, now: float) -> StepCommand:
         batch=batch,
         growth_columns=columns,
         wire=request,
+        wire_bytes=data,
     )
 
 

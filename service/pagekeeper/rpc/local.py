@@ -26,7 +26,13 @@ from google.protobuf.message import DecodeError
 from pagekeeper import __version__
 from pagekeeper.auth import PresentedToken
 from pagekeeper.files import clear_stale_socket
-from pagekeeper.rpc.servicer import LocalCaller, PagekeeperServicer, run_unary
+from pagekeeper.rpc.servicer import (
+    KEEPS_BYTES,
+    LocalCaller,
+    PagekeeperServicer,
+    Received,
+    run_unary,
+)
 from pagekeeper_client._proto.pagekeeper.v1 import pagekeeper_pb2 as pb
 from pagekeeper_client.local import HEADER, HELLO, MAGIC, METHODS
 
@@ -138,6 +144,8 @@ class _Connection(asyncio.Protocol):
             reason = f"malformed {full_name} ({len(payload)} bytes): {exc}"
             self._answer(_INVALID_ARGUMENT, reason.encode())
             return
+        if name in KEEPS_BYTES:
+            request = Received(request, payload)
         response, status, reason = run_unary(server.servicer, name, body, request, self.caller)
         if status is grpc.StatusCode.OK:
             self._answer(_OK, response.SerializeToString())

@@ -11,7 +11,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pagekeeper.auth import BearerTokens
-from pagekeeper.rpc.servicer import PagekeeperServicer
+from pagekeeper.rpc.servicer import KEEPS_BYTES, PagekeeperServicer, Received
 from pagekeeper.runtime import Runtime
 from pagekeeper.settings import Settings
 from pagekeeper_client._proto.pagekeeper.v1 import pagekeeper_pb2 as pb
@@ -83,14 +83,17 @@ class MalformedRequest:
         self.reason = reason
 
 
-def _parser(message_class: type[Message]) -> Callable[[bytes], Any]:
+def _parser(message_class: type[Message], keep_bytes: bool = False) -> Callable[[bytes], Any]:
+    """The request deserializer: the message, or with ``keep_bytes`` a :class:`Received`
+    holding the message and its bytes."""
     name = message_class.DESCRIPTOR.full_name
 
     def parse(data: bytes) -> Any:
         try:
-            return message_class.FromString(data)
+            message = message_class.FromString(data)
         except DecodeError as exc:
             return MalformedRequest(f"malformed {name} ({len(data)} bytes): {exc}")
+        return Received(message, data) if keep_bytes else message
 
     return parse
 
@@ -133,7 +136,7 @@ def add_servicer(servicer: PagekeeperServicer, server: grpc.aio.Server) -> None:
         else:
             handler = grpc.unary_unary_rpc_method_handler(
                 _guard_unary(behavior),
-                request_deserializer=_parser(request_class),
+                request_deserializer=_parser(request_class, method.name in KEEPS_BYTES),
                 response_serializer=response_class.SerializeToString,
             )
         handlers[method.name] = handler

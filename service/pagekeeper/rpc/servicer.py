@@ -73,6 +73,22 @@ class LocalCaller:
         """``(client id, certificate subject)`` the ticket was last checked against."""
 
 
+class Received:
+    """A request parsed by a transport, with the bytes it was parsed from: what the
+    transports hand the bodies of :data:`KEEPS_BYTES` (``Step``, whose journal record
+    holds the request as it came instead of serializing the message again)."""
+
+    __slots__ = ("data", "message")
+
+    def __init__(self, message: Any, data: bytes | memoryview) -> None:
+        self.message = message
+        self.data = data
+
+
+KEEPS_BYTES = frozenset({"Step"})
+"""The methods whose bodies take a :class:`Received` (a plain message works too)."""
+
+
 def peer_identity(context: Any) -> str:
     """The TLS certificate subject of the caller's connection: its common name, else its
     first subject alternative name ("" without one, or off gRPC)."""
@@ -304,10 +320,13 @@ class PagekeeperServicer(pb_grpc.PagekeeperServiceServicer):  # type: ignore[mis
 
     # -- the hot path -------------------------------------------------------------------
     @_unary
-    def Step(self, request: pb.StepRequest, context: Any) -> pb.StepResponse:
+    def Step(self, request: pb.StepRequest | Received, context: Any) -> pb.StepResponse:
+        data = None
+        if type(request) is Received:
+            request, data = request.message, request.data
         self._check_state(request.client_id, request.state_id)
         self._check_identity(request.client_id, context)
-        command = convert.step_from_pb(request, self.runtime.now())
+        command = convert.step_from_pb(request, self.runtime.now(), data)
         started = time.perf_counter()
         result = self.state.step(command)
         self._step_seconds.observe(time.perf_counter() - started)
