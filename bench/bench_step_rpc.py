@@ -45,6 +45,12 @@ answered); ``--durability none`` measures it without the journal. ``--no-defer``
 with ``--defer-caching=false`` (admissions cached before the answer; the mirror likewise,
 ``after`` then 0).
 
+The admission rows run on a service whose KV event buffer (the events kept for
+``WatchEvents`` resumption and ``/v1/events``) is full, as on a service that has run a
+while: unmeasured admission steps fill it first. Until then each admission step's events
+grow the service's heap (~140 KB, ~36 page faults, ~40 us of the step); ``--young``
+measures a fresh service instead.
+
 Each timed call (step or echo) starts after 3 ms of idle time (``--gap-ms``), as a
 scheduler's steps come between forward passes: the work the service does after an answer
 then never falls inside the next call's time, whichever server that call goes to (back to
@@ -52,7 +58,7 @@ back, ``--gap-ms 0``, on a 2-core machine it lands in the echo after the step). 
 
     .venv/bin/python bench/bench_step_rpc.py [--samples 200] [--quick] [--no-local]
                                              [--durability none|process|fsync] [--no-defer]
-                                             [--gap-ms 3]
+                                             [--gap-ms 3] [--young]
 """
 
 from __future__ import annotations
@@ -66,6 +72,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -125,7 +132,7 @@ def _wait_file(path: Path, process: subprocess.Popen[bytes], what: str) -> str:
 
 def start_processes(
     workdir: Path, local: bool, durability: str | None = None, defer: bool = True
-) -> tuple[list[subprocess.Popen[bytes]], str, str, str | None]:
+) -> tuple[list[subprocess.Popen[bytes]], str, str, str | None, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEKEEPER_")}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT / "service"), str(REPO_ROOT / "client")])
     ready = workdir / "ready.json"
@@ -152,7 +159,13 @@ def start_processes(
     )  # fmt: skip
     info = json.loads(_wait_file(ready, service, "the service"))
     echo_port = _wait_file(port_file, echo, "the echo server")
-    return [service, echo], info["grpc_address"], f"127.0.0.1:{echo_port}", info["local_socket"]
+    return (
+        [service, echo],
+        info["grpc_address"],
+        f"127.0.0.1:{echo_port}",
+        info["local_socket"],
+        info["http_address"],
+    )
 
 
 # -- scenarios ----------------------------------------------------------------------------
@@ -328,6 +341,18 @@ class Mirror:
         return answered - started
 
 
+def _event_buffer_full(http_address: str) -> bool:
+    """Whether the service's KV events kept for resumption fill 95% of its default byte
+    budget (``event_buffer_bytes``: what admissions' events reach first), from /metrics."""
+    from pagekeeper.state import Limits
+
+    with urllib.request.urlopen(f"http://{http_address}/metrics", timeout=10) as reply:
+        for line in reply.read().decode().splitlines():
+            if line.startswith("pagekeeper_event_buffer_bytes "):
+                return float(line.split()[1]) >= 0.95 * Limits().event_buffer_bytes
+    raise SystemExit("the service's /metrics has no pagekeeper_event_buffer_bytes")
+
+
 # -- timing -------------------------------------------------------------------------------
 
 
@@ -354,11 +379,16 @@ Row = tuple[str, int, float, float, float, float, float, float | None]
 
 
 async def run(
-    samples: int, workdir: Path, use_local: bool, durability: str | None = None, defer: bool = True
+    samples: int,
+    workdir: Path,
+    use_local: bool,
+    durability: str | None = None,
+    defer: bool = True,
+    young: bool = False,
 ) -> list[Row]:
     from pagekeeper_client.local import LocalChannel
 
-    processes, service_address, echo_address, local_path = start_processes(
+    processes, service_address, echo_address, local_path, http_address = start_processes(
         workdir, use_local, durability, defer
     )
     local = LocalChannel(local_path, timeout=60) if local_path else None
@@ -471,6 +501,20 @@ async def run(
         async def free_admitted() -> None:
             await driver.step(free_request_ids=list(admitted))
 
+        if not young:
+            # A service that has run a while holds as many KV events as its buffer keeps
+            # (event_buffer_size / _bytes) and drops the oldest as new ones come, so its
+            # heap no longer grows. A fresh one grows it by every admission's events
+            # (~140 KB a step of these: ~36 page faults, ~40 us of the step) until the
+            # buffer is full. Unmeasured steps fill it first: the rows below measure a
+            # service in its steady state (--young: a fresh one).
+            filled = 0
+            while not _event_buffer_full(http_address):
+                for _ in range(20):
+                    await driver.call(make_admissions())
+                    await free_admitted()
+                filled += 20
+            print(f"  (event buffer full after {filled} unmeasured admissions)", file=sys.stderr)
         await measure("admit 8x2000", make_admissions, free_admitted)
 
         # The same with each prompt's page hashes computed before the step, where vLLM
@@ -556,6 +600,11 @@ def main() -> int:
         default=GAP_S * 1000,
         help="idle time before each timed call, as a forward pass between steps (0: back to back)",
     )
+    parser.add_argument(
+        "--young",
+        action="store_true",
+        help="measure the admission rows on a fresh service (its KV event buffer still filling)",
+    )
     parser.add_argument("--echo-server", metavar="PORT_FILE", help=argparse.SUPPRESS)
     ns = parser.parse_args()
     GAP_S = ns.gap_ms / 1000
@@ -564,12 +613,15 @@ def main() -> int:
         return 0
     samples = 40 if ns.quick else ns.samples
     with tempfile.TemporaryDirectory(prefix="pk-bench-") as tmp:
-        rows = asyncio.run(run(samples, Path(tmp), not ns.no_local, ns.durability, not ns.no_defer))
+        rows = asyncio.run(
+            run(samples, Path(tmp), not ns.no_local, ns.durability, not ns.no_defer, ns.young)
+        )
     print(
         f"Step round trip vs bare grpc.aio echo of the same request bytes ({samples} samples; "
         f"service durability: {ns.durability or 'default (process)'}; "
         f"{ns.gap_ms:g} ms idle before each call"
-        f"{'; caching before the answer' if ns.no_defer else ''})"
+        f"{'; caching before the answer' if ns.no_defer else ''}"
+        f"{'; admissions on a fresh service' if ns.young else ''})"
     )
     print(
         f"{'row':<22} {'req KB':>6} {'step p50':>9} {'step p90':>9} {'echo p50':>9} "
