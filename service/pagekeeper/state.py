@@ -64,8 +64,10 @@ from pagekeeper.core.errors import (
 from pagekeeper.core.events import KVEvent, event_nbytes
 from pagekeeper.core.hashing import validate_extra_keys
 from pagekeeper.core.manager import (
+    CheckedTokens,
     PageManager,
     check_page_hashes,
+    check_token_ids,
     first_repeat,
     non_negative_token_ids,
 )
@@ -183,6 +185,9 @@ class Admission:
     page_hashes: tuple[bytes, ...] | None = None
     num_lookahead_tokens: int = 0
     enable_cache_read: bool = True
+    checked_token_ids: CheckedTokens | None = field(default=None, repr=False)
+    """``token_ids`` as the state's check of the step left them, for the manager to keep
+    (set by the state; ``None`` until then)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -642,6 +647,9 @@ class TableSink(Protocol):
     def publish(self, step_seq: int, tables: Sequence[BatchTables]) -> int:
         """Publish one batch; returns the ring slot written (-1 without a ring)."""
         ...
+
+
+_I32 = np.dtype(np.int32)
 
 
 def _as_int32(array: Any, what: str) -> Int32Array:
@@ -1578,15 +1586,20 @@ class ServiceState:
 
     def _validate_admission(self, admission: Admission, max_len: int) -> None:
         rid = admission.request_id
-        tokens = _as_int32(admission.token_ids, f"request {rid!r}: token_ids")
+        tokens = admission.token_ids
+        if type(tokens) is not np.ndarray or tokens.dtype != _I32 or tokens.ndim != 1:
+            tokens = _as_int32(tokens, f"request {rid!r}: token_ids")
         if tokens.size == 0:
             raise InvalidArgument(f"request {rid!r}: token_ids must not be empty")
         if tokens.shape[0] > max_len:
             raise InvalidArgument(
                 f"request {rid!r}: {tokens.shape[0]} tokens exceed max_model_len {max_len}"
             )
-        if not non_negative_token_ids(tokens):
-            raise InvalidArgument(f"request {rid!r}: token ids must be >= 0")
+        try:
+            # Checked and widened in one pass: the manager keeps the result as it is.
+            admission.checked_token_ids = check_token_ids(tokens)
+        except InvalidArgument:
+            raise InvalidArgument(f"request {rid!r}: token ids must be >= 0") from None
         if not 0 <= admission.num_new_tokens <= tokens.shape[0]:
             raise InvalidArgument(
                 f"request {rid!r}: num_new_tokens {admission.num_new_tokens} outside "
@@ -1634,9 +1647,11 @@ class ServiceState:
         rid = admission.request_id
         num_new = admission.num_new_tokens or None
         try:
+            checked = admission.checked_token_ids
+            admission.checked_token_ids = None  # the manager keeps it: used once
             allocation = self.manager.admit(
                 rid,
-                admission.token_ids,
+                admission.token_ids if checked is None else checked,
                 num_new_tokens=num_new,
                 extra_keys=admission.extra_keys,
                 page_hashes=admission.page_hashes,

@@ -8,7 +8,13 @@ import pytest
 from pagekeeper.core.config import GroupConfig, GroupKind, PoolConfig
 from pagekeeper.core.errors import AlreadyExists, ConfigError, InvalidArgument, NotFound
 from pagekeeper.core.events import AllCleared, PageRemoved, PageStored
-from pagekeeper.core.manager import CheckedPageHashes, PageManager, check_page_hashes
+from pagekeeper.core.manager import (
+    CheckedPageHashes,
+    CheckedTokens,
+    PageManager,
+    check_page_hashes,
+    check_token_ids,
+)
 from pagekeeper.core.types import ExtraKeys
 
 PS = 4
@@ -163,6 +169,27 @@ def test_page_hashes_are_checked_once():
     n.admit("a", list(range(9)), page_hashes=[b"H1", b"H2"])
     assert m.lookup(list(range(9))) == n.lookup(list(range(9)))
     assert m.take_events() == n.take_events()
+
+
+def test_checked_token_ids_are_kept_as_they_are():
+    """check_token_ids refuses a negative id; what it returns is widened once and admit
+    keeps that very array (the same pages, hashes and events as the plain ids)."""
+    with pytest.raises(InvalidArgument, match="non-negative"):
+        check_token_ids(np.array([3, -1, 4], dtype=np.int32))
+    for dtype in (np.int32, np.int64):
+        checked = check_token_ids(np.arange(9, dtype=dtype))
+        assert type(checked) is CheckedTokens and len(checked) == 9
+        assert checked.array.typecode == "Q" and checked.array.tolist() == list(range(9))
+    m, n = full(), full()
+    kept = checked.array
+    m.admit("a", checked)
+    n.admit("a", list(range(9)))
+    assert m._requests["a"].token_ids is kept
+    assert pages(m, "a") == pages(n, "a") and m.take_events() == n.take_events()
+    m.allocate("a", 1, new_token_ids=[9])  # the kept array grows as the request's own
+    n.allocate("a", 1, new_token_ids=[9])
+    assert kept.tolist() == list(range(10))
+    assert m.lookup(list(range(10))) == n.lookup(list(range(10)))
 
 
 def test_client_hashes_that_meet_their_completed_chain_are_refused():

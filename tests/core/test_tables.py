@@ -772,6 +772,39 @@ def test_page_rows_append_run_at_the_kept_length_only() -> None:
     assert rows.row(row).tolist() == [4, 2, 8, 1, 3]
 
 
+@pytest.mark.parametrize("packed", [True, False])
+def test_page_rows_long_runs_land_in_their_row_as_the_table_grows_and_is_replaced(
+    packed: bool, monkeypatch
+) -> None:
+    """Runs of many ids are packed in C and copied into the table's bytes (the view is made
+    again when the table grows or a snapshot restores another): every row holds exactly
+    its ids, with or without the C path."""
+    if packed and tables._pack_i32 is None:
+        pytest.skip("the C pool loops are not built (or the host is big-endian)")
+    if not packed:
+        monkeypatch.setattr(tables, "_pack_i32", None)
+    width = 40
+    rows = PageRows(width, initial_rows=1)
+    expected: dict[int, list[int]] = {}
+    for k in range(9):  # the table doubles from 1 row to 16
+        row = rows.add_row()
+        first = [1000 * k + i for i in range(tables._PACKED_RUN + k)]
+        rows.append_run(row, 0, first)
+        more = [5000 + 1000 * k + i for i in range(2 * tables._PACKED_RUN)]
+        rows.append_run(row, len(first), more)
+        expected[row] = first + more
+    restored = rows._table.copy()  # as a snapshot's restore hands over another array
+    rows._table = restored
+    last = max(expected)
+    tail = list(range(90_000, 90_000 + width - len(expected[last])))
+    rows.append_run(last, len(expected[last]), tail)
+    expected[last] += tail
+    for row, ids in expected.items():
+        assert rows.row(row).tolist() == ids
+        assert rows._table[row, len(ids) :].tolist() == [0] * (width - len(ids))
+    assert rows._table is restored
+
+
 @pytest.mark.parametrize("native", [True, False])
 def test_page_rows_append_page_each_is_all_or_nothing(native: bool, monkeypatch) -> None:
     if native and tables._ops is None:

