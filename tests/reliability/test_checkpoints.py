@@ -13,8 +13,12 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import struct
 import threading
 import time
+import zlib
+
+import pytest
 
 from pagekeeper.durability import Durability
 from pagekeeper.durability.log import (
@@ -56,6 +60,22 @@ def _wal_bytes(directory) -> int:
 
 def _register(log: CommandLog, seq: int, body: bytes = b"state") -> None:
     log.commit_snapshot_file(log.store_snapshot_file(seq, body))
+
+
+def test_record_crc_is_zlibs_crc32_whichever_library_computes_it(monkeypatch):
+    """Records and snapshots carry zlib's CRC-32 whether ISA-L (python-isal, the service's
+    dependency) or zlib computes it: a data dir reads the same under either. The service's
+    own install takes ISA-L's."""
+    from pagekeeper.durability import log as log_module
+
+    body = os.urandom(70_000)
+    expected = zlib.crc32(body, zlib.crc32(struct.pack("<q", 7)))
+    parts = (body[:5], memoryview(body)[5:40_000], body[40_000:])
+    assert record_crc(7, body) == record_crc(7, *parts) == expected
+    isal_zlib = pytest.importorskip("isal.isal_zlib")
+    assert log_module._crc32 is isal_zlib.crc32
+    monkeypatch.setattr(log_module, "_crc32", zlib.crc32)
+    assert record_crc(7, body) == record_crc(7, *parts) == expected
 
 
 def test_appends_go_to_segments_and_never_touch_the_database(tmp_path):

@@ -116,6 +116,14 @@ TLS), which a pagekeeper reading 1-3 would take for damage. A data dir is stampe
 its first such record, and stays 4; without client certificates it stays 3."""
 _SEQ = struct.Struct("<q")
 
+try:
+    # The same CRC-32 as zlib's (every record and snapshot reads alike either way), with
+    # ISA-L's carry-less-multiply loops: 64 KB (an admission step's record) in ~1 us
+    # against ~9 us; a 64 MB snapshot in ~1 ms against ~9 ms.
+    from isal.isal_zlib import crc32 as _crc32
+except ImportError:  # an install without python-isal (a platform it has no wheel for)
+    _crc32 = zlib.crc32
+
 SEGMENT_BYTES = 64 << 20
 """A segment file takes records until it holds this many bytes; the next record starts a
 new one."""
@@ -176,9 +184,9 @@ class LogError(RuntimeError):
 def record_crc(seq: int, *body: bytes | memoryview) -> int:
     """CRC-32 of ``seq`` (8 bytes LE) then ``body`` (its parts in order: the CRC of their
     concatenation)."""
-    crc = zlib.crc32(_SEQ.pack(seq))
+    crc = _crc32(_SEQ.pack(seq))
     for part in body:
-        crc = zlib.crc32(part, crc)
+        crc = _crc32(part, crc)
     return crc
 
 
