@@ -289,6 +289,11 @@ async def serve(
         # index) after the answer is on its way: the reply does not wait for it. Every
         # other call settles first.
         state.defer_caching(schedule_settle)
+    if runtime.durability is not None:
+        # The journal's next records go into zeros written ahead of them, after the answer
+        # of the step that asked (see CommandLog.reserve_ahead).
+        reserve = runtime.durability.reserve_ahead
+        runtime.durability.schedule_reserve = lambda: loop.call_later(SETTLE_DELAY_S, reserve)
 
     runtime.tls = tls  # before the servicer: it binds registrations to certificates
     grpc_server = GrpcServer(runtime)

@@ -38,6 +38,10 @@ def main() -> int:
     report = durability.recover(state)
     _, workload = twin_at(args.seed, report.last_seq, pool)
     durability.attach(state)
+    # Zeros written ahead of the records as the service writes them (after the command
+    # that asked), so kills land in them and in their writing too.
+    asked: list[bool] = []
+    durability.schedule_reserve = lambda: asked.append(True)
     out = sys.stdout
     out.write(f"ready {report.last_seq}\n")
     out.flush()
@@ -48,6 +52,9 @@ def main() -> int:
             last = durability.last_seq
             out.write(f"acked {last}\n")
             out.flush()
+        if asked:
+            asked.clear()
+            durability.reserve_ahead()
         durability.maybe_snapshot(state)
     state.journal = None
     durability.close(state)

@@ -25,6 +25,8 @@ from pagekeeper.durability.log import (
     CUT_SHORT,
     DB_NAME,
     JOURNAL_DIR,
+    RESERVE_CHUNK,
+    RESERVE_FORMAT,
     ROLL_AFTER_SNAPSHOT_BYTES,
     CommandLog,
     DurabilityLevel,
@@ -76,6 +78,50 @@ def test_record_crc_is_zlibs_crc32_whichever_library_computes_it(monkeypatch):
     assert log_module._crc32 is isal_zlib.crc32
     monkeypatch.setattr(log_module, "_crc32", zlib.crc32)
     assert record_crc(7, body) == record_crc(7, *parts) == expected
+
+
+def test_records_go_into_zeros_reserved_ahead_and_read_back_alike(tmp_path):
+    """reserve_ahead writes zeros past the last record (stamping format 5 first); the next
+    records are written into them; a reader stops at the zeros, now and after a crash that
+    leaves them (the next log appends to a segment of its own); a closed segment is cut
+    to its records. Level fsync reserves nothing."""
+    log = CommandLog(tmp_path, DurabilityLevel.PROCESS)
+    log.reserve_bytes = 2 * RESERVE_CHUNK
+    log.append(1, _body(1))
+    assert log.needs_reserve
+    assert log.reserve_ahead() == RESERVE_CHUNK and log.needs_reserve  # a chunk a call
+    assert log.reserve_ahead() == RESERVE_CHUNK  # reserve_bytes past the record now
+    assert not log.needs_reserve and log.reserve_ahead() == 0
+    db = sqlite3.connect(tmp_path / DB_NAME)
+    version = db.execute("SELECT value FROM meta WHERE key = 'format_version'").fetchone()
+    assert version == (RESERVE_FORMAT,)
+    (segment,) = journal_files.segment_paths(tmp_path)
+    reserved = segment.stat().st_size
+    for seq in range(2, 81):  # 79 more records of 8 KB: into the zeros, then past them
+        log.append(seq, _body(seq))
+        if seq == 10:
+            assert segment.stat().st_size == reserved  # still inside the reserve
+            _assert_records(log, 10)
+            # A crash now (no close): the zeros stay; a new log reads exactly the records.
+            crashed = CommandLog(tmp_path, DurabilityLevel.PROCESS)
+            _assert_records(crashed, 10)
+            crashed.close()
+    assert segment.stat().st_size > reserved  # past the reserve: the file grew as before
+    _assert_records(log, 80)
+    log.reserve_ahead()
+    assert segment.stat().st_size > log._segment_size
+    log.close()
+    assert segment.stat().st_size == 16 + 80 * (BODY + 16)  # cut to its records
+    reopened = CommandLog(tmp_path, DurabilityLevel.PROCESS)
+    _assert_records(reopened, 80)
+    reopened.append(81, _body(81))  # a segment of its own, as after any reopen
+    _assert_records(reopened, 81)
+    reopened.close()
+    (tmp_path / "fsync").mkdir()
+    synced = CommandLog(tmp_path / "fsync", DurabilityLevel.FSYNC)
+    synced.append(1, _body(1))
+    assert not synced.needs_reserve and synced.reserve_ahead() == 0
+    synced.close()
 
 
 def test_appends_go_to_segments_and_never_touch_the_database(tmp_path):

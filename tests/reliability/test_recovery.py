@@ -356,10 +356,10 @@ def test_a_certificate_identity_stamps_format_4_which_older_readers_refuse(tmp_p
     assert _format_of(tmp_path) == "4"
 
     db = sqlite3.connect(tmp_path / DB_NAME)
-    db.execute("UPDATE meta SET value = '5' WHERE key = 'format_version'")
+    db.execute("UPDATE meta SET value = '6' WHERE key = 'format_version'")
     db.commit()
     db.close()
-    with pytest.raises(DurabilityError, match="has format 5; this pagekeeper reads 1, 2, 3, 4"):
+    with pytest.raises(DurabilityError, match="has format 6; this pagekeeper reads 1, 2, 3, 4, 5"):
         Durability.open(tmp_path, "process")
 
 
@@ -1003,3 +1003,48 @@ def test_a_graceful_stop_leaves_no_journal_behind(tmp_path):
     assert durability.report.num_replayed == 0 and durability.last_seq == last
     assert state_digest(again) == digest
     durability.close()
+
+
+def test_a_record_torn_inside_the_reserved_zeros_is_dropped_alone(tmp_path):
+    """With zeros reserved ahead (format 5), a record cut short in them (its second half
+    still zeros, as a write that did not finish leaves it) fails its CRC: recovery keeps
+    every record before it and drops it, the zeros after it are no record, and the
+    service appends on from there."""
+    state, workload = new_state(), Workload(7)
+    durability = Durability.open(tmp_path, "process", snapshot_every=10_000)
+    durability.recover(state)
+    durability.attach(state)
+    asked: list[int] = []
+    durability.schedule_reserve = lambda: asked.append(1)
+    _drive(state, workload, 25, durability)
+    assert asked  # the first record asked for zeros ahead
+    assert durability.reserve_ahead() > 0
+    _drive(state, workload, 25, durability)
+    last_seq = journal_files.records(tmp_path)[-1][0]
+    kept = state_digest(state)
+    while journal_files.records(tmp_path)[-1][0] == last_seq:
+        workload.run_one(state)  # until one more record is written
+    state.journal = None
+    crash(durability)
+    (path,) = journal_files.segment_paths(tmp_path)
+    size = path.stat().st_size
+    offset = journal_files.record_offsets(path)[-1]
+    body = journal_files.records(tmp_path)[-1][2]
+    with open(path, "r+b") as f:  # the record's second half never written
+        f.seek(offset + 16 + len(body) // 2)
+        f.write(bytes(len(body) - len(body) // 2))
+    assert path.stat().st_size == size > offset + 16 + len(body)  # zeros follow it
+    again, durability = recover(tmp_path)
+    assert durability.report is not None
+    assert durability.report.last_seq == last_seq and durability.report.num_dropped == 1
+    assert state_digest(again) == kept
+    durability.attach(again)
+    while durability.last_seq == last_seq:
+        workload.run_one(again)  # appended after the kept records
+    assert durability.last_seq == last_seq + 1
+    after = state_digest(again)
+    again.journal = None
+    crash(durability)
+    third, durability = recover(tmp_path)
+    assert state_digest(third) == after
+    durability.close(third)

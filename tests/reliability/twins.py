@@ -83,7 +83,9 @@ def crash(durability: Durability) -> None:
         # checkpoint cut short is a case the kill -9 campaigns cover).
         log.stop_background_checkpoints()
         log._db.close()
-        log._close_segment()
+        if log._segment_fd is not None:  # closed as it is: zeros reserved ahead stay
+            os.close(log._segment_fd)
+            log._segment_fd = None
     if durability._lock_fd is not None:
         os.close(durability._lock_fd)
         durability._lock_fd = None

@@ -189,6 +189,10 @@ class Durability:
         self._seq = 0
         self._since_snapshot = 0
         self._identity_format = False  # the dir is stamped IDENTITY_FORMAT
+        self.schedule_reserve: Callable[[], None] | None = None
+        """Asks for :meth:`reserve_ahead` to run soon, off the answer's path (the server
+        sets it; without it a segment grows record by record)."""
+        self._reserve_asked = False
 
     # -- opening ---------------------------------------------------------------------------
     @classmethod
@@ -494,6 +498,25 @@ class Durability:
         stats.num_bytes += sum(map(len, body))
         self._seq = seq
         self._since_snapshot += 1
+        if (
+            not self._reserve_asked
+            and self.schedule_reserve is not None
+            and commands_log.needs_reserve
+        ):
+            self._reserve_asked = True
+            self.schedule_reserve()
+
+    def reserve_ahead(self) -> int:
+        """Write zeros ahead of the journal's last record (see
+        :meth:`CommandLog.reserve_ahead`); returns the bytes written."""
+        self._reserve_asked = False
+        if self.failure or self._log is None:
+            return 0
+        try:
+            return self._log.reserve_ahead()
+        except LogError as exc:  # the format stamp could not be written
+            log.warning("journal space not reserved: %s", exc)
+            return 0
 
     def _fail(self, reason: str) -> None:
         self.failure = reason
