@@ -662,7 +662,11 @@ def _as_int32(array: Any, what: str) -> Int32Array:
 def _check_id(value: object, what: str) -> str:
     if not isinstance(value, str) or not value:
         raise InvalidArgument(f"{what} must be a non-empty string")
-    if len(value.encode("utf-8", "surrogatepass")) > MAX_ID_BYTES:
+    # (A character is at most 4 bytes of UTF-8: a short id needs no encoding.)
+    if (
+        len(value) > MAX_ID_BYTES // 4
+        and len(value.encode("utf-8", "surrogatepass")) > MAX_ID_BYTES
+    ):
         raise InvalidArgument(f"{what} is longer than {MAX_ID_BYTES} bytes")
     return value
 
@@ -1199,7 +1203,7 @@ class ServiceState:
         names_revoked = bool(
             revoked_growths
             or revoked_frees
-            or revoked.difference(a.request_id for a in cmd.admissions)
+            or (revoked and revoked.difference(a.request_id for a in cmd.admissions))
         )
         client.last_step_id = cmd.step_id
         client.expires_at = cmd.now + client.lease_ttl_s

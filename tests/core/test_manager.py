@@ -176,6 +176,8 @@ def test_checked_token_ids_are_kept_as_they_are():
     keeps that very array (the same pages, hashes and events as the plain ids)."""
     with pytest.raises(InvalidArgument, match="non-negative"):
         check_token_ids(np.array([3, -1, 4], dtype=np.int32))
+    with pytest.raises(InvalidArgument, match="1-D integer array"):
+        check_token_ids(np.zeros((2, 3), dtype=np.int32))
     for dtype in (np.int32, np.int64):
         checked = check_token_ids(np.arange(9, dtype=dtype))
         assert type(checked) is CheckedTokens and len(checked) == 9
