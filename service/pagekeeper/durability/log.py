@@ -3,10 +3,12 @@ SQLite database in WAL mode that registers the snapshots (their bodies in files 
 
 Records (one applied command each) go to the journal, ``journal/segment-<first seq>.pkj``:
 a header (magic, the seq of its first record), then each record as its length, CRC and seq
-followed by its body, written with one ``writev``. A segment takes records until it holds
-``SEGMENT_BYTES``; a reopened log starts a segment of its own at its first append. An
-append is one system call where a SQLite commit was a B-tree insert, a 4 KiB WAL frame and
-the wal-index (12-14 µs warm, 35-60 µs between steps; ~3-10 µs now).
+followed by its body, written with one ``pwritev`` at its offset. A segment takes records
+until it holds ``SEGMENT_BYTES``; a reopened log starts a segment of its own at its first
+append. An append is one system call where a SQLite commit was a B-tree insert, a 4 KiB WAL
+frame and the wal-index (12-14 µs warm, 35-60 µs between steps; ~3-10 µs now). At level
+``process`` the records go into zeros written ahead of them off the answer's path
+(:meth:`CommandLog.reserve_ahead`, format 5): a header of zeros ends a segment's records.
 
 Why SQLite for the rest (standard library, no server): one transaction registers a
 snapshot and drops what it covers, its WAL survives a killed process by construction, and
