@@ -122,6 +122,26 @@ class GroupManager:
         self.page_counts[request_id] = len(table)
         self.num_cached_pages[request_id] = len(table)
 
+    def admit_full(self, request_id: str, hit_pages: list[int], num_tokens: int) -> list[int]:
+        """:meth:`save_hits` then :meth:`allocate_new` for a new request of a full-attention
+        group (no page is skipped), in one pass and one write of its row: the hit pages
+        touched, then the new ones taken. Returns the new pages."""
+        if hit_pages:
+            self.pool.touch(hit_pages)
+        row = self.rows.add_row()
+        self.request_rows[request_id] = row
+        held = len(hit_pages)
+        num_new = self.num_required_pages(num_tokens) - held
+        pages = self.pool.allocate(num_new) if num_new > 0 else []
+        table = hit_pages + pages if held else pages
+        if table:
+            # A fresh row, and ids the pool's index and queue handed out: only the room is
+            # checked.
+            self.rows.append_run(row, 0, table)
+        self.page_counts[request_id] = held + len(pages)
+        self.num_cached_pages[request_id] = held
+        return pages
+
     def allocate_new(self, request_id: str, num_tokens: int) -> list[int]:
         row = self.request_rows.get(request_id)
         if row is None:

@@ -721,8 +721,6 @@ class PageManager:
             stats.prefix_hits_requests += num_hit > 0
         req = _Request(request_id, tokens, extra, owner, hashes)
         self._requests[request_id] = req
-        for g, h in zip(self.groups, hits, strict=True):
-            g.save_hits(request_id, h, num_hit)
         if defer:
             # Its evictions wait too (their index entries and ``removed`` event), in the
             # same list, so settling replays evictions and cachings in their order.
@@ -731,12 +729,14 @@ class PageManager:
             pool.evict_later = self._deferred
             try:
                 new_pages: tuple[tuple[int, ...], ...] = (
-                    tuple(group.allocate_new(request_id, num_slots)),
+                    tuple(group.admit_full(request_id, hit, num_slots)),
                 )
             finally:
                 pool.evict_later = None
-            self._defer_cache(req, num_hit + num_new_tokens, len(hits[0]), chained)
+            self._defer_cache(req, num_hit + num_new_tokens, len(hit), chained)
         else:
+            for g, h in zip(self.groups, hits, strict=True):
+                g.save_hits(request_id, h, num_hit)
             new_pages = tuple(tuple(g.allocate_new(request_id, num_slots)) for g in self.groups)
             self._cache(req, num_hit + num_new_tokens)
         req.num_computed_tokens = num_hit + num_new_tokens
