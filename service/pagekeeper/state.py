@@ -653,6 +653,8 @@ _I32 = np.dtype(np.int32)
 
 
 def _as_int32(array: Any, what: str) -> Int32Array:
+    if type(array) is np.ndarray and array.dtype == _I32 and array.ndim == 1:
+        return array  # what the wire decodes to: nothing to check or convert
     out = np.asarray(array)
     if out.ndim != 1 or out.dtype.kind not in "iu":
         raise InvalidArgument(f"{what} must be a 1-D integer array")
@@ -1590,9 +1592,7 @@ class ServiceState:
 
     def _validate_admission(self, admission: Admission, max_len: int) -> None:
         rid = admission.request_id
-        tokens = admission.token_ids
-        if type(tokens) is not np.ndarray or tokens.dtype != _I32 or tokens.ndim != 1:
-            tokens = _as_int32(tokens, f"request {rid!r}: token_ids")
+        tokens = _as_int32(admission.token_ids, f"request {rid!r}: token_ids")
         if tokens.size == 0:
             raise InvalidArgument(f"request {rid!r}: token_ids must not be empty")
         if tokens.shape[0] > max_len:

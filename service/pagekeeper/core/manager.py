@@ -136,13 +136,6 @@ def _check_token_ndarray(token_ids: np.ndarray, what: str) -> None:
 def check_token_ids(token_ids: np.ndarray) -> CheckedTokens:
     """A 1-D integer array's ids as :class:`CheckedTokens`, or InvalidArgument when one is
     negative."""
-    if _widen_tokens is not None and token_ids.ndim == 1:
-        widened: array[int] = _ZERO_Q * token_ids.shape[0]
-        try:
-            if _widen_tokens(token_ids, widened):
-                return CheckedTokens(widened)
-        except ValueError:
-            raise InvalidArgument("token ids must be non-negative") from None
     return CheckedTokens(_as_token_array(token_ids, "token ids"))
 
 
