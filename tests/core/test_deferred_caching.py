@@ -1,10 +1,13 @@
 """Deferred caching (``PageManager.defer_caching``): a manager that leaves its admissions'
 prefix-cache work for ``settle()`` answers exactly as one that does it at once, and after
-settling holds the same index, queue, tables and events (same seqs, same order)."""
+settling holds the same index, queue, tables and events (same seqs, same order). So does
+one given each prompt as :class:`CheckedTokens` (as the service hands them over), where a
+fresh prompt takes ``PageManager._admit_fresh`` instead of the general path."""
 
 from __future__ import annotations
 
 import hypothesis.strategies as st
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import (
@@ -21,7 +24,7 @@ from pagekeeper.core.config import GroupConfig, GroupKind, PoolConfig
 from pagekeeper.core.errors import InvariantViolation, PagekeeperError
 from pagekeeper.core.events import PageRemoved, PageStored
 from pagekeeper.core.hashing import hash_pages
-from pagekeeper.core.manager import PageManager
+from pagekeeper.core.manager import PageManager, check_token_ids
 from pagekeeper.core.types import ExtraKeys
 from pagekeeper.durability.snapshot import digest_tree
 from tests.core.test_manager_model import prompt_strategy
@@ -29,15 +32,21 @@ from tests.helpers.props import examples
 
 
 def _pair(num_pages: int, page_size: int, **kwargs) -> tuple[PageManager, PageManager]:
+    eager, lazy, _ = _trio(num_pages, page_size, **kwargs)
+    return eager, lazy
+
+
+def _trio(num_pages: int, page_size: int, **kwargs) -> tuple[PageManager, PageManager, PageManager]:
+    """Eager, deferred, and deferred taking checked tokens (the service's admissions)."""
     config = PoolConfig(
         num_pages=num_pages,
         groups=(GroupConfig(GroupKind.FULL, page_size),),
         max_model_len=256,
         **kwargs,
     )
-    eager, lazy = PageManager(config), PageManager(config)
-    lazy.defer_caching = True
-    return eager, lazy
+    eager, lazy, checked = PageManager(config), PageManager(config), PageManager(config)
+    lazy.defer_caching = checked.defer_caching = True
+    return eager, lazy, checked
 
 
 def _digest(manager: PageManager) -> str:
@@ -52,7 +61,9 @@ class DeferredVsEager(RuleBasedStateMachine):
 
     @initialize(num_pages=st.integers(2, 48), page_size=st.sampled_from([2, 4, 8, 16]))
     def setup(self, num_pages, page_size):
-        self.eager, self.lazy = _pair(num_pages, page_size)
+        self.eager, self.lazy, self.checked = _trio(num_pages, page_size)
+        self.deferred = (self.lazy, self.checked)
+        self.managers = (self.eager, *self.deferred)
         self.page_size = page_size
         self.counter = 0
         self.prompts: list[list[int]] = []
@@ -92,12 +103,15 @@ class DeferredVsEager(RuleBasedStateMachine):
         if page_hashes is not None:
             self.known_hashes.extend(page_hashes)
         answers = []
-        for m in (self.eager, self.lazy):
+        for m in self.managers:
+            given = tokens
+            if m is self.checked:
+                given = check_token_ids(np.asarray(tokens, dtype=np.int64))
             try:
                 answers.append(
                     m.admit(
                         rid,
-                        tokens,
+                        given,
                         num_new_tokens=chunk or None,
                         num_lookahead_tokens=lookahead,
                         enable_cache_read=read_cache,
@@ -106,7 +120,7 @@ class DeferredVsEager(RuleBasedStateMachine):
                 )
             except PagekeeperError as exc:
                 answers.append(f"{type(exc).__name__}: {exc.message}")
-        assert answers[0] == answers[1]
+        assert answers[0] == answers[1] == answers[2]
         return rid
 
     @precondition(lambda self: self.prompts)
@@ -142,53 +156,60 @@ class DeferredVsEager(RuleBasedStateMachine):
         if num_tokens > 256 or num_tokens <= info.num_computed_tokens:
             return
         num_new = num_tokens - info.num_computed_tokens
-        answers = [m.allocate(rid, num_new, new_token_ids=new) for m in (self.eager, self.lazy)]
-        assert answers[0] == answers[1]
+        answers = [m.allocate(rid, num_new, new_token_ids=new) for m in self.managers]
+        assert answers[0] == answers[1] == answers[2]
 
     @rule(seed=st.integers(0, 2**16))
     def decode_all(self, seed):
         rids = [r for r in self.eager.request_ids() if self.eager.request_info(r).num_tokens < 256]
         tokens = [(seed + 7 * i) % 21 for i in range(len(rids))]
-        answers = [m.allocate_decodes(rids, tokens) for m in (self.eager, self.lazy)]
-        assert answers[0] == answers[1]
+        answers = [m.allocate_decodes(rids, tokens) for m in self.managers]
+        assert answers[0] == answers[1] == answers[2]
 
     @rule(rid=consumes(requests))
     def free(self, rid):
         if not self.eager.has_request(rid):
             return
-        self.eager.free(rid)
-        self.lazy.free(rid)
+        for m in self.managers:
+            m.free(rid)
 
     @rule(tokens=prompt_strategy())
     def lookup(self, tokens):
         if tokens:
-            assert self.eager.lookup(tokens) == self.lazy.lookup(tokens)
+            answers = [m.lookup(tokens) for m in self.managers]
+            assert answers[0] == answers[1] == answers[2]
 
     @precondition(lambda self: not self.eager.request_ids())
     @rule()
     def reset(self):
-        assert self.eager.reset_prefix_cache() == self.lazy.reset_prefix_cache()
+        answers = [m.reset_prefix_cache() for m in self.managers]
+        assert answers[0] == answers[1] == answers[2]
 
     @rule()
     def settle(self):
         """What every reader does first: then the two are the same, event for event."""
-        self.lazy.settle()
-        assert not self.lazy.has_deferred
-        assert self.eager.take_events() == self.lazy.take_events()
-        assert _digest(self.eager) == _digest(self.lazy)
+        events, digest = self.eager.take_events(), _digest(self.eager)
+        for m in self.deferred:
+            m.settle()
+            assert not m.has_deferred
+            assert m.take_events() == events
+            assert _digest(m) == digest
 
     @invariant()
     def same_tables(self):
         # Reads that do not settle: the tables and the free pages are the same at once.
-        assert self.eager.pool.num_free_pages == self.lazy.pool.num_free_pages
-        assert self.eager.pool.last_event_seq == self.lazy.pool.last_event_seq
-        for rid in self.eager.request_ids():
-            assert self.eager.page_table(rid).tolist() == self.lazy.page_table(rid).tolist()
+        eager = self.eager
+        for m in self.deferred:
+            assert m.pool.num_free_pages == eager.pool.num_free_pages
+            assert m.pool.last_event_seq == eager.pool.last_event_seq
+            for rid in eager.request_ids():
+                assert m.page_table(rid).tolist() == eager.page_table(rid).tolist()
 
     def teardown(self):
         if hasattr(self, "lazy"):
             self.settle()
-            self.lazy.check_invariants()
+            for m in self.deferred:
+                m.check_invariants()
 
 
 DeferredVsEager = settings(
@@ -418,3 +439,28 @@ def test_client_hashes_settle_a_chained_admission_first():
     lazy.settle()
     assert eager.take_events() == lazy.take_events()
     assert _digest(eager) == _digest(lazy)
+
+
+def test_fresh_prompts_take_the_short_path():
+    """A checked prompt whose first page misses takes ``_admit_fresh``; a hit, a first page
+    a deferred admission caches, or a prompt of one page leaves it to the general path,
+    having changed nothing."""
+    from pagekeeper.core.manager import _NOT_FRESH
+
+    _, lazy, _ = _trio(64, 4)
+    prompt = np.arange(1, 11)
+
+    def checked(tokens):
+        return check_token_ids(np.asarray(tokens, dtype=np.int64)).array
+
+    allocation = lazy._admit_fresh("a", checked(prompt), 2, "")
+    assert allocation is not _NOT_FRESH and allocation.new_page_ids == ((1, 2, 3),)
+    before = (lazy.pool.num_free_pages, lazy.pool.last_event_seq, set(lazy.request_ids()))
+    # Its first page is deferred (not yet in the index): the general path settles first.
+    assert lazy._admit_fresh("b", checked(prompt), 0, "") is _NOT_FRESH
+    lazy.settle()
+    assert lazy._admit_fresh("b", checked(prompt), 0, "") is _NOT_FRESH  # a hit now
+    assert lazy._admit_fresh("c", checked([5, 6, 7, 8]), 0, "") is _NOT_FRESH  # one page
+    assert lazy._admit_fresh("a", checked([9] * 8), 0, "") is _NOT_FRESH  # already held
+    assert (lazy.pool.num_free_pages, lazy.pool.last_event_seq, set(lazy.request_ids())) == before
+    assert lazy.admit("b", prompt).num_cached_tokens == 8

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from math import lcm
 from operator import attrgetter
 from types import MappingProxyType
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -113,6 +113,8 @@ def _event_keys(extra_keys: ExtraKeys) -> ExtraKeys | None:
 
 _widen_tokens: Callable[[Any, Any], bool] | None = None if _ops is None else _ops.widen_tokens
 _ZERO_Q = array("Q", [0])
+# What :meth:`PageManager._admit_fresh` returns for an admission it leaves to the general path.
+_NOT_FRESH: Final = object()
 
 
 def non_negative_token_ids(token_ids: np.ndarray) -> bool:
@@ -322,6 +324,15 @@ class PageManager:
         self._deferred_hashes: set[bytes] = set()
         # Whether a chained admission (pages past its first to cache unhashed) is deferred.
         self._deferred_chained = False
+        # The C hash of one page (``PageHasher.native_page_parts``) where a deferred
+        # admission of a fresh prompt can take :meth:`_admit_fresh`; None where it cannot.
+        self._fresh_parts = (
+            self._hasher.native_page_parts()
+            if self._single_full is not None
+            and self.enable_caching
+            and self.hash_page_size == self._single_full.page_size
+            else None
+        )
 
     # -- helpers -------------------------------------------------------------------------
     def _group_hashes(self, group_id: int, hashes: list[bytes]) -> list[bytes]:
@@ -629,6 +640,18 @@ class PageManager:
         than the hit leaves: all the rest; fewer for a chunked prefill). Returns None,
         changing nothing, when pages run out. Raises AlreadyExists, InvalidArgument.
         """
+        if (
+            type(token_ids) is CheckedTokens
+            and self.defer_caching
+            and self._fresh_parts is not None
+            and num_new_tokens is None
+            and page_hashes is None
+            and (extra_keys is None or extra_keys is NO_EXTRA_KEYS)
+            and enable_cache_read
+        ):
+            fresh = self._admit_fresh(request_id, token_ids.array, num_lookahead_tokens, owner)
+            if fresh is not _NOT_FRESH:
+                return fresh  # type: ignore[return-value]
         tokens = _as_token_array(token_ids, "token_ids")
         self._check_new_request(request_id, tokens)
         if num_lookahead_tokens < 0:
@@ -741,6 +764,53 @@ class PageManager:
             new_page_ids=new_pages,
             hit_page_ids=tuple(map(tuple, hits)),
         )
+
+    def _admit_fresh(
+        self, request_id: str, tokens: array[int], num_lookahead_tokens: int, owner: str
+    ) -> Allocation | object | None:
+        """:meth:`admit` of the service's most common admission, without its general
+        machinery: a whole prompt (checked ids, no client hashes, no extra keys) whose
+        first page misses the cache, deferred, on the single full-attention group. The
+        same answer, pages, stats, events and deferred work as the general path; returns
+        ``_NOT_FRESH``, having changed nothing, for anything else (a hit, a first page a
+        deferred admission caches, a prompt of at most one page, a bad argument), which the
+        general path then decides (and refuses) as always."""
+        group = self._single_full
+        assert group is not None and self._fresh_parts is not None
+        page_size = group.page_size
+        n = len(tokens)
+        max_len = self._max_model_len
+        if (
+            type(request_id) is not str
+            or not request_id
+            or request_id in self._requests
+            or not page_size < n <= max_len
+            or num_lookahead_tokens < 0
+        ):
+            return _NOT_FRESH
+        sha256_page, head, array_head, extra, none_hash = self._fresh_parts
+        first: bytes = sha256_page(head, none_hash, array_head, tokens, 0, page_size, extra)
+        pool = self.pool
+        if first in self._deferred_hashes or pool.lookup(group.group_id, first) is not None:
+            return _NOT_FRESH
+        num_slots = min(n + num_lookahead_tokens, max_len)
+        stats = self._stats
+        if -(-num_slots // page_size) > pool.num_free_pages:
+            stats.num_no_capacity += 1
+            return None
+        stats.prefix_queries_requests += 1
+        stats.prefix_queries_tokens += n
+        req = _Request(request_id, tokens, NO_EXTRA_KEYS, owner, [first])
+        self._requests[request_id] = req
+        pool.evict_later = self._deferred
+        try:
+            pages = group.admit_full(request_id, [], num_slots)
+        finally:
+            pool.evict_later = None
+        self._defer_cache(req, n, 0, True)
+        req.num_computed_tokens = n
+        req.scheduled_start, req.num_scheduled = 0, n
+        return Allocation(request_id, 0, (tuple(pages),), ((),))
 
     def allocate(
         self,
