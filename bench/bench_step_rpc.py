@@ -59,6 +59,10 @@ back, ``--gap-ms 0``, on a 2-core machine it lands in the echo after the step). 
     .venv/bin/python bench/bench_step_rpc.py [--samples 200] [--quick] [--no-local]
                                              [--durability none|process|fsync] [--no-defer]
                                              [--gap-ms 3] [--young]
+                                             [--only decode,admit,sched]
+
+``--only`` runs some of the rows' families (the decode rows, the two admission rows, the
+scheduling step), e.g. ``--only admit`` to repeat the admission rows alone.
 """
 
 from __future__ import annotations
@@ -376,6 +380,7 @@ def summary(values: list[float]) -> tuple[float, float]:
 
 
 Row = tuple[str, int, float, float, float, float, float, float | None]
+ROW_FAMILIES = frozenset({"decode", "admit", "sched"})
 
 
 async def run(
@@ -385,6 +390,7 @@ async def run(
     durability: str | None = None,
     defer: bool = True,
     young: bool = False,
+    only: frozenset[str] = ROW_FAMILIES,
 ) -> list[Row]:
     from pagekeeper_client.local import LocalChannel
 
@@ -466,7 +472,7 @@ async def run(
             print(f"  {name}: step {step_p50:.3f} ms, echo {echo_p50:.3f} ms", file=sys.stderr)
 
         prompt_len = 33  # 3 pages; the 34th token's slot is in the third page
-        for batch_size in (1, 64, 256):
+        for batch_size in (1, 64, 256) if "decode" in only else ():
             ids = driver.new_ids(batch_size)
             await driver.admit(ids, prompt_len)
             lengths = dict.fromkeys(ids, prompt_len)
@@ -501,7 +507,7 @@ async def run(
         async def free_admitted() -> None:
             await driver.step(free_request_ids=list(admitted))
 
-        if not young:
+        if "admit" in only and not young:
             # A service that has run a while holds as many KV events as its buffer keeps
             # (event_buffer_size / _bytes) and drops the oldest as new ones come, so its
             # heap no longer grows. A fresh one grows it by every admission's events
@@ -515,7 +521,8 @@ async def run(
                     await free_admitted()
                 filled += 20
             print(f"  (event buffer full after {filled} unmeasured admissions)", file=sys.stderr)
-        await measure("admit 8x2000", make_admissions, free_admitted)
+        if "admit" in only:
+            await measure("admit 8x2000", make_admissions, free_admitted)
 
         # The same with each prompt's page hashes computed before the step, where vLLM
         # computes them (when the request arrives): the service checks and uses them.
@@ -532,39 +539,41 @@ async def run(
                 ]
             )
 
-        await measure("  same, hashes sent", make_hashed_admissions, free_admitted)
+        if "admit" in only:
+            await measure("  same, hashes sent", make_hashed_admissions, free_admitted)
 
-        # The scheduling step of the core benchmark: 256 running requests of staggered
-        # lengths (about 16 cross into a new page each step), 4 admissions, 4 frees.
-        running = driver.new_ids(256)
-        sched_lengths: dict[str, int] = {}
-        for k in range(16):
-            group = running[k::16]
-            await driver.admit(group, prompt_len + k)
-            sched_lengths.update(dict.fromkeys(group, prompt_len + k))
-        shared = driver.prompt(1024)
-        cycle: list[str] = []
+        if "sched" in only:
+            # The scheduling step of the core benchmark: 256 running requests of staggered
+            # lengths (about 16 cross into a new page each step), 4 admissions, 4 frees.
+            running = driver.new_ids(256)
+            sched_lengths: dict[str, int] = {}
+            for k in range(16):
+                group = running[k::16]
+                await driver.admit(group, prompt_len + k)
+                sched_lengths.update(dict.fromkeys(group, prompt_len + k))
+            shared = driver.prompt(1024)
+            cycle: list[str] = []
 
-        def make_sched_step() -> pb.StepRequest:
-            new = driver.new_ids(4)
-            frees = cycle[:4]
-            cycle[:] = cycle[4:] + new
-            admissions = [
-                pb.Admission(
-                    request_id=r,
-                    token_ids=i32(np.concatenate([shared, driver.prompt(976)])),
+            def make_sched_step() -> pb.StepRequest:
+                new = driver.new_ids(4)
+                frees = cycle[:4]
+                cycle[:] = cycle[4:] + new
+                admissions = [
+                    pb.Admission(
+                        request_id=r,
+                        token_ids=i32(np.concatenate([shared, driver.prompt(976)])),
+                    )
+                    for r in new
+                ]
+                return driver.request(
+                    free_request_ids=frees,
+                    **decodes(driver, running, sched_lengths),
+                    admissions=admissions,
+                    batch=pb.Batch(request_ids=running + new),
                 )
-                for r in new
-            ]
-            return driver.request(
-                free_request_ids=frees,
-                **decodes(driver, running, sched_lengths),
-                admissions=admissions,
-                batch=pb.Batch(request_ids=running + new),
-            )
 
-        # Each step frees the 4 requests the previous one admitted.
-        await measure("sched step 256+4+4", make_sched_step)
+            # Each step frees the 4 requests the previous one admitted.
+            await measure("sched step 256+4+4", make_sched_step)
         await service.close()
         await echo.close()
     finally:
@@ -605,8 +614,16 @@ def main() -> int:
         action="store_true",
         help="measure the admission rows on a fresh service (its KV event buffer still filling)",
     )
+    parser.add_argument(
+        "--only",
+        default=",".join(sorted(ROW_FAMILIES)),
+        help="comma-separated row families to run: decode, admit, sched (default: all)",
+    )
     parser.add_argument("--echo-server", metavar="PORT_FILE", help=argparse.SUPPRESS)
     ns = parser.parse_args()
+    only = frozenset(ns.only.split(","))
+    if not only or not only <= ROW_FAMILIES:
+        parser.error(f"--only takes some of {', '.join(sorted(ROW_FAMILIES))}; got {ns.only!r}")
     GAP_S = ns.gap_ms / 1000
     if ns.echo_server:
         asyncio.run(_echo_server(ns.echo_server))
@@ -614,7 +631,7 @@ def main() -> int:
     samples = 40 if ns.quick else ns.samples
     with tempfile.TemporaryDirectory(prefix="pk-bench-") as tmp:
         rows = asyncio.run(
-            run(samples, Path(tmp), not ns.no_local, ns.durability, not ns.no_defer, ns.young)
+            run(samples, Path(tmp), not ns.no_local, ns.durability, not ns.no_defer, ns.young, only)
         )
     print(
         f"Step round trip vs bare grpc.aio echo of the same request bytes ({samples} samples; "
