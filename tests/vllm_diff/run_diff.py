@@ -514,7 +514,9 @@ class VllmBackend:
 
 DEFER_CACHING = False
 """``--defer-caching``: pagekeeper's manager defers admissions' prefix-cache work and
-evictions as the service runs it (``PageManager.defer_caching``); every view settles."""
+evictions as the service runs it (``PageManager.defer_caching``); every view settles.
+Prompts then go in as the service hands them over (``CheckedTokens``), so a fresh one
+takes the manager's short path (``PageManager._admit_fresh``)."""
 
 
 class PagekeeperBackend:
@@ -618,9 +620,16 @@ class PagekeeperBackend:
     def _admit(
         self, rid: str, tokens: Sequence[int], num_new: int | None, lookahead: int, extra: Any
     ) -> OpResult:
+        given: Any = list(tokens)
+        if DEFER_CACHING:
+            import numpy as np
+
+            from pagekeeper.core.manager import check_token_ids
+
+            given = check_token_ids(np.asarray(given, dtype=np.int64))
         alloc = self.pm.admit(
             rid,
-            list(tokens),
+            given,
             num_new_tokens=num_new,
             extra_keys=extra,
             num_lookahead_tokens=lookahead,

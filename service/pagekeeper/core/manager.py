@@ -646,7 +646,7 @@ class PageManager:
             and self._fresh_parts is not None
             and num_new_tokens is None
             and page_hashes is None
-            and (extra_keys is None or extra_keys is NO_EXTRA_KEYS)
+            and (extra_keys is None or extra_keys is NO_EXTRA_KEYS or extra_keys == NO_EXTRA_KEYS)
             and enable_cache_read
         ):
             fresh = self._admit_fresh(request_id, token_ids.array, num_lookahead_tokens, owner)
