@@ -1191,7 +1191,8 @@ class ServiceState:
         is_published, slot, publish_error = False, -1, ""
         unscheduled: tuple[str, ...] = ()
         if cmd.batch is not None:
-            unscheduled = tuple(r for r in cmd.batch.request_ids if r in left_out)
+            if left_out:  # (most steps leave no request out: no pass over the batch)
+                unscheduled = tuple(r for r in cmd.batch.request_ids if r in left_out)
             if will_publish and self.sink is not None:
                 is_published, slot, publish_error = self._publish(cmd.step_id, cmd.batch, left_out)
         if will_publish:

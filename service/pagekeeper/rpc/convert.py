@@ -263,11 +263,23 @@ def _admission_from_pb(a: pb.Admission) -> Admission:
     )
 
 
+# Read-only int32 columns of one default value each, grown as needed: a column left out
+# of the wire is a view of one (a 256-decode step's four: ~5 us less than np.full each time).
+_DEFAULT_COLUMNS: dict[int, Int32Array] = {}
+
+
+def _default_column(n: int, default: int) -> Int32Array:
+    base = _DEFAULT_COLUMNS.get(default)
+    if base is None or len(base) < n:
+        base = np.full(max(n, 1024), default, dtype=np.int32)
+        base.flags.writeable = False
+        _DEFAULT_COLUMNS[default] = base
+    return base[:n]
+
+
 def _column_from_pb(data: bytes, name: str, n: int, default: int) -> Int32Array:
     if not data:
-        column = np.full(n, default, dtype=np.int32)
-        column.flags.writeable = False
-        return column
+        return _default_column(n, default)
     return decode_i32(data, f"growth_columns.{name}")
 
 
