@@ -376,15 +376,22 @@ def step_result_to_pb(
     already; reading them again from the message builds each anew)."""
     response = pb.StepResponse(
         step_id=result.step_id,
-        is_published=result.is_published,
         published_slot=result.published_slot,
-        unscheduled_request_ids=list(result.unscheduled_request_ids),
         num_free_pages=result.num_free_pages,
         last_event_seq=result.last_event_seq,
-        publish_error=result.publish_error,
-        is_retry=result.is_retry,
-        revoked_request_ids=result.revoked_request_ids,
     )
+    # The rest only when set (their defaults are what the wire leaves out anyway): ~0.7 us
+    # of a step's answer.
+    if result.is_published:
+        response.is_published = True
+    if result.unscheduled_request_ids:
+        response.unscheduled_request_ids.extend(result.unscheduled_request_ids)
+    if result.publish_error:
+        response.publish_error = result.publish_error
+    if result.is_retry:
+        response.is_retry = True
+    if result.revoked_request_ids:
+        response.revoked_request_ids.extend(result.revoked_request_ids)
     add = response.results.add  # built in place: no copy of each result into the response
     outcomes: Sequence[AllocationOutcome] = result.listed
     granted = result.grants
