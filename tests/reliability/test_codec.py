@@ -283,7 +283,7 @@ KNOWN_ATTRIBUTES = {
         "config", "enable_caching", "pool", "groups", "hash_page_size", "_hash_factors",
         "_hit_alignment", "_requests", "_stats", "_max_model_len", "_no_new_pages",
         "_single_full", "_hasher",
-        "_fresh_parts",  # derived from the config: the fresh-prompt path's C hash parts
+        "_page_parts",  # derived from the config: the C hash of one page, or None
         "requests",  # a read-only view of _requests
         # Deferred caching: a switch of the running service, and work that a snapshot
         # settles first (so it is recorded done).

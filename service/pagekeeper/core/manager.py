@@ -324,9 +324,11 @@ class PageManager:
         self._deferred_hashes: set[bytes] = set()
         # Whether a chained admission (pages past its first to cache unhashed) is deferred.
         self._deferred_chained = False
-        # The C hash of one page (``PageHasher.native_page_parts``) where a deferred
-        # admission of a fresh prompt can take :meth:`_admit_fresh`; None where it cannot.
-        self._fresh_parts = (
+        # The C hash of one page (``PageHasher.native_page_parts``) of the single
+        # full-attention group, when its pages are C's to hash: what a fresh prompt's
+        # deferred admission (:meth:`_admit_fresh`) and the C decode loop's filled pages
+        # (:meth:`_fill_context`) use; None where neither runs.
+        self._page_parts = (
             self._hasher.native_page_parts()
             if self._single_full is not None
             and self.enable_caching
@@ -643,7 +645,7 @@ class PageManager:
         if (
             type(token_ids) is CheckedTokens
             and self.defer_caching
-            and self._fresh_parts is not None
+            and self._page_parts is not None
             and num_new_tokens is None
             and page_hashes is None
             and (extra_keys is None or extra_keys is NO_EXTRA_KEYS or extra_keys == NO_EXTRA_KEYS)
@@ -776,7 +778,7 @@ class PageManager:
         deferred admission caches, a prompt of at most one page, a bad argument), which the
         general path then decides (and refuses) as always."""
         group = self._single_full
-        assert group is not None and self._fresh_parts is not None
+        assert group is not None and self._page_parts is not None
         page_size = group.page_size
         n = len(tokens)
         max_len = self._max_model_len
@@ -788,7 +790,7 @@ class PageManager:
             or num_lookahead_tokens < 0
         ):
             return _NOT_FRESH
-        sha256_page, head, array_head, extra, none_hash = self._fresh_parts
+        sha256_page, head, array_head, extra, none_hash = self._page_parts
         first: bytes = sha256_page(head, none_hash, array_head, tokens, 0, page_size, extra)
         pool = self.pool
         if first in self._deferred_hashes or pool.lookup(group.group_id, first) is not None:
@@ -1141,8 +1143,8 @@ class PageManager:
     def _fill_context(self, group: GroupManager) -> tuple[Any, ...] | None:
         """``_poolops.decode_rows``' fill tuple for the single full-attention group (None:
         the hasher's pages are not C's; the Python loop caches them)."""
-        parts = self._hasher.native_page_parts()
-        if parts is None or self.hash_page_size != group.page_size:
+        parts = self._page_parts
+        if parts is None:
             return None
         return (
             *self.pool.fill_parts(group.group_id),
