@@ -22,7 +22,10 @@ Rows:
 * ``admit 8x2000``: 8 new 2,000-token prompts (no cache hit: hashing + allocation), freed
   again by an unmeasured step; ``same, hashes sent``: with each prompt's page hashes
   computed before the step (where vLLM computes them: when the request arrives) and sent
-  with it, so the service checks and uses them instead of hashing;
+  with it as the client sends them (``packed_page_hashes``: one field per prompt), so the
+  service checks and uses them instead of hashing; ``same, field per hash``: the
+  same hashes as repeated ``page_hashes`` (what a client that predates the packed field
+  sends);
 * ``sched step``: the core benchmark's scheduling step — 256 decodes (staggered lengths:
   about 16 cross into a new page) + 4 admissions of 2,000 tokens sharing a 1,024-token
   prefix (hashed by the service) + 4 frees — in one ``Step``.
@@ -526,21 +529,29 @@ async def run(
 
         # The same with each prompt's page hashes computed before the step, where vLLM
         # computes them (when the request arrives): the service checks and uses them.
-        def make_hashed_admissions() -> pb.StepRequest:
+        def make_hashed_admissions(packed: bool) -> pb.StepRequest:
             ids = driver.new_ids(8)
             admitted[:] = ids
             prompts = [driver.prompt(2000) for _ in ids]
-            return driver.request(
-                admissions=[
-                    pb.Admission(
-                        request_id=r, token_ids=i32(p), page_hashes=hash_pages(p, PAGE_SIZE)
+            admissions = []
+            for r, p in zip(ids, prompts, strict=True):
+                hashes = hash_pages(p, PAGE_SIZE)
+                if packed:
+                    admission = pb.Admission(
+                        request_id=r, token_ids=i32(p), packed_page_hashes=b"".join(hashes)
                     )
-                    for r, p in zip(ids, prompts, strict=True)
-                ]
-            )
+                else:
+                    admission = pb.Admission(request_id=r, token_ids=i32(p), page_hashes=hashes)
+                admissions.append(admission)
+            return driver.request(admissions=admissions)
 
         if "admit" in only:
-            await measure("  same, hashes sent", make_hashed_admissions, free_admitted)
+            await measure(
+                "  same, hashes sent", lambda: make_hashed_admissions(True), free_admitted
+            )
+            await measure(
+                "  same, field per hash", lambda: make_hashed_admissions(False), free_admitted
+            )
 
         if "sched" in only:
             # The scheduling step of the core benchmark: 256 running requests of staggered

@@ -493,6 +493,7 @@ def pool_from_pb(msg: pb.PoolConfig) -> PoolConfig:
         enable_prefix_caching=msg.enable_prefix_caching,
         hash_algorithm=msg.hash_algorithm,
         max_model_len=msg.max_model_len,
+        page_hash_size=msg.page_hash_size,
     )
 
 
@@ -904,6 +905,7 @@ class SchedulerState:
         self.pool = pool
         self.groups = pool.groups
         self.max_model_len = pool.max_model_len
+        self._page_hash_size = pool.page_hash_size
         self._is_simple = len(pool.groups) == 1 and pool.groups[0].kind is GroupKind.FULL
         self._page_size0 = pool.groups[0].page_size
         # Hold back plain decodes that change nothing in the pool (no page needed, none
@@ -1420,7 +1422,13 @@ class SchedulerState:
         if extra_keys is not None:
             message.extra_keys.CopyFrom(extra_keys_to_pb(extra_keys))
         if page_hashes:
-            message.page_hashes.extend(page_hashes)
+            width = self._page_hash_size
+            if width and all(type(h) is bytes and len(h) == width for h in page_hashes):
+                # One field the service splits in one pass (~4 us less per prompt of
+                # 125 pages than a field per hash).
+                message.packed_page_hashes = b"".join(page_hashes)
+            else:
+                message.page_hashes.extend(page_hashes)
         if not enable_cache_read:
             message.enable_cache_read = False
         num_slots = min(num_tokens + num_lookahead_tokens, self.max_model_len)

@@ -103,6 +103,9 @@ class PoolConfig:
     enable_prefix_caching: bool
     hash_algorithm: str
     max_model_len: int
+    page_hash_size: int = 0
+    """Bytes in one page hash; 0 from a service that takes page hashes only one field
+    each (before ``packed_page_hashes``)."""
 
     @property
     def page_sizes(self) -> tuple[int, ...]:

@@ -62,10 +62,12 @@ from pagekeeper.core.errors import (
     Unavailable,
 )
 from pagekeeper.core.events import KVEvent, event_nbytes
-from pagekeeper.core.hashing import validate_extra_keys
+from pagekeeper.core.hashing import digest_size, validate_extra_keys
 from pagekeeper.core.manager import (
     CheckedTokens,
+    PackedPageHashes,
     PageManager,
+    check_packed_page_hashes,
     check_page_hashes,
     check_token_ids,
     first_repeat,
@@ -182,9 +184,13 @@ class Admission:
     num_new_tokens: int = 0
     """0: every token after the cached prefix."""
     extra_keys: ExtraKeys | None = None
-    page_hashes: tuple[bytes, ...] | None = None
+    page_hashes: tuple[bytes, ...] | PackedPageHashes | None = None
     num_lookahead_tokens: int = 0
     enable_cache_read: bool = True
+    packed_page_hashes: bytes | None = None
+    """``page_hashes`` packed end to end, each of the pool's page-hash size (the wire's
+    ``packed_page_hashes``); not with ``page_hashes``. The state's check of the step
+    leaves them checked in ``page_hashes`` (and clears this)."""
     checked_token_ids: CheckedTokens | None = field(default=None, repr=False)
     """``token_ids`` as the state's check of the step left them, for the manager to keep
     (set by the state; ``None`` until then)."""
@@ -686,6 +692,9 @@ class ServiceState:
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.pool_config = pool_config
+        self._hash_page_size = pool_config.hash_page_size
+        self.page_hash_size = digest_size(pool_config.hash_algorithm)
+        """Bytes in one page hash: the width of an admission's ``packed_page_hashes``."""
         self.limits = limits or Limits()
         self.manager = PageManager(pool_config)
         self.sink = sink
@@ -1613,8 +1622,22 @@ class ServiceState:
         if admission.num_lookahead_tokens < 0:
             raise InvalidArgument(f"request {rid!r}: num_lookahead_tokens must be >= 0")
         hashes = admission.page_hashes
+        packed = admission.packed_page_hashes
+        if packed is not None:
+            if hashes is not None:
+                raise InvalidArgument(
+                    f"request {rid!r}: page_hashes and packed_page_hashes both set (send one)"
+                )
+            try:
+                hashes = check_packed_page_hashes(packed, self.page_hash_size)
+            except InvalidArgument as exc:
+                raise InvalidArgument(
+                    f"request {rid!r}: {exc.message} ({self.pool_config.hash_algorithm} "
+                    f"page hashes are {self.page_hash_size} bytes)"
+                ) from None
+            admission.page_hashes, admission.packed_page_hashes = hashes, None
         if hashes is not None:
-            num_full = tokens.shape[0] // self.pool_config.hash_page_size
+            num_full = tokens.shape[0] // self._hash_page_size
             if len(hashes) > num_full:
                 raise InvalidArgument(
                     f"request {rid!r}: {len(hashes)} page hashes for {tokens.shape[0]} tokens "
@@ -1622,7 +1645,8 @@ class ServiceState:
                 )
             try:
                 # Checked once: the manager takes the checked tuple as it is.
-                admission.page_hashes = check_page_hashes(hashes)
+                if type(hashes) is not PackedPageHashes:
+                    admission.page_hashes = check_page_hashes(hashes)
             except InvalidArgument as exc:
                 raise InvalidArgument(f"request {rid!r}: {exc.message}") from None
         _validate_extra_keys(admission.extra_keys, rid, tokens.shape[0])

@@ -41,6 +41,7 @@ def run(cases: int, seed: int) -> int:
         | pool_cases(cases, seed)
         | index_cases(cases, seed)
         | decode_cases(cases, seed)
+        | digest_cases(cases, seed)
         | client_cases(cases, seed)
     )
 
@@ -323,6 +324,54 @@ def index_cases(cases: int, seed: int) -> int:
     ):
         checked += _refused(call, "PageIndex")
     print(f"memcheck: {checked} checks of pagekeeper.core._poolops.PageIndex passed")
+    return 0
+
+
+def digest_cases(cases: int, seed: int) -> int:
+    """``_poolops.split_digests``, ``check_digests`` and ``DigestSet`` (client page hashes
+    packed end to end) against Python's slicing and sets: random widths, repeats at any
+    place, tables past their first size, clears; equal after every operation."""
+    ops = pool_module._ops
+    if ops is None:
+        print("memcheck: pagekeeper.core._poolops is not built here; nothing to check")
+        return 0
+    rng = random.Random(seed)
+    checked = 0
+    for _ in range(max(1, cases // 5)):
+        width = rng.choice([1, 3, 8, 16, 32])
+        pool = [rng.randbytes(width) for _ in range(rng.choice([1, 5, 40, 400]))]
+        hashes = [rng.choice(pool) for _ in range(rng.randrange(0, 600))]
+        packed = b"".join(hashes)
+        seen: set[bytes] = set()
+        repeat = next((i for i, h in enumerate(hashes) if h in seen or seen.add(h)), -1)
+        assert ops.check_digests(packed, width) == repeat
+        split = ops.split_digests(packed, width)
+        assert split == (repeat if repeat >= 0 else tuple(hashes))
+        digests, model = ops.DigestSet(), set()
+        for _ in range(rng.randrange(1, 8)):
+            if rng.random() < 0.2:
+                digests.clear()
+                model.clear()
+            else:
+                run = hashes[rng.randrange(len(hashes) + 1) :] or pool[:1]
+                digests.add(b"".join(run), width)
+                model.update(run)
+            assert len(digests) == len(model)
+            for probe in rng.sample(pool, min(len(pool), 10)) + [b"", rng.randbytes(width + 1)]:
+                assert (probe in digests) == (probe in model)
+            checked += 1
+    for call in (
+        lambda: ops.split_digests(b"abc", 2),
+        lambda: ops.split_digests(b"abcd", 0),
+        lambda: ops.check_digests(b"abc", 2),
+        lambda: ops.check_digests(7, 2),
+        lambda: ops.DigestSet().add(b"abc", 2),
+        lambda: ops.DigestSet().add(b"abcd", -1),
+        lambda: ops.DigestSet(4),
+    ):
+        checked += _refused(call, "the digest functions")
+    assert 7 not in ops.DigestSet()
+    print(f"memcheck: {checked} checks of pagekeeper.core._poolops digests passed")
     return 0
 
 

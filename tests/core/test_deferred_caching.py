@@ -1,8 +1,9 @@
 """Deferred caching (``PageManager.defer_caching``): a manager that leaves its admissions'
 prefix-cache work for ``settle()`` answers exactly as one that does it at once, and after
 settling holds the same index, queue, tables and events (same seqs, same order). So does
-one given each prompt as :class:`CheckedTokens` (as the service hands them over), where a
-fresh prompt takes ``PageManager._admit_fresh`` instead of the general path."""
+one given each prompt as :class:`CheckedTokens` and the client's page hashes checked (packed
+when they are all of one width), as the service hands them over, where a fresh prompt
+takes ``PageManager._admit_fresh`` instead of the general path."""
 
 from __future__ import annotations
 
@@ -24,7 +25,12 @@ from pagekeeper.core.config import GroupConfig, GroupKind, PoolConfig
 from pagekeeper.core.errors import InvariantViolation, PagekeeperError
 from pagekeeper.core.events import PageRemoved, PageStored
 from pagekeeper.core.hashing import hash_pages
-from pagekeeper.core.manager import PageManager, check_token_ids
+from pagekeeper.core.manager import (
+    PageManager,
+    check_packed_page_hashes,
+    check_page_hashes,
+    check_token_ids,
+)
 from pagekeeper.core.types import ExtraKeys
 from pagekeeper.durability.snapshot import digest_tree
 from tests.core.test_manager_model import prompt_strategy
@@ -47,6 +53,15 @@ def _trio(num_pages: int, page_size: int, **kwargs) -> tuple[PageManager, PageMa
     eager, lazy, checked = PageManager(config), PageManager(config), PageManager(config)
     lazy.defer_caching = checked.defer_caching = True
     return eager, lazy, checked
+
+
+def _as_the_service_checks(page_hashes: list[bytes]):
+    """Client hashes as the service's check of a step hands them over: packed when all are
+    of one width (``packed_page_hashes``), else a checked tuple (``page_hashes``)."""
+    widths = {len(h) for h in page_hashes}
+    if len(widths) == 1:
+        return check_packed_page_hashes(b"".join(page_hashes), widths.pop())
+    return check_page_hashes(page_hashes)
 
 
 def _digest(manager: PageManager) -> str:
@@ -104,10 +119,12 @@ class DeferredVsEager(RuleBasedStateMachine):
             self.known_hashes.extend(page_hashes)
         answers = []
         for m in self.managers:
-            given = tokens
-            if m is self.checked:
-                given = check_token_ids(np.asarray(tokens, dtype=np.int64))
+            given, given_hashes = tokens, page_hashes
             try:
+                if m is self.checked:
+                    given = check_token_ids(np.asarray(tokens, dtype=np.int64))
+                    if page_hashes is not None:
+                        given_hashes = _as_the_service_checks(page_hashes)
                 answers.append(
                     m.admit(
                         rid,
@@ -115,7 +132,7 @@ class DeferredVsEager(RuleBasedStateMachine):
                         num_new_tokens=chunk or None,
                         num_lookahead_tokens=lookahead,
                         enable_cache_read=read_cache,
-                        page_hashes=page_hashes,
+                        page_hashes=given_hashes,
                     )
                 )
             except PagekeeperError as exc:
@@ -464,3 +481,56 @@ def test_fresh_prompts_take_the_short_path():
     assert lazy._admit_fresh("a", checked([9] * 8), 0, "") is _NOT_FRESH  # already held
     assert (lazy.pool.num_free_pages, lazy.pool.last_event_seq, set(lazy.request_ids())) == before
     assert lazy.admit("b", prompt).num_cached_tokens == 8
+
+
+def test_packed_client_hashes_take_the_short_path():
+    """Packed client hashes covering every page: the short path keeps only the first hash
+    until settle (the rest stay packed), yet a later prompt naming one of its later pages
+    first (as no chain would) finds it deferred, settles, and hits as at once."""
+    from pagekeeper.core.manager import _NOT_FRESH, _DigestSet
+
+    eager, lazy, _ = _trio(64, 4)
+    prompt = list(range(1, 14))  # 3 full pages
+    names = [bytes([i]) * 32 for i in range(1, 4)]
+    packed = check_packed_page_hashes(b"".join(names), 32)
+    tokens = check_token_ids(np.asarray(prompt, dtype=np.int64))
+    assert lazy.admit("a", tokens, page_hashes=packed) == eager.admit(
+        "a", prompt, page_hashes=names
+    )
+    assert lazy.has_deferred
+    if _DigestSet is not None:
+        assert lazy._requests["a"].hashes == names[:1]  # the rest made by settle
+    # Fewer hashes than full pages, or a chained admission deferred: the general path.
+    short = check_packed_page_hashes(b"".join(names[:2]), 32)
+    before = (lazy.pool.num_free_pages, lazy.pool.last_event_seq)
+    assert lazy._admit_fresh("x", tokens.array, 0, "", short) is _NOT_FRESH
+    assert (lazy.pool.num_free_pages, lazy.pool.last_event_seq) == before
+    # b's first page is named as a's second: a's caching settles first, then b hits it.
+    b_names = [names[1], names[2], b"\x09" * 32]
+    b_prompt = list(range(50, 63))
+    b_packed = check_packed_page_hashes(b"".join(b_names), 32)
+    b_tokens = check_token_ids(np.asarray(b_prompt, dtype=np.int64))
+    answers = [
+        eager.admit("b", b_prompt, page_hashes=b_names),
+        lazy.admit("b", b_tokens, page_hashes=b_packed),
+    ]
+    assert answers[0] == answers[1]
+    assert answers[1].num_cached_tokens == 8
+    lazy.settle()
+    assert lazy._requests["a"].hashes == names
+    assert eager.take_events() == lazy.take_events()
+    assert _digest(eager) == _digest(lazy)
+
+
+def test_packed_client_hashes_are_checked():
+    from pagekeeper.core.errors import InvalidArgument
+
+    a, b = b"\x01" * 16, b"\x02" * 16
+    assert list(check_packed_page_hashes(a + b, 16)) == [a, b]
+    assert len(check_packed_page_hashes(a + b, 16)) == 2
+    with pytest.raises(InvalidArgument, match="not a whole number of 16-byte hashes"):
+        check_packed_page_hashes(a + b"\x03", 16)
+    with pytest.raises(InvalidArgument, match=f"page hash {a.hex()} repeats"):
+        check_packed_page_hashes(a + b + a, 16)
+    with pytest.raises(InvalidArgument, match="must be bytes"):
+        check_packed_page_hashes(bytearray(a), 16)  # type: ignore[arg-type]

@@ -166,11 +166,17 @@ class FieldFuzz:
                     token_ids=_i32(prompt[::-1]),
                     page_hashes=hash_pages(prompt[::-1], PAGE)[:2],
                 ),
+                # Every page's hash packed into one field (as the client sends them).
+                pb.Admission(
+                    request_id="pk",
+                    token_ids=_i32(prompt + 500),
+                    packed_page_hashes=b"".join(hash_pages(prompt + 500, PAGE)),
+                ),
             ],
             batch=pb.Batch(
-                request_ids=["ek", "ph", "pd"],
-                num_scheduled_tokens=_i32([40, 70, 70]),
-                num_computed_tokens=_i32([40, 70, 70]),
+                request_ids=["ek", "ph", "pd", "pk"],
+                num_scheduled_tokens=_i32([40, 70, 70, 70]),
+                num_computed_tokens=_i32([40, 70, 70, 70]),
             ),
         )
 

@@ -200,16 +200,20 @@ class SimScheduler:
                 pb.Growth(request_id=rid, num_new_tokens=1, new_token_ids=i32([token]))
                 for rid, token in growths.items()
             ],
-            admissions=[
-                pb.Admission(
-                    request_id=rid, token_ids=i32(tokens), page_hashes=self._hashes(tokens)
-                )
-                for rid, tokens in admissions.items()
-            ],
+            admissions=[self._admission(rid, tokens) for rid, tokens in admissions.items()],
             batch=pb.Batch(request_ids=[*growths, *admissions]),
         )
         self.pending = Pending(request, growths, admissions)
         return self.pending
+
+    def _admission(self, rid: str, tokens: list[int]) -> pb.Admission:
+        hashes = self._hashes(tokens)
+        if hashes and self.rng.integers(0, 2):
+            # As the client sends them to a service that says its page-hash size.
+            return pb.Admission(
+                request_id=rid, token_ids=i32(tokens), packed_page_hashes=b"".join(hashes)
+            )
+        return pb.Admission(request_id=rid, token_ids=i32(tokens), page_hashes=hashes)
 
     def _hashes(self, tokens: list[int]) -> list[bytes]:
         """Page hashes sent with an admission, as vLLM's engine sends them: for a third of

@@ -288,6 +288,7 @@ KNOWN_ATTRIBUTES = {
         # Deferred caching: a switch of the running service, and work that a snapshot
         # settles first (so it is recorded done).
         "defer_caching", "_deferred", "_deferred_hashes", "_deferred_chained",
+        "_deferred_digests",
     },
     ServiceState: {
         "pool_config", "limits", "manager", "sink", "debug_invariants", "clock", "journal",
@@ -296,6 +297,7 @@ KNOWN_ATTRIBUTES = {
         "_events_nbytes",  # derived from _events: recomputed when a snapshot is restored
         "_listeners", "_page_sizes",
         "_schedule_settle",  # the running loop's hook (deferred caching), not state
+        "_hash_page_size", "page_hash_size",  # derived from the pool config
     },
 }  # fmt: skip
 

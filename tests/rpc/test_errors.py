@@ -115,6 +115,27 @@ def _bad_steps(owner: Scheduler, other: Scheduler):
             ]
         ),
     )
+    for fragment, fields in (
+        ("repeats", {"packed_page_hashes": b"h" * 64}),
+        ("not a whole number of 32-byte hashes", {"packed_page_hashes": b"h" * 48}),
+        ("3 page hashes for 40 tokens (at most 2)", {"packed_page_hashes": bytes(range(96))}),
+        (
+            "page_hashes and packed_page_hashes both set",
+            {"packed_page_hashes": bytes(range(32)), "page_hashes": [b"h" * 32]},
+        ),
+    ):
+        yield (
+            grpc.StatusCode.INVALID_ARGUMENT,
+            fragment,
+            owner,
+            # A valid admission first: the whole step is refused.
+            owner.request(
+                admissions=[
+                    pb.Admission(request_id="fine", token_ids=i32(list(range(40)))),
+                    pb.Admission(request_id="packed", token_ids=i32(list(range(40))), **fields),
+                ]
+            ),
+        )
     yield (
         grpc.StatusCode.NOT_FOUND,
         "holds no pages",

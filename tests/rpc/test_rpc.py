@@ -155,6 +155,33 @@ def test_decodes_in_column_form(pagekeeper_server):
     sched.free("col-a", "col-b")
 
 
+def test_packed_page_hashes_are_the_hashes_sent_one_by_one(pagekeeper_server):
+    """``packed_page_hashes`` (the pool's page-hash size each, which GetPoolInfo says)
+    name the pages as ``page_hashes`` does: a prompt admitted with them is hit by the
+    same hashes sent either way, and its ``stored`` event carries them."""
+    sched = Scheduler(pagekeeper_server)
+    info = sched.stub.GetPoolInfo(pb.GetPoolInfoRequest(), metadata=sched.md)
+    assert info.config.hash_algorithm == "sha256_cbor" and info.config.page_hash_size == 32
+    prompt = _unique_prompt(3, 64)  # 4 full pages of 16
+    names = [bytes([7, i]) * 16 for i in range(4)]
+    first = sched.admit("pk-a", prompt, packed_page_hashes=b"".join(names))
+    assert first.status == pb.ALLOCATION_STATUS_OK and first.num_cached_tokens == 0
+    sched.free("pk-a")
+    # Other tokens, the same names: the hashes decide (the client vouches for them).
+    other = _unique_prompt(4, 65)
+    assert sched.admit("pk-b", other, page_hashes=names[:2]).num_cached_tokens == 32
+    sched.free("pk-b")
+    assert (
+        sched.admit("pk-c", other, packed_page_hashes=b"".join(names[:3])).num_cached_tokens == 48
+    )
+    sched.free("pk-c")
+    events = next(
+        iter(sched.stub.WatchEvents(pb.WatchEventsRequest(since_seq=0), metadata=sched.md))
+    )
+    stored = [e.stored for e in events.events if e.HasField("stored")]
+    assert any(list(s.page_hashes) == names for s in stored)
+
+
 def test_lookup_has_no_side_effects(pagekeeper_server):
     sched = Scheduler(pagekeeper_server)
     prompt = _unique_prompt(2, 64)

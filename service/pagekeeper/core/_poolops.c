@@ -19,6 +19,21 @@
  *   pack_i32(ints) -> bytes
  *       A sequence of ints as little-endian int32 bytes (the wire's arrays of page ids).
  *
+ *   split_digests(buf, width) -> tuple | int
+ *       Client page hashes packed end to end (the wire's packed_page_hashes) as a tuple of
+ *       bytes of `width` bytes each, their Python hashes computed (cached in each object:
+ *       the sets and the index they enter next do not compute them again), checked
+ *       distinct in the same pass; the index of the first one that repeats an earlier
+ *       one (an int) instead of the tuple; ValueError when the length is not a multiple.
+
+ *   check_digests(buf, width) -> int
+ *       The same check without creating the objects: -1 when distinct, else the index of
+ *       the first repeat (see "Page hashes as raw bytes" below).
+ *
+ *   DigestSet()
+ *       A set of byte strings held as raw bytes: add(buf, width) enters each width-byte
+ *       string packed in buf, `x in s` for bytes x, clear(), len(s).
+
  *   widen_tokens(src, dst) -> bool
  *       Token ids from a native integer buffer, checked non-negative, widened into the
  *       uint64 buffer `dst` (or only checked: dst None); False for another layout.
@@ -2090,6 +2105,86 @@ fail:
     return NULL;
 }
 
+/* split_digests(buf, width) -> tuple | int: see the module comment. The repeat check is
+ * an open-addressing table of indices (hash from CPython's own bytes hash, equality by
+ * memcmp), so the pass costs about what creating the objects does. */
+static PyObject *
+pool_split_digests(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "split_digests(buf, width)");
+        return NULL;
+    }
+    Py_ssize_t width = PyLong_AsSsize_t(args[1]);
+    if (width == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (width <= 0) {
+        PyErr_SetString(PyExc_ValueError, "width must be positive");
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) {
+        return NULL;
+    }
+    if (view.len % width != 0) {
+        PyErr_Format(PyExc_ValueError, "%zd bytes are not a whole number of %zd-byte hashes",
+                     view.len, width);
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    const char *base = (const char *)view.buf;
+    Py_ssize_t n = view.len / width;
+    size_t cap = 16;
+    while (cap < 2 * (size_t)n) {
+        cap <<= 1;
+    }
+    Py_ssize_t small[256];
+    Py_ssize_t *slots = cap <= 256 ? small : PyMem_Calloc(cap, sizeof(Py_ssize_t));
+    if (slots == NULL) {
+        PyBuffer_Release(&view);
+        return PyErr_NoMemory();
+    }
+    if (slots == small) {
+        memset(small, 0, sizeof(small));
+    }
+    PyObject *out = PyTuple_New(n);
+    if (out == NULL) {
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const char *p = base + i * width;
+        PyObject *item = PyBytes_FromStringAndSize(p, width);
+        if (item == NULL) {
+            Py_CLEAR(out);
+            goto done;
+        }
+        PyTuple_SET_ITEM(out, i, item);
+        Py_hash_t h = PyObject_Hash(item);
+        if (h == -1) {
+            Py_CLEAR(out);
+            goto done;
+        }
+        size_t j = (size_t)h & (cap - 1);
+        while (slots[j]) {
+            if (memcmp(base + (slots[j] - 1) * width, p, (size_t)width) == 0) {
+                Py_DECREF(out);
+                out = PyLong_FromSsize_t(i);
+                goto done;
+            }
+            j = (j + 1) & (cap - 1);
+        }
+        slots[j] = i + 1;
+    }
+done:
+    if (slots != small) {
+        PyMem_Free(slots);
+    }
+    PyBuffer_Release(&view);
+    return out;
+}
+
 /* widen_tokens(src, dst) -> bool: token ids from a C-contiguous native integer buffer
  * (numpy int32/int64/uint32/uint64, array 'i'/'l'/'q'/'I'/'L'/'Q') checked non-negative
  * and, with `dst` (a writable uint64 buffer of as many items), written there. False,
@@ -2269,6 +2364,376 @@ done:
     return result;
 }
 
+/* ---- Page hashes as raw bytes: checked and remembered without a Python object each ----
+ *
+ * A client's packed page hashes (Admission.packed_page_hashes) are checked distinct, and an
+ * admission whose prefix caching waits for settle() has its hashes remembered for the
+ * lookups of later admissions, without creating 125 bytes objects for a 2,000-token prompt:
+ * settle() creates them after the answer is out. The tables hash the raw bytes with a
+ * multiply-shift hash keyed from the process's own hash secret (CPython's bytes hash of a
+ * constant), so a client cannot pick hashes that pile into one probe chain without knowing
+ * it. */
+
+static uint64_t digest_key0, digest_key1;
+
+static inline uint64_t
+digest_hash(const unsigned char *p, Py_ssize_t n)
+{
+    uint64_t a = 0, b;
+    if (n >= 8) {
+        memcpy(&a, p, 8);
+        memcpy(&b, p + n - 8, 8);
+    }
+    else {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            a = (a << 8) | p[i];
+        }
+        b = a;
+    }
+    return (a ^ digest_key0) * UINT64_C(0x9E3779B97F4A7C15)
+           + (b ^ digest_key1 ^ (uint64_t)n) * UINT64_C(0xC2B2AE3D27D4EB4F);
+}
+
+/* The table's bits: the top ones of the hash (multiply-shift). */
+static inline size_t
+digest_slot(uint64_t h, int bits)
+{
+    return (size_t)(h >> (64 - bits));
+}
+
+/* check_digests(buf, width) -> int: -1 when the width-byte hashes packed in buf are
+ * distinct, else the index of the first one that repeats an earlier one; ValueError when
+ * the length is not a whole number of them. */
+static PyObject *
+pool_check_digests(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "check_digests(buf, width)");
+        return NULL;
+    }
+    Py_ssize_t width = PyLong_AsSsize_t(args[1]);
+    if (width == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (width <= 0) {
+        PyErr_SetString(PyExc_ValueError, "width must be positive");
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) {
+        return NULL;
+    }
+    if (view.len % width != 0) {
+        PyErr_Format(PyExc_ValueError, "%zd bytes are not a whole number of %zd-byte hashes",
+                     view.len, width);
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    const unsigned char *base = (const unsigned char *)view.buf;
+    Py_ssize_t n = view.len / width;
+    int bits = 4;
+    while (((size_t)1 << bits) < 2 * (size_t)n) {
+        bits++;
+    }
+    size_t cap = (size_t)1 << bits;
+    int32_t small[512];
+    int32_t *slots = cap <= 512 ? small : PyMem_Calloc(cap, sizeof(int32_t));
+    if (slots == NULL) {
+        PyBuffer_Release(&view);
+        return PyErr_NoMemory();
+    }
+    if (slots == small) {
+        memset(small, 0, cap * sizeof(int32_t));
+    }
+    Py_ssize_t repeat = -1;
+    if (n > INT32_MAX - 1) {
+        PyErr_SetString(PyExc_ValueError, "too many hashes");
+        repeat = -2;
+    }
+    for (Py_ssize_t i = 0; i < n && repeat == -1; i++) {
+        const unsigned char *p = base + i * width;
+        size_t j = digest_slot(digest_hash(p, width), bits);
+        while (slots[j]) {
+            if (memcmp(base + (Py_ssize_t)(slots[j] - 1) * width, p, (size_t)width) == 0) {
+                repeat = i;
+                break;
+            }
+            j = (j + 1) & (cap - 1);
+        }
+        slots[j] = (int32_t)(i + 1);
+    }
+    if (slots != small) {
+        PyMem_Free(slots);
+    }
+    PyBuffer_Release(&view);
+    return repeat == -2 ? NULL : PyLong_FromSsize_t(repeat);
+}
+
+/* DigestSet(): a set of byte strings kept as raw bytes in one arena (an open-addressing
+ * table of entry numbers over it). add(buf, width) enters every width-byte string packed
+ * in buf; `x in s` for a bytes x; clear(); len(s). */
+typedef struct {
+    PyObject_HEAD
+    unsigned char *arena;
+    Py_ssize_t arena_len, arena_cap;
+    Py_ssize_t *offsets; /* entry i: its bytes at arena + offsets[i], lengths[i] long */
+    Py_ssize_t *lengths;
+    Py_ssize_t count, entries_cap;
+    int32_t *table; /* entry number + 1; 0: empty */
+    int bits;
+} DigestSet;
+
+static PyTypeObject DigestSet_Type;
+
+#define DIGESTSET_MIN_BITS 8
+
+static int
+digestset_alloc_table(DigestSet *self, int bits)
+{
+    int32_t *table = PyMem_Calloc((size_t)1 << bits, sizeof(int32_t));
+    if (table == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    PyMem_Free(self->table);
+    self->table = table;
+    self->bits = bits;
+    return 0;
+}
+
+static PyObject *
+DigestSet_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, ":DigestSet", kwlist)) {
+        return NULL;
+    }
+    DigestSet *self = (DigestSet *)type->tp_alloc(type, 0);
+    if (self == NULL) {
+        return NULL;
+    }
+    if (digestset_alloc_table(self, DIGESTSET_MIN_BITS) < 0) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    return (PyObject *)self;
+}
+
+static void
+DigestSet_dealloc(DigestSet *self)
+{
+    PyMem_Free(self->arena);
+    PyMem_Free(self->offsets);
+    PyMem_Free(self->lengths);
+    PyMem_Free(self->table);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* The slot holding these bytes, or the empty slot where they would go. */
+static inline size_t
+digestset_find(const DigestSet *self, const unsigned char *p, Py_ssize_t n, int *found)
+{
+    size_t mask = ((size_t)1 << self->bits) - 1;
+    size_t j = digest_slot(digest_hash(p, n), self->bits);
+    int32_t e;
+    while ((e = self->table[j]) != 0) {
+        Py_ssize_t k = e - 1;
+        if (self->lengths[k] == n && memcmp(self->arena + self->offsets[k], p, (size_t)n) == 0) {
+            *found = 1;
+            return j;
+        }
+        j = (j + 1) & mask;
+    }
+    *found = 0;
+    return j;
+}
+
+static int
+digestset_grow(DigestSet *self, Py_ssize_t more_entries, Py_ssize_t more_bytes)
+{
+    Py_ssize_t need = self->count + more_entries;
+    if (need > INT32_MAX - 1) {
+        PyErr_SetString(PyExc_OverflowError, "DigestSet is full");
+        return -1;
+    }
+    if (need > self->entries_cap) {
+        Py_ssize_t cap = self->entries_cap ? self->entries_cap : 256;
+        while (cap < need) {
+            cap *= 2;
+        }
+        Py_ssize_t *offsets = PyMem_Realloc(self->offsets, (size_t)cap * sizeof(Py_ssize_t));
+        if (offsets == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        self->offsets = offsets;
+        Py_ssize_t *lengths = PyMem_Realloc(self->lengths, (size_t)cap * sizeof(Py_ssize_t));
+        if (lengths == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        self->lengths = lengths;
+        self->entries_cap = cap;
+    }
+    if (self->arena_len + more_bytes > self->arena_cap) {
+        Py_ssize_t cap = self->arena_cap ? self->arena_cap : 8192;
+        while (cap < self->arena_len + more_bytes) {
+            cap *= 2;
+        }
+        unsigned char *arena = PyMem_Realloc(self->arena, (size_t)cap);
+        if (arena == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        self->arena = arena;
+        self->arena_cap = cap;
+    }
+    /* At most half full once they are in. */
+    int bits = self->bits;
+    while (((size_t)1 << bits) < 2 * (size_t)need) {
+        bits++;
+    }
+    if (bits != self->bits) {
+        if (digestset_alloc_table(self, bits) < 0) {
+            return -1;
+        }
+        for (Py_ssize_t k = 0; k < self->count; k++) {
+            int found;
+            size_t j = digestset_find(self, self->arena + self->offsets[k], self->lengths[k], &found);
+            self->table[j] = (int32_t)(k + 1);
+        }
+    }
+    return 0;
+}
+
+static PyObject *
+DigestSet_add(DigestSet *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "add(buf, width)");
+        return NULL;
+    }
+    Py_ssize_t width = PyLong_AsSsize_t(args[1]);
+    if (width == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (width <= 0) {
+        PyErr_SetString(PyExc_ValueError, "width must be positive");
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) {
+        return NULL;
+    }
+    if (view.len % width != 0) {
+        PyErr_Format(PyExc_ValueError, "%zd bytes are not a whole number of %zd-byte strings",
+                     view.len, width);
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    Py_ssize_t n = view.len / width;
+    if (digestset_grow(self, n, view.len) < 0) {
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    const unsigned char *base = (const unsigned char *)view.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const unsigned char *p = base + i * width;
+        int found;
+        size_t j = digestset_find(self, p, width, &found);
+        if (found) {
+            continue;
+        }
+        Py_ssize_t k = self->count++;
+        memcpy(self->arena + self->arena_len, p, (size_t)width);
+        self->offsets[k] = self->arena_len;
+        self->lengths[k] = width;
+        self->arena_len += width;
+        self->table[j] = (int32_t)(k + 1);
+    }
+    PyBuffer_Release(&view);
+    Py_RETURN_NONE;
+}
+
+static int
+DigestSet_contains(DigestSet *self, PyObject *key)
+{
+    if (!PyBytes_Check(key) || self->count == 0) {
+        return 0;
+    }
+    int found;
+    digestset_find(self, (const unsigned char *)PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key),
+                   &found);
+    return found;
+}
+
+static Py_ssize_t
+DigestSet_len(DigestSet *self)
+{
+    return self->count;
+}
+
+static PyObject *
+DigestSet_clear(DigestSet *self, PyObject *Py_UNUSED(ignored))
+{
+    if (self->count) {
+        if (self->bits > 14) {
+            /* A large step's table: give it back rather than clear a big one each time. */
+            if (digestset_alloc_table(self, DIGESTSET_MIN_BITS) < 0) {
+                return NULL;
+            }
+        }
+        else {
+            memset(self->table, 0, ((size_t)1 << self->bits) * sizeof(int32_t));
+        }
+        self->count = 0;
+        self->arena_len = 0;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef DigestSet_methods[] = {
+    {"add", (PyCFunction)(void (*)(void))DigestSet_add, METH_FASTCALL,
+     "add(buf, width): enter every width-byte string packed in buf."},
+    {"clear", (PyCFunction)DigestSet_clear, METH_NOARGS, "Remove every entry."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PySequenceMethods DigestSet_as_sequence = {
+    .sq_length = (lenfunc)DigestSet_len,
+    .sq_contains = (objobjproc)DigestSet_contains,
+};
+
+static PyTypeObject DigestSet_Type = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "pagekeeper.core._poolops.DigestSet",
+    .tp_basicsize = sizeof(DigestSet),
+    .tp_dealloc = (destructor)DigestSet_dealloc,
+    .tp_as_sequence = &DigestSet_as_sequence,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A set of byte strings held as raw bytes (see the module comment).",
+    .tp_methods = DigestSet_methods,
+    .tp_new = DigestSet_new,
+};
+
+static int
+digest_keys_init(void)
+{
+    PyObject *a = PyBytes_FromString("pagekeeper digest key 0");
+    PyObject *b = PyBytes_FromString("pagekeeper digest key 1");
+    Py_hash_t ha = a ? PyObject_Hash(a) : -1;
+    Py_hash_t hb = b ? PyObject_Hash(b) : -1;
+    Py_XDECREF(a);
+    Py_XDECREF(b);
+    if (ha == -1 || hb == -1) {
+        return -1;
+    }
+    digest_key0 = (uint64_t)ha;
+    digest_key1 = (uint64_t)hb;
+    return 0;
+}
+
 static PyMethodDef poolops_methods[] = {
     {"untrack", (PyCFunction)pool_untrack, METH_O,
      "untrack(obj) -> bool: stop the GC tracking obj when nothing it references is "
@@ -2284,6 +2749,12 @@ static PyMethodDef poolops_methods[] = {
      "each of these distinct rows (False: nothing changed, a check failed)."},
     {"pack_i32", (PyCFunction)pool_pack_i32, METH_O,
      "pack_i32(ints) -> bytes: little-endian int32."},
+    {"check_digests", (PyCFunction)(void (*)(void))pool_check_digests, METH_FASTCALL,
+     "check_digests(buf, width) -> int: -1 when the packed hashes are distinct, else the "
+     "index of the first repeat."},
+    {"split_digests", (PyCFunction)(void (*)(void))pool_split_digests, METH_FASTCALL,
+     "split_digests(buf, width) -> tuple | int: packed page hashes as bytes objects, "
+     "checked distinct (the index of the first repeat instead)."},
     {"widen_tokens", (PyCFunction)(void (*)(void))pool_widen_tokens, METH_FASTCALL,
      "widen_tokens(src, dst) -> bool: token ids checked non-negative (ValueError) and "
      "written into the uint64 buffer dst (None: only checked); False for a layout it does "
@@ -2318,7 +2789,8 @@ static struct PyModuleDef poolops_module = {
 PyMODINIT_FUNC
 PyInit__poolops(void)
 {
-    if (PyType_Ready(&PageIndex_Type) < 0) {
+    if (PyType_Ready(&PageIndex_Type) < 0 || PyType_Ready(&DigestSet_Type) < 0
+        || digest_keys_init() < 0) {
         return NULL;
     }
     struct {
@@ -2353,7 +2825,8 @@ PyInit__poolops(void)
     if (module == NULL) {
         return NULL;
     }
-    if (PyModule_AddObjectRef(module, "PageIndex", (PyObject *)&PageIndex_Type) < 0) {
+    if (PyModule_AddObjectRef(module, "PageIndex", (PyObject *)&PageIndex_Type) < 0
+        || PyModule_AddObjectRef(module, "DigestSet", (PyObject *)&DigestSet_Type) < 0) {
         Py_DECREF(module);
         return NULL;
     }

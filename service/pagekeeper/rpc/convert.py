@@ -16,6 +16,7 @@ import numpy as np
 from pagekeeper.core.config import GroupKind, PoolConfig
 from pagekeeper.core.errors import InvalidArgument
 from pagekeeper.core.events import AllCleared, KVEvent, PageRemoved, PageStored, TokenRun
+from pagekeeper.core.hashing import digest_size
 from pagekeeper.core.pool import pack_i32_native
 from pagekeeper.core.types import BatchTables, ExtraKeys, Int32Array, MultiModalKey, PoolStats
 from pagekeeper.publish.api import RingDescriptor
@@ -129,6 +130,7 @@ def pool_config_to_pb(config: PoolConfig) -> pb.PoolConfig:
         enable_prefix_caching=config.enable_prefix_caching,
         hash_algorithm=config.hash_algorithm,
         max_model_len=config.max_model_len,
+        page_hash_size=digest_size(config.hash_algorithm),
     )
 
 
@@ -260,6 +262,7 @@ def _admission_from_pb(a: pb.Admission) -> Admission:
         tuple(a.page_hashes) if a.page_hashes else None,
         a.num_lookahead_tokens,
         a.enable_cache_read if a.HasField("enable_cache_read") else True,
+        a.packed_page_hashes or None,
     )
 
 

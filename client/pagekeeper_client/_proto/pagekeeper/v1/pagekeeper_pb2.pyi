@@ -72,18 +72,20 @@ class GroupInfo(_message.Message):
     def __init__(self, group_id: _Optional[int] = ..., kind: _Optional[_Union[GroupKind, str]] = ..., page_size: _Optional[int] = ..., window: _Optional[int] = ..., chunk: _Optional[int] = ..., enable_state_caching: _Optional[bool] = ..., name: _Optional[str] = ...) -> None: ...
 
 class PoolConfig(_message.Message):
-    __slots__ = ("num_pages", "groups", "enable_prefix_caching", "hash_algorithm", "max_model_len")
+    __slots__ = ("num_pages", "groups", "enable_prefix_caching", "hash_algorithm", "max_model_len", "page_hash_size")
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     ENABLE_PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
     HASH_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    PAGE_HASH_SIZE_FIELD_NUMBER: _ClassVar[int]
     num_pages: int
     groups: _containers.RepeatedCompositeFieldContainer[GroupInfo]
     enable_prefix_caching: bool
     hash_algorithm: str
     max_model_len: int
-    def __init__(self, num_pages: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[GroupInfo, _Mapping]]] = ..., enable_prefix_caching: _Optional[bool] = ..., hash_algorithm: _Optional[str] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+    page_hash_size: int
+    def __init__(self, num_pages: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[GroupInfo, _Mapping]]] = ..., enable_prefix_caching: _Optional[bool] = ..., hash_algorithm: _Optional[str] = ..., max_model_len: _Optional[int] = ..., page_hash_size: _Optional[int] = ...) -> None: ...
 
 class Limits(_message.Message):
     __slots__ = ("max_requests_per_step", "max_tokens_per_step", "max_clients", "max_message_bytes", "lease_ttl_ms")
@@ -346,7 +348,7 @@ class UnregisterResponse(_message.Message):
     def __init__(self, num_freed_requests: _Optional[int] = ...) -> None: ...
 
 class Admission(_message.Message):
-    __slots__ = ("request_id", "token_ids", "num_new_tokens", "extra_keys", "page_hashes", "num_lookahead_tokens", "enable_cache_read")
+    __slots__ = ("request_id", "token_ids", "num_new_tokens", "extra_keys", "page_hashes", "num_lookahead_tokens", "enable_cache_read", "packed_page_hashes")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -354,6 +356,7 @@ class Admission(_message.Message):
     PAGE_HASHES_FIELD_NUMBER: _ClassVar[int]
     NUM_LOOKAHEAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ENABLE_CACHE_READ_FIELD_NUMBER: _ClassVar[int]
+    PACKED_PAGE_HASHES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: bytes
     num_new_tokens: int
@@ -361,7 +364,8 @@ class Admission(_message.Message):
     page_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     num_lookahead_tokens: int
     enable_cache_read: bool
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[bytes] = ..., num_new_tokens: _Optional[int] = ..., extra_keys: _Optional[_Union[ExtraKeys, _Mapping]] = ..., page_hashes: _Optional[_Iterable[bytes]] = ..., num_lookahead_tokens: _Optional[int] = ..., enable_cache_read: _Optional[bool] = ...) -> None: ...
+    packed_page_hashes: bytes
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[bytes] = ..., num_new_tokens: _Optional[int] = ..., extra_keys: _Optional[_Union[ExtraKeys, _Mapping]] = ..., page_hashes: _Optional[_Iterable[bytes]] = ..., num_lookahead_tokens: _Optional[int] = ..., enable_cache_read: _Optional[bool] = ..., packed_page_hashes: _Optional[bytes] = ...) -> None: ...
 
 class Growth(_message.Message):
     __slots__ = ("request_id", "num_new_tokens", "new_token_ids", "num_computed_tokens", "num_lookahead_tokens")
