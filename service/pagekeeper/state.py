@@ -1996,7 +1996,10 @@ class ServiceState:
         token_ids: Int32Array,
         extra_keys: ExtraKeys | None = None,
         page_hashes: Sequence[bytes] | None = None,
+        packed_page_hashes: bytes | None = None,
     ) -> LookupResult:
+        """Longest cached prefix (no side effects); ``packed_page_hashes``: the client's
+        hashes packed end to end, as an admission's."""
         tokens = _as_int32(token_ids, "token_ids")
         if tokens.shape[0] > self.pool_config.max_model_len:
             raise InvalidArgument(
@@ -2005,6 +2008,18 @@ class ServiceState:
         if not non_negative_token_ids(tokens):
             raise InvalidArgument("token ids must be >= 0")
         _validate_extra_keys(extra_keys, "lookup", tokens.shape[0])
+        if packed_page_hashes is not None:
+            if page_hashes is not None:
+                raise InvalidArgument("page_hashes and packed_page_hashes both set (send one)")
+            try:
+                page_hashes = check_packed_page_hashes(
+                    packed_page_hashes, self.page_hash_size
+                ).split()
+            except InvalidArgument as exc:
+                raise InvalidArgument(
+                    f"{exc.message} ({self.pool_config.hash_algorithm} page hashes are "
+                    f"{self.page_hash_size} bytes)"
+                ) from None
         self.settle()
         return self.manager.lookup(tokens, extra_keys=extra_keys, page_hashes=page_hashes)
 

@@ -180,6 +180,22 @@ def test_packed_page_hashes_are_the_hashes_sent_one_by_one(pagekeeper_server):
     )
     stored = [e.stored for e in events.events if e.HasField("stored")]
     assert any(list(s.page_hashes) == names for s in stored)
+    # Lookup takes them packed too, and refuses what an admission refuses.
+    found = sched.stub.Lookup(
+        pb.LookupRequest(token_ids=i32(other), packed_page_hashes=b"".join(names[:2])),
+        metadata=sched.md,
+    )
+    # (pk-b's pages past its two names were hashed on from them: hit as well)
+    assert found.num_hit_tokens == 64 and list(found.page_hashes)[:2] == names[:2]
+    for fields, reason in (
+        ({"packed_page_hashes": names[0] * 2}, "repeats"),
+        ({"packed_page_hashes": names[0][:20]}, "not a whole number of 32-byte hashes"),
+        ({"packed_page_hashes": names[0], "page_hashes": names[:1]}, "both set"),
+    ):
+        with pytest.raises(grpc.RpcError) as refused:
+            sched.stub.Lookup(pb.LookupRequest(token_ids=i32(other), **fields), metadata=sched.md)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert reason in refused.value.details()
 
 
 def test_lookup_has_no_side_effects(pagekeeper_server):

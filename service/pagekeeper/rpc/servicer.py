@@ -340,6 +340,7 @@ class PagekeeperServicer(pb_grpc.PagekeeperServiceServicer):  # type: ignore[mis
             if request.HasField("extra_keys")
             else None,
             tuple(request.page_hashes) if request.page_hashes else None,
+            request.packed_page_hashes or None,
         )
         return pb.LookupResponse(
             num_hit_tokens=result.num_hit_tokens,

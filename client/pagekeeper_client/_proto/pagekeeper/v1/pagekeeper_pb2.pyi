@@ -484,14 +484,16 @@ class GrowthGrants(_message.Message):
     def __init__(self, growth_index: _Optional[bytes] = ..., num_pages: _Optional[bytes] = ..., page_ids: _Optional[bytes] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("token_ids", "extra_keys", "page_hashes")
+    __slots__ = ("token_ids", "extra_keys", "page_hashes", "packed_page_hashes")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     EXTRA_KEYS_FIELD_NUMBER: _ClassVar[int]
     PAGE_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PACKED_PAGE_HASHES_FIELD_NUMBER: _ClassVar[int]
     token_ids: bytes
     extra_keys: ExtraKeys
     page_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, token_ids: _Optional[bytes] = ..., extra_keys: _Optional[_Union[ExtraKeys, _Mapping]] = ..., page_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    packed_page_hashes: bytes
+    def __init__(self, token_ids: _Optional[bytes] = ..., extra_keys: _Optional[_Union[ExtraKeys, _Mapping]] = ..., page_hashes: _Optional[_Iterable[bytes]] = ..., packed_page_hashes: _Optional[bytes] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("num_hit_tokens", "page_ids", "page_hashes")
