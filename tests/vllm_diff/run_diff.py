@@ -515,7 +515,8 @@ class VllmBackend:
 DEFER_CACHING = False
 """``--defer-caching``: pagekeeper's manager defers admissions' prefix-cache work and
 evictions as the service runs it (``PageManager.defer_caching``); every view settles.
-Prompts then go in as the service hands them over (``CheckedTokens``), so a fresh one
+Prompts then go in as the service hands them over (``CheckedTokens``; half of them with
+their page hashes packed, as a client sends a scheduler's), so a fresh one
 takes the manager's short path (``PageManager._admit_fresh``)."""
 
 
@@ -621,18 +622,39 @@ class PagekeeperBackend:
         self, rid: str, tokens: Sequence[int], num_new: int | None, lookahead: int, extra: Any
     ) -> OpResult:
         given: Any = list(tokens)
+        hashes: Any = None
         if DEFER_CACHING:
+            import zlib
+
             import numpy as np
 
-            from pagekeeper.core.manager import check_token_ids
+            from pagekeeper.core.hashing import digest_size, hash_pages
+            from pagekeeper.core.manager import check_packed_page_hashes, check_token_ids
 
             given = check_token_ids(np.asarray(given, dtype=np.int64))
+            if zlib.crc32(f"{rid}/{len(tokens)}".encode()) % 2:
+                # Half the admissions with their page hashes packed, as the client sends
+                # a scheduler's hashes (the service checks them, the short path keeps them
+                # packed until settle): the same pages, hits and events as vLLM's.
+                config = self.pm.config
+                hashes = check_packed_page_hashes(
+                    b"".join(
+                        hash_pages(
+                            list(tokens),
+                            self.pm.hash_page_size,
+                            extra_keys=extra,
+                            algorithm=config.hash_algorithm,
+                        )
+                    ),
+                    digest_size(config.hash_algorithm),
+                )
         alloc = self.pm.admit(
             rid,
             given,
             num_new_tokens=num_new,
             extra_keys=extra,
             num_lookahead_tokens=lookahead,
+            page_hashes=hashes,
         )
         res = self._alloc_result(alloc)
         if alloc is not None:
