@@ -45,6 +45,7 @@ from pagekeeper_client.client import (
     local_ticket,
     lookup_from_pb,
     pool_from_pb,
+    put_page_hashes,
     register_request,
     registration_from_pb,
     resend_was_refused,
@@ -438,7 +439,8 @@ class AsyncPagekeeperClient(_ClientCore[AsyncLocalChannel]):
         if extra_keys is not None:
             request.extra_keys.CopyFrom(extra_keys_to_pb(extra_keys))
         if page_hashes:
-            request.page_hashes.extend(page_hashes)
+            state = self._state
+            put_page_hashes(request, page_hashes, 0 if state is None else state.page_hash_size)
         return lookup_from_pb(await self._call("Lookup", request))
 
     async def block_table(

@@ -48,3 +48,16 @@ def test_other_hashes_or_an_older_service_get_a_field_each() -> None:
     message = _message(older, hashes)
     assert list(message.page_hashes) == hashes and message.packed_page_hashes == b""
     assert _message(POOL, []).packed_page_hashes == b""
+
+
+def test_lookups_send_them_the_same_way() -> None:
+    from pagekeeper_client._proto.pagekeeper.v1 import pagekeeper_pb2 as pb
+    from pagekeeper_client.client import put_page_hashes
+
+    hashes = [bytes([i]) * 32 for i in range(3)]
+    packed = pb.LookupRequest()
+    put_page_hashes(packed, hashes, 32)
+    assert packed.packed_page_hashes == b"".join(hashes) and not packed.page_hashes
+    one_each = pb.LookupRequest()
+    put_page_hashes(one_each, hashes, 0)
+    assert list(one_each.page_hashes) == hashes and not one_each.packed_page_hashes

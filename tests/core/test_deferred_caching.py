@@ -483,7 +483,18 @@ def test_fresh_prompts_take_the_short_path():
     assert lazy.admit("b", prompt).num_cached_tokens == 8
 
 
-def test_packed_client_hashes_take_the_short_path():
+@pytest.fixture(params=["native", "python"])
+def digest_ops(request, monkeypatch):
+    """The packed hashes' C helpers, or none of them (the Python fallbacks)."""
+    import pagekeeper.core.manager as manager_module
+
+    if request.param == "python":
+        for name in ("_split_digests", "_check_digests", "_DigestSet"):
+            monkeypatch.setattr(manager_module, name, None)
+    return request.param
+
+
+def test_packed_client_hashes_take_the_short_path(digest_ops):
     """Packed client hashes covering every page: the short path keeps only the first hash
     until settle (the rest stay packed), yet a later prompt naming one of its later pages
     first (as no chain would) finds it deferred, settles, and hits as at once."""
@@ -522,7 +533,7 @@ def test_packed_client_hashes_take_the_short_path():
     assert _digest(eager) == _digest(lazy)
 
 
-def test_packed_client_hashes_are_checked():
+def test_packed_client_hashes_are_checked(digest_ops):
     from pagekeeper.core.errors import InvalidArgument
 
     a, b = b"\x01" * 16, b"\x02" * 16
