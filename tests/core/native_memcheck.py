@@ -360,6 +360,16 @@ def digest_cases(cases: int, seed: int) -> int:
             for probe in rng.sample(pool, min(len(pool), 10)) + [b"", rng.randbytes(width + 1)]:
                 assert (probe in digests) == (probe in model)
             checked += 1
+    # A large set (past 1 MB of bytes: clear gives them back), then a small one again.
+    big = [rng.randbytes(32) for _ in range(40_000)]
+    digests = ops.DigestSet()
+    digests.add(b"".join(big), 32)
+    assert len(digests) == len(set(big)) and all(h in digests for h in big[::97])
+    digests.clear()
+    assert len(digests) == 0 and big[0] not in digests
+    digests.add(b"".join(big[:3]), 32)
+    assert len(digests) == 3 and big[2] in digests and big[3] not in digests
+    checked += 1
     for call in (
         lambda: ops.split_digests(b"abc", 2),
         lambda: ops.split_digests(b"abcd", 0),

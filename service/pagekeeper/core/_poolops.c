@@ -2689,6 +2689,15 @@ DigestSet_clear(DigestSet *self, PyObject *Py_UNUSED(ignored))
         }
         self->count = 0;
         self->arena_len = 0;
+        if (self->arena_cap > (1 << 20)) {
+            /* Nor keep a large step's bytes for good. */
+            PyMem_Free(self->arena);
+            PyMem_Free(self->offsets);
+            PyMem_Free(self->lengths);
+            self->arena = NULL;
+            self->offsets = self->lengths = NULL;
+            self->arena_cap = self->entries_cap = 0;
+        }
     }
     Py_RETURN_NONE;
 }
