@@ -312,6 +312,20 @@ class GrowthColumns:
         offsets = self.token_offsets()
         return tuple(self.growth(i, offsets) for i in range(len(self.request_ids)))
 
+    def checked_growths(self) -> tuple[Growth, ...]:
+        """:meth:`check_shape`, then :meth:`growths`; for plain decodes (``defaults_only``:
+        one token each) without numpy's reductions (one decode: ~0.8 us against ~5.8)."""
+        if not self.defaults_only:
+            self.check_shape()
+            return self.growths()
+        tokens, n = self.new_token_ids, len(self.request_ids)
+        if tokens.shape != (n,):
+            raise InvalidArgument(
+                f"growth_columns.num_new_token_ids adds up to {n} tokens but new_token_ids "
+                f"holds {tokens.size}"
+            )
+        return tuple(Growth(rid, 1, tokens[i : i + 1]) for i, rid in enumerate(self.request_ids))
+
 
 @dataclass(frozen=True, slots=True, eq=False)
 class Batch:
@@ -1137,14 +1151,12 @@ class ServiceState:
             growths, columns = cmd.growths, cmd.growth_columns
             if columns is not None and len(columns) < _MIN_COLUMN_GROWTHS:
                 # A handful of growths: the per-growth path costs less than the arrays.
-                columns.check_shape()
-                growths, columns = columns.growths(), None
+                growths, columns = columns.checked_growths(), None
             if client.revoked:
                 revoked = _named_revoked(client.revoked, cmd, growths, columns)
                 if revoked:
                     if columns is not None:
-                        columns.check_shape()
-                        growths, columns = columns.growths(), None
+                        growths, columns = columns.checked_growths(), None
                     revoked_frees = tuple(r for r in frees if r in revoked)
                     frees = tuple(r for r in frees if r not in revoked)
                     revoked_growths = tuple(g for g in growths if g.request_id in revoked)

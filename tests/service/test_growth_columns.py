@@ -203,6 +203,16 @@ def replace_column(cols: GrowthColumns, **changes: object) -> GrowthColumns:
             InvalidArgument,
             "adds up to 1 tokens but new_token_ids holds 2",
         ),
+        # The same with the count columns left out (as the wire leaves them for decodes).
+        (
+            {
+                "growth_columns": replace_column(
+                    decodes(["a"], [1]), new_token_ids=tokens(0, 2), defaults_only=True
+                )
+            },
+            InvalidArgument,
+            "adds up to 1 tokens but new_token_ids holds 2",
+        ),
         (
             {
                 "growth_columns": replace_column(
@@ -554,3 +564,28 @@ def test_plain_decode_columns_match_messages(seed: int) -> None:
         step = (frees, growths, admissions)
         num_refused += follow_answer(states, clients, running, step, results[0])
     assert num_refused > 0, "the workload should run the pool dry at least once"
+
+
+def test_plain_decodes_become_the_same_growths_without_the_arrays():
+    """``checked_growths`` of plain decodes (``defaults_only``) takes no numpy reduction;
+    the growths are those ``growths`` makes."""
+
+    def fields(growths: tuple[Growth, ...]) -> list[tuple[object, ...]]:
+        return [
+            (
+                g.request_id,
+                g.num_new_tokens,
+                g.new_token_ids.dtype,
+                g.new_token_ids.tolist(),
+                g.num_computed_tokens,
+                g.num_lookahead_tokens,
+            )
+            for g in growths
+        ]
+
+    cols = decodes(["a", "b", "c"], [5, 6, 7])
+    assert cols.defaults_only
+    assert fields(cols.checked_growths()) == fields(cols.growths())
+    assert fields(cols.checked_growths())[1] == ("b", 1, np.dtype(np.int32), [6], None, 0)
+    varied = replace_column(cols, num_lookahead_tokens=np.array([0, 2, 0], dtype=np.int32))
+    assert fields(varied.checked_growths()) == fields(varied.growths())
