@@ -211,7 +211,7 @@ class Growth:
 
 # Fewer growths than this in column form take the per-growth path (cheaper than the
 # column form's fixed cost of a few dozen numpy calls).
-_MIN_COLUMN_GROWTHS = 8
+MIN_COLUMN_GROWTHS = 8
 _NO_IDS: frozenset[str] = frozenset()
 MAX_STEP_ID = 2**63 - 1
 _REVOKED_REASON = (
@@ -1149,7 +1149,7 @@ class ServiceState:
             if cmd.growth_columns is not None and cmd.growths:
                 raise InvalidArgument("a step carries growths or growth_columns, not both")
             growths, columns = cmd.growths, cmd.growth_columns
-            if columns is not None and len(columns) < _MIN_COLUMN_GROWTHS:
+            if columns is not None and len(columns) < MIN_COLUMN_GROWTHS:
                 # A handful of growths: the per-growth path costs less than the arrays.
                 growths, columns = columns.checked_growths(), None
             if client.revoked:
@@ -2177,6 +2177,18 @@ def _check_growth_tokens(growths: Sequence[Growth]) -> None:
     (a per-growth ``min()`` would cost a few microseconds each, hundreds of times)."""
     arrays = [g.new_token_ids for g in growths if len(g.new_token_ids)]
     if not arrays:
+        return
+    if len(arrays) < MIN_COLUMN_GROWTHS:
+        # A few: each checked in one C pass, without joining them (one decode's token:
+        # ~0.5 us against ~3.5 us for the join and numpy's min).
+        for growth in growths:
+            ids = growth.new_token_ids
+            if not len(ids):
+                continue
+            if ids.dtype.kind not in "iu":
+                raise InvalidArgument("new_token_ids must hold integers")
+            if not non_negative_token_ids(ids):
+                raise InvalidArgument(f"request {growth.request_id!r}: token ids must be >= 0")
         return
     tokens = np.concatenate(arrays)
     if tokens.dtype.kind not in "iu":

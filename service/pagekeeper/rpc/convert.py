@@ -21,6 +21,7 @@ from pagekeeper.core.pool import pack_i32_native
 from pagekeeper.core.types import BatchTables, ExtraKeys, Int32Array, MultiModalKey, PoolStats
 from pagekeeper.publish.api import RingDescriptor
 from pagekeeper.state import (
+    MIN_COLUMN_GROWTHS,
     Admission,
     AllocationOutcome,
     AllocationStatus,
@@ -286,6 +287,26 @@ def _column_from_pb(data: bytes, name: str, n: int, default: int) -> Int32Array:
     return decode_i32(data, f"growth_columns.{name}")
 
 
+def _few_plain_decodes(c: pb.GrowthColumns) -> tuple[Growth, ...] | None:
+    """A few plain decodes in column form (every count column left out, one token per id)
+    as growths, which the state takes for so few anyway, without building the columns;
+    None for anything else (:func:`growth_columns_from_pb` then, and the state's checks)."""
+    ids = c.request_ids
+    n = len(ids)
+    if (
+        not n
+        or n >= MIN_COLUMN_GROWTHS
+        or c.num_new_tokens
+        or c.num_new_token_ids
+        or c.num_computed_tokens
+        or c.num_lookahead_tokens
+        or len(c.new_token_ids) != 4 * n
+    ):
+        return None
+    tokens = decode_i32(c.new_token_ids, "growth_columns.new_token_ids")
+    return tuple(Growth(rid, 1, tokens[i : i + 1]) for i, rid in enumerate(ids))
+
+
 def growth_columns_from_pb(c: pb.GrowthColumns) -> GrowthColumns:
     """Column form -> :class:`GrowthColumns` (empty columns filled with their default;
     lengths are checked by the state with the rest of the step)."""
@@ -311,11 +332,14 @@ def step_from_pb(
     # The hot part of a decode step: up to hundreds of growths, so one plain call each
     # (or a few arrays in column form).
     growths = tuple(map(_growth_from_pb, request.growths))
-    columns = (
-        growth_columns_from_pb(request.growth_columns)
-        if request.HasField("growth_columns")
-        else None
-    )
+    columns = None
+    if request.HasField("growth_columns"):
+        wire_columns = request.growth_columns
+        plain = None if growths else _few_plain_decodes(wire_columns)
+        if plain is not None:
+            growths = plain
+        else:
+            columns = growth_columns_from_pb(wire_columns)
     admissions = tuple(map(_admission_from_pb, request.admissions))
     batch = None
     if request.HasField("batch"):
