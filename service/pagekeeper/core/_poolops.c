@@ -19,21 +19,20 @@
  *   pack_i32(ints) -> bytes
  *       A sequence of ints as little-endian int32 bytes (the wire's arrays of page ids).
  *
- *   split_digests(buf, width) -> tuple | int
- *       Client page hashes packed end to end (the wire's packed_page_hashes) as a tuple of
- *       bytes of `width` bytes each, their Python hashes computed (cached in each object:
- *       the sets and the index they enter next do not compute them again), checked
- *       distinct in the same pass; the index of the first one that repeats an earlier
- *       one (an int) instead of the tuple; ValueError when the length is not a multiple.
-
  *   check_digests(buf, width) -> int
- *       The same check without creating the objects: -1 when distinct, else the index of
- *       the first repeat (see "Page hashes as raw bytes" below).
+ *       Client page hashes packed end to end (the wire's packed_page_hashes), `width`
+ *       bytes each, checked distinct without creating an object each: -1, else the
+ *       index of the first one that repeats an earlier one; ValueError when the length is
+ *       not a multiple (see "Page hashes as raw bytes" below).
+ *
+ *   split_digests(buf, width) -> tuple
+ *       The same hashes as bytes objects, their Python hashes computed (cached in each:
+ *       the sets and the index they enter next do not compute them again).
  *
  *   DigestSet()
  *       A set of byte strings held as raw bytes: add(buf, width) enters each width-byte
  *       string packed in buf, `x in s` for bytes x, clear(), len(s).
-
+ *
  *   widen_tokens(src, dst) -> bool
  *       Token ids from a native integer buffer, checked non-negative, widened into the
  *       uint64 buffer `dst` (or only checked: dst None); False for another layout.
@@ -2105,86 +2104,6 @@ fail:
     return NULL;
 }
 
-/* split_digests(buf, width) -> tuple | int: see the module comment. The repeat check is
- * an open-addressing table of indices (hash from CPython's own bytes hash, equality by
- * memcmp), so the pass costs about what creating the objects does. */
-static PyObject *
-pool_split_digests(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
-{
-    (void)module;
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "split_digests(buf, width)");
-        return NULL;
-    }
-    Py_ssize_t width = PyLong_AsSsize_t(args[1]);
-    if (width == -1 && PyErr_Occurred()) {
-        return NULL;
-    }
-    if (width <= 0) {
-        PyErr_SetString(PyExc_ValueError, "width must be positive");
-        return NULL;
-    }
-    Py_buffer view;
-    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) {
-        return NULL;
-    }
-    if (view.len % width != 0) {
-        PyErr_Format(PyExc_ValueError, "%zd bytes are not a whole number of %zd-byte hashes",
-                     view.len, width);
-        PyBuffer_Release(&view);
-        return NULL;
-    }
-    const char *base = (const char *)view.buf;
-    Py_ssize_t n = view.len / width;
-    size_t cap = 16;
-    while (cap < 2 * (size_t)n) {
-        cap <<= 1;
-    }
-    Py_ssize_t small[256];
-    Py_ssize_t *slots = cap <= 256 ? small : PyMem_Calloc(cap, sizeof(Py_ssize_t));
-    if (slots == NULL) {
-        PyBuffer_Release(&view);
-        return PyErr_NoMemory();
-    }
-    if (slots == small) {
-        memset(small, 0, sizeof(small));
-    }
-    PyObject *out = PyTuple_New(n);
-    if (out == NULL) {
-        goto done;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        const char *p = base + i * width;
-        PyObject *item = PyBytes_FromStringAndSize(p, width);
-        if (item == NULL) {
-            Py_CLEAR(out);
-            goto done;
-        }
-        PyTuple_SET_ITEM(out, i, item);
-        Py_hash_t h = PyObject_Hash(item);
-        if (h == -1) {
-            Py_CLEAR(out);
-            goto done;
-        }
-        size_t j = (size_t)h & (cap - 1);
-        while (slots[j]) {
-            if (memcmp(base + (slots[j] - 1) * width, p, (size_t)width) == 0) {
-                Py_DECREF(out);
-                out = PyLong_FromSsize_t(i);
-                goto done;
-            }
-            j = (j + 1) & (cap - 1);
-        }
-        slots[j] = i + 1;
-    }
-done:
-    if (slots != small) {
-        PyMem_Free(slots);
-    }
-    PyBuffer_Release(&view);
-    return out;
-}
-
 /* widen_tokens(src, dst) -> bool: token ids from a C-contiguous native integer buffer
  * (numpy int32/int64/uint32/uint64, array 'i'/'l'/'q'/'I'/'L'/'Q') checked non-negative
  * and, with `dst` (a writable uint64 buffer of as many items), written there. False,
@@ -2401,6 +2320,36 @@ digest_slot(uint64_t h, int bits)
     return (size_t)(h >> (64 - bits));
 }
 
+/* The (buf, width) arguments of the digest functions: buf's buffer, which the caller
+ * releases, holding a whole number of width-byte strings; -1 with an exception set. */
+static int
+digest_args(PyObject *const *args, Py_ssize_t nargs, const char *usage, Py_buffer *view,
+            Py_ssize_t *width)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, usage);
+        return -1;
+    }
+    *width = PyLong_AsSsize_t(args[1]);
+    if (*width == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    if (*width <= 0) {
+        PyErr_SetString(PyExc_ValueError, "width must be positive");
+        return -1;
+    }
+    if (PyObject_GetBuffer(args[0], view, PyBUF_SIMPLE) < 0) {
+        return -1;
+    }
+    if (view->len % *width != 0) {
+        PyErr_Format(PyExc_ValueError, "%zd bytes are not a whole number of %zd-byte strings",
+                     view->len, *width);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
 /* check_digests(buf, width) -> int: -1 when the width-byte hashes packed in buf are
  * distinct, else the index of the first one that repeats an earlier one; ValueError when
  * the length is not a whole number of them. */
@@ -2408,26 +2357,9 @@ static PyObject *
 pool_check_digests(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "check_digests(buf, width)");
-        return NULL;
-    }
-    Py_ssize_t width = PyLong_AsSsize_t(args[1]);
-    if (width == -1 && PyErr_Occurred()) {
-        return NULL;
-    }
-    if (width <= 0) {
-        PyErr_SetString(PyExc_ValueError, "width must be positive");
-        return NULL;
-    }
     Py_buffer view;
-    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) {
-        return NULL;
-    }
-    if (view.len % width != 0) {
-        PyErr_Format(PyExc_ValueError, "%zd bytes are not a whole number of %zd-byte hashes",
-                     view.len, width);
-        PyBuffer_Release(&view);
+    Py_ssize_t width;
+    if (digest_args(args, nargs, "check_digests(buf, width)", &view, &width) < 0) {
         return NULL;
     }
     const unsigned char *base = (const unsigned char *)view.buf;
@@ -2468,6 +2400,34 @@ pool_check_digests(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     PyBuffer_Release(&view);
     return repeat == -2 ? NULL : PyLong_FromSsize_t(repeat);
+}
+
+/* split_digests(buf, width) -> tuple: the width-byte strings packed in buf as bytes
+ * objects, each with its hash computed (cached in the object: the sets and the index they
+ * enter next do not compute it again). */
+static PyObject *
+pool_split_digests(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    Py_buffer view;
+    Py_ssize_t width;
+    if (digest_args(args, nargs, "split_digests(buf, width)", &view, &width) < 0) {
+        return NULL;
+    }
+    const char *base = (const char *)view.buf;
+    Py_ssize_t n = view.len / width;
+    PyObject *out = PyTuple_New(n);
+    for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
+        PyObject *item = PyBytes_FromStringAndSize(base + i * width, width);
+        if (item == NULL || PyObject_Hash(item) == -1) {
+            Py_XDECREF(item);
+            Py_CLEAR(out);
+            break;
+        }
+        PyTuple_SET_ITEM(out, i, item);
+    }
+    PyBuffer_Release(&view);
+    return out;
 }
 
 /* DigestSet(): a set of byte strings kept as raw bytes in one arena (an open-addressing
@@ -2610,26 +2570,9 @@ digestset_grow(DigestSet *self, Py_ssize_t more_entries, Py_ssize_t more_bytes)
 static PyObject *
 DigestSet_add(DigestSet *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "add(buf, width)");
-        return NULL;
-    }
-    Py_ssize_t width = PyLong_AsSsize_t(args[1]);
-    if (width == -1 && PyErr_Occurred()) {
-        return NULL;
-    }
-    if (width <= 0) {
-        PyErr_SetString(PyExc_ValueError, "width must be positive");
-        return NULL;
-    }
     Py_buffer view;
-    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) {
-        return NULL;
-    }
-    if (view.len % width != 0) {
-        PyErr_Format(PyExc_ValueError, "%zd bytes are not a whole number of %zd-byte strings",
-                     view.len, width);
-        PyBuffer_Release(&view);
+    Py_ssize_t width;
+    if (digest_args(args, nargs, "add(buf, width)", &view, &width) < 0) {
         return NULL;
     }
     Py_ssize_t n = view.len / width;
@@ -2762,8 +2705,7 @@ static PyMethodDef poolops_methods[] = {
      "check_digests(buf, width) -> int: -1 when the packed hashes are distinct, else the "
      "index of the first repeat."},
     {"split_digests", (PyCFunction)(void (*)(void))pool_split_digests, METH_FASTCALL,
-     "split_digests(buf, width) -> tuple | int: packed page hashes as bytes objects, "
-     "checked distinct (the index of the first repeat instead)."},
+     "split_digests(buf, width) -> tuple: packed page hashes as bytes objects."},
     {"widen_tokens", (PyCFunction)(void (*)(void))pool_widen_tokens, METH_FASTCALL,
      "widen_tokens(src, dst) -> bool: token ids checked non-negative (ValueError) and "
      "written into the uint64 buffer dst (None: only checked); False for a layout it does "

@@ -221,7 +221,7 @@ def check_page_hashes(page_hashes: Sequence[bytes]) -> CheckedPageHashes:
     return hashes
 
 
-_split_digests: Callable[[Any, int], tuple[bytes, ...] | int] | None = (
+_split_digests: Callable[[Any, int], tuple[bytes, ...]] | None = (
     None if _ops is None else getattr(_ops, "split_digests", None)
 )
 _check_digests: Callable[[Any, int], int] | None = (
@@ -260,9 +260,7 @@ class PackedPageHashes:
         """Each hash as its own bytes (checked already)."""
         data, width = self.data, self.width
         if _split_digests is not None:
-            split = _split_digests(data, width)
-            assert type(split) is tuple  # (distinct: checked when built)
-            return CheckedPageHashes(split)
+            return CheckedPageHashes(_split_digests(data, width))
         view = memoryview(data)
         return CheckedPageHashes(bytes(view[i : i + width]) for i in range(0, len(data), width))
 
