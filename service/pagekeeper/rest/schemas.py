@@ -349,7 +349,11 @@ class LookupBody(Model):
 
 
 class LookupAnswer(Model):
-    num_hit_tokens: int = Field(description="Longest cached prefix, tokens.")
+    num_hit_tokens: int = Field(
+        description=(
+            "Longest cached prefix, tokens (it may cover every token, unlike an admission's hit)."
+        )
+    )
     page_ids: list[PageIdList] = Field(description="The pages of that prefix, per group.")
     page_hashes: list[HexHash] = Field(description="Their hashes (hash page size), hex.")
 
