@@ -2289,9 +2289,8 @@ done:
  * admission whose prefix caching waits for settle() has its hashes remembered for the
  * lookups of later admissions, without creating 125 bytes objects for a 2,000-token prompt:
  * settle() creates them after the answer is out. The tables hash the raw bytes with a
- * multiply-shift hash keyed from the process's own hash secret (CPython's bytes hash of a
- * constant), so a client cannot pick hashes that pile into one probe chain without knowing
- * it. */
+ * multiply-shift hash keyed by 16 random bytes drawn for each process, so a client cannot
+ * pick hashes that pile into one probe chain without knowing them. */
 
 static uint64_t digest_key0, digest_key1;
 
@@ -2669,20 +2668,28 @@ static PyTypeObject DigestSet_Type = {
     .tp_new = DigestSet_new,
 };
 
+/* The digest tables' keys: 16 bytes from os.urandom, drawn for each process (not from
+ * the interpreter's hash secret, which PYTHONHASHSEED may fix for every process alike). */
 static int
 digest_keys_init(void)
 {
-    PyObject *a = PyBytes_FromString("pagekeeper digest key 0");
-    PyObject *b = PyBytes_FromString("pagekeeper digest key 1");
-    Py_hash_t ha = a ? PyObject_Hash(a) : -1;
-    Py_hash_t hb = b ? PyObject_Hash(b) : -1;
-    Py_XDECREF(a);
-    Py_XDECREF(b);
-    if (ha == -1 || hb == -1) {
+    PyObject *os = PyImport_ImportModule("os");
+    if (os == NULL) {
         return -1;
     }
-    digest_key0 = (uint64_t)ha;
-    digest_key1 = (uint64_t)hb;
+    PyObject *drawn = PyObject_CallMethod(os, "urandom", "i", 16);
+    Py_DECREF(os);
+    if (drawn == NULL) {
+        return -1;
+    }
+    if (!PyBytes_Check(drawn) || PyBytes_GET_SIZE(drawn) != 16) {
+        Py_DECREF(drawn);
+        PyErr_SetString(PyExc_RuntimeError, "os.urandom(16) gave something else");
+        return -1;
+    }
+    memcpy(&digest_key0, PyBytes_AS_STRING(drawn), 8);
+    memcpy(&digest_key1, PyBytes_AS_STRING(drawn) + 8, 8);
+    Py_DECREF(drawn);
     return 0;
 }
 
