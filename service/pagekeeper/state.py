@@ -1418,7 +1418,7 @@ class ServiceState:
                 rows is not None
                 and rows.max_tokens + 1 <= max_len
                 and rows.max_ahead <= 0
-                and int(cols.new_token_ids.min()) >= 0
+                and non_negative_token_ids(cols.new_token_ids)  # (one C pass)
             ):
                 grown = set(ids)
                 if len(grown) == n and not grown & freed:
@@ -1503,9 +1503,9 @@ class ServiceState:
         explicit = cols.num_computed_tokens
         num_ids = cols.num_new_token_ids
         lookahead = cols.num_lookahead_tokens
+        plain: Sequence[bool] | npt.NDArray[np.bool_]
         if cols.defaults_only:
-            plain = np.ones(n, dtype=bool)  # one run of plain decodes
-            bounds = [0, n]
+            plain, bounds = (True,), [0, n]  # one run of plain decodes
         else:
             one_new = cols.num_new_tokens == 1
             plain = one_new & (num_ids == 1) & (explicit == -1)
