@@ -2349,58 +2349,6 @@ digest_args(PyObject *const *args, Py_ssize_t nargs, const char *usage, Py_buffe
     return 0;
 }
 
-/* check_digests(buf, width) -> int: -1 when the width-byte hashes packed in buf are
- * distinct, else the index of the first one that repeats an earlier one; ValueError when
- * the length is not a whole number of them. */
-static PyObject *
-pool_check_digests(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
-{
-    (void)module;
-    Py_buffer view;
-    Py_ssize_t width;
-    if (digest_args(args, nargs, "check_digests(buf, width)", &view, &width) < 0) {
-        return NULL;
-    }
-    const unsigned char *base = (const unsigned char *)view.buf;
-    Py_ssize_t n = view.len / width;
-    int bits = 4;
-    while (((size_t)1 << bits) < 2 * (size_t)n) {
-        bits++;
-    }
-    size_t cap = (size_t)1 << bits;
-    int32_t small[512];
-    int32_t *slots = cap <= 512 ? small : PyMem_Calloc(cap, sizeof(int32_t));
-    if (slots == NULL) {
-        PyBuffer_Release(&view);
-        return PyErr_NoMemory();
-    }
-    if (slots == small) {
-        memset(small, 0, cap * sizeof(int32_t));
-    }
-    Py_ssize_t repeat = -1;
-    if (n > INT32_MAX - 1) {
-        PyErr_SetString(PyExc_ValueError, "too many hashes");
-        repeat = -2;
-    }
-    for (Py_ssize_t i = 0; i < n && repeat == -1; i++) {
-        const unsigned char *p = base + i * width;
-        size_t j = digest_slot(digest_hash(p, width), bits);
-        while (slots[j]) {
-            if (memcmp(base + (Py_ssize_t)(slots[j] - 1) * width, p, (size_t)width) == 0) {
-                repeat = i;
-                break;
-            }
-            j = (j + 1) & (cap - 1);
-        }
-        slots[j] = (int32_t)(i + 1);
-    }
-    if (slots != small) {
-        PyMem_Free(slots);
-    }
-    PyBuffer_Release(&view);
-    return repeat == -2 ? NULL : PyLong_FromSsize_t(repeat);
-}
-
 /* split_digests(buf, width) -> tuple: the width-byte strings packed in buf as bytes
  * objects, each with its hash computed (cached in the object: the sets and the index they
  * enter next do not compute it again). */
@@ -2468,24 +2416,29 @@ DigestSet_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     if (!PyArg_ParseTupleAndKeywords(args, kwds, ":DigestSet", kwlist)) {
         return NULL;
     }
-    DigestSet *self = (DigestSet *)type->tp_alloc(type, 0);
-    if (self == NULL) {
-        return NULL;
-    }
-    if (digestset_alloc_table(self, DIGESTSET_MIN_BITS) < 0) {
-        Py_DECREF(self);
-        return NULL;
-    }
-    return (PyObject *)self;
+    /* Zeroed: no table until the first add (an empty set finds nothing). */
+    return type->tp_alloc(type, 0);
 }
 
+/* Give back a set's memory (its table too). */
 static void
-DigestSet_dealloc(DigestSet *self)
+digestset_release(DigestSet *self)
 {
     PyMem_Free(self->arena);
     PyMem_Free(self->offsets);
     PyMem_Free(self->lengths);
     PyMem_Free(self->table);
+    self->arena = NULL;
+    self->offsets = self->lengths = NULL;
+    self->table = NULL;
+    self->bits = 0;
+    self->arena_len = self->arena_cap = self->count = self->entries_cap = 0;
+}
+
+static void
+DigestSet_dealloc(DigestSet *self)
+{
+    digestset_release(self);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -2549,11 +2502,11 @@ digestset_grow(DigestSet *self, Py_ssize_t more_entries, Py_ssize_t more_bytes)
         self->arena_cap = cap;
     }
     /* At most half full once they are in. */
-    int bits = self->bits;
+    int bits = self->bits > DIGESTSET_MIN_BITS ? self->bits : DIGESTSET_MIN_BITS;
     while (((size_t)1 << bits) < 2 * (size_t)need) {
         bits++;
     }
-    if (bits != self->bits) {
+    if (self->table == NULL || bits != self->bits) {
         if (digestset_alloc_table(self, bits) < 0) {
             return -1;
         }
@@ -2566,25 +2519,24 @@ digestset_grow(DigestSet *self, Py_ssize_t more_entries, Py_ssize_t more_bytes)
     return 0;
 }
 
-static PyObject *
-DigestSet_add(DigestSet *self, PyObject *const *args, Py_ssize_t nargs)
+/* Enter the n width-byte strings at base (each not yet in the set). With `repeat`, a
+ * string already there stops it: *repeat is its index (-1: none was). */
+static int
+digestset_add_run(DigestSet *self, const unsigned char *base, Py_ssize_t n, Py_ssize_t width,
+                  Py_ssize_t *repeat)
 {
-    Py_buffer view;
-    Py_ssize_t width;
-    if (digest_args(args, nargs, "add(buf, width)", &view, &width) < 0) {
-        return NULL;
+    if (digestset_grow(self, n, n * width) < 0) {
+        return -1;
     }
-    Py_ssize_t n = view.len / width;
-    if (digestset_grow(self, n, view.len) < 0) {
-        PyBuffer_Release(&view);
-        return NULL;
-    }
-    const unsigned char *base = (const unsigned char *)view.buf;
     for (Py_ssize_t i = 0; i < n; i++) {
         const unsigned char *p = base + i * width;
         int found;
         size_t j = digestset_find(self, p, width, &found);
         if (found) {
+            if (repeat != NULL) {
+                *repeat = i;
+                return 0;
+            }
             continue;
         }
         Py_ssize_t k = self->count++;
@@ -2594,8 +2546,48 @@ DigestSet_add(DigestSet *self, PyObject *const *args, Py_ssize_t nargs)
         self->arena_len += width;
         self->table[j] = (int32_t)(k + 1);
     }
+    if (repeat != NULL) {
+        *repeat = -1;
+    }
+    return 0;
+}
+
+static PyObject *
+DigestSet_add(DigestSet *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer view;
+    Py_ssize_t width;
+    if (digest_args(args, nargs, "add(buf, width)", &view, &width) < 0) {
+        return NULL;
+    }
+    int rc = digestset_add_run(self, view.buf, view.len / width, width, NULL);
     PyBuffer_Release(&view);
+    if (rc < 0) {
+        return NULL;
+    }
     Py_RETURN_NONE;
+}
+
+/* check_digests(buf, width) -> int: -1 when the width-byte hashes packed in buf are
+ * distinct, else the index of the first one that repeats an earlier one (entered into a
+ * set of their own, as DigestSet.add enters them); ValueError when the length is not a
+ * whole number of them. */
+static PyObject *
+pool_check_digests(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    Py_buffer view;
+    Py_ssize_t width;
+    if (digest_args(args, nargs, "check_digests(buf, width)", &view, &width) < 0) {
+        return NULL;
+    }
+    DigestSet seen;
+    memset(&seen, 0, sizeof(seen));
+    Py_ssize_t repeat = -1;
+    int rc = digestset_add_run(&seen, view.buf, view.len / width, width, &repeat);
+    digestset_release(&seen);
+    PyBuffer_Release(&view);
+    return rc < 0 ? NULL : PyLong_FromSsize_t(repeat);
 }
 
 static int
@@ -2619,27 +2611,15 @@ DigestSet_len(DigestSet *self)
 static PyObject *
 DigestSet_clear(DigestSet *self, PyObject *Py_UNUSED(ignored))
 {
-    if (self->count) {
-        if (self->bits > 14) {
-            /* A large step's table: give it back rather than clear a big one each time. */
-            if (digestset_alloc_table(self, DIGESTSET_MIN_BITS) < 0) {
-                return NULL;
-            }
-        }
-        else {
-            memset(self->table, 0, ((size_t)1 << self->bits) * sizeof(int32_t));
-        }
+    if (self->bits > 14 || self->arena_cap > (1 << 20)) {
+        /* A large step's table and bytes: given back rather than kept (and cleared) for
+         * good; the next add starts small again. */
+        digestset_release(self);
+    }
+    else if (self->count) {
+        memset(self->table, 0, ((size_t)1 << self->bits) * sizeof(int32_t));
         self->count = 0;
         self->arena_len = 0;
-        if (self->arena_cap > (1 << 20)) {
-            /* Nor keep a large step's bytes for good. */
-            PyMem_Free(self->arena);
-            PyMem_Free(self->offsets);
-            PyMem_Free(self->lengths);
-            self->arena = NULL;
-            self->offsets = self->lengths = NULL;
-            self->arena_cap = self->entries_cap = 0;
-        }
     }
     Py_RETURN_NONE;
 }
