@@ -209,6 +209,12 @@ class Growth:
     num_lookahead_tokens: int = 0
 
 
+def plain_decodes(request_ids: Sequence[str], tokens: Int32Array) -> tuple[Growth, ...]:
+    """One plain decode (one new token, the tracked computed count) per request:
+    ``tokens[i]`` appended to ``request_ids[i]``."""
+    return tuple(Growth(rid, 1, tokens[i : i + 1]) for i, rid in enumerate(request_ids))
+
+
 # Fewer growths than this in column form take the per-growth path (cheaper than the
 # column form's fixed cost of a few dozen numpy calls).
 MIN_COLUMN_GROWTHS = 8
@@ -324,7 +330,7 @@ class GrowthColumns:
                 f"growth_columns.num_new_token_ids adds up to {n} tokens but new_token_ids "
                 f"holds {tokens.size}"
             )
-        return tuple(Growth(rid, 1, tokens[i : i + 1]) for i, rid in enumerate(self.request_ids))
+        return plain_decodes(self.request_ids, tokens)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -1636,17 +1642,10 @@ class ServiceState:
         hashes = admission.page_hashes
         packed = admission.packed_page_hashes
         if packed is not None:
-            if hashes is not None:
-                raise InvalidArgument(
-                    f"request {rid!r}: page_hashes and packed_page_hashes both set (send one)"
-                )
             try:
-                hashes = check_packed_page_hashes(packed, self.page_hash_size)
+                hashes = self._packed_hashes(packed, hashes)
             except InvalidArgument as exc:
-                raise InvalidArgument(
-                    f"request {rid!r}: {exc.message} ({self.pool_config.hash_algorithm} "
-                    f"page hashes are {self.page_hash_size} bytes)"
-                ) from None
+                raise InvalidArgument(f"request {rid!r}: {exc.message}") from None
             admission.page_hashes, admission.packed_page_hashes = hashes, None
         if hashes is not None:
             num_full = tokens.shape[0] // self._hash_page_size
@@ -1662,6 +1661,20 @@ class ServiceState:
             except InvalidArgument as exc:
                 raise InvalidArgument(f"request {rid!r}: {exc.message}") from None
         _validate_extra_keys(admission.extra_keys, rid, tokens.shape[0])
+
+    def _packed_hashes(self, packed: bytes, page_hashes: object) -> PackedPageHashes:
+        """A request's packed client hashes, checked (``page_hashes``: the same request's
+        hashes a field each, which must be absent), or InvalidArgument naming the pool's
+        hash size."""
+        if page_hashes is not None:
+            raise InvalidArgument("page_hashes and packed_page_hashes both set (send one)")
+        try:
+            return check_packed_page_hashes(packed, self.page_hash_size)
+        except InvalidArgument as exc:
+            raise InvalidArgument(
+                f"{exc.message} ({self.pool_config.hash_algorithm} page hashes are "
+                f"{self.page_hash_size} bytes)"
+            ) from None
 
     def _apply_growth(self, growth: Growth) -> AllocationOutcome | None:
         """The growth's outcome; None when it succeeded without a new page (most decodes:
@@ -2021,17 +2034,7 @@ class ServiceState:
             raise InvalidArgument("token ids must be >= 0")
         _validate_extra_keys(extra_keys, "lookup", tokens.shape[0])
         if packed_page_hashes is not None:
-            if page_hashes is not None:
-                raise InvalidArgument("page_hashes and packed_page_hashes both set (send one)")
-            try:
-                page_hashes = check_packed_page_hashes(
-                    packed_page_hashes, self.page_hash_size
-                ).split()
-            except InvalidArgument as exc:
-                raise InvalidArgument(
-                    f"{exc.message} ({self.pool_config.hash_algorithm} page hashes are "
-                    f"{self.page_hash_size} bytes)"
-                ) from None
+            page_hashes = self._packed_hashes(packed_page_hashes, page_hashes).split()
         self.settle()
         return self.manager.lookup(tokens, extra_keys=extra_keys, page_hashes=page_hashes)
 

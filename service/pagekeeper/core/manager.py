@@ -517,10 +517,11 @@ class PageManager:
             req = item.req
             if self._requests.get(req.request_id) is not req:
                 raise InvariantViolation(f"request {req.request_id!r} left before it settled")
-            if item.client_hashes is not None:
-                req.hashes.extend(item.client_hashes.split()[len(req.hashes) :])
-            elif len(req.token_ids) // self.hash_page_size > len(req.hashes):
-                self._extend_hashes(req, None)
+            if len(req.token_ids) // self.hash_page_size > len(req.hashes):
+                packed = item.client_hashes
+                self._extend_hashes(
+                    req, None if packed is None else packed.split()[len(req.hashes) :]
+                )
             if item.place is not None:
                 self._cache(req, item.num_tokens, item.place)
 
@@ -891,6 +892,7 @@ class PageManager:
             or num_lookahead_tokens < 0
         ):
             return _NOT_FRESH
+        packed = None
         if page_hashes is None:
             sha256_page, head, array_head, extra, none_hash = self._page_parts
             first: bytes = sha256_page(head, none_hash, array_head, tokens, 0, page_size, extra)
@@ -898,7 +900,8 @@ class PageManager:
         elif len(page_hashes) != n // page_size or (self._deferred and self._deferred_chained):
             return _NOT_FRESH  # (the general path completes the chain, or settles first)
         elif type(page_hashes) is PackedPageHashes and self._deferred_digests is not None:
-            first = page_hashes.first()
+            packed = page_hashes
+            first = packed.first()
             hashes = [first]  # (the rest made by settle)
         else:
             hashes = list(page_hashes)
@@ -920,15 +923,7 @@ class PageManager:
             pages = group.admit_full(request_id, [], num_slots)
         finally:
             pool.evict_later = None
-        if page_hashes is not None and len(hashes) < len(page_hashes):
-            # Packed client hashes: held as they are, the caching's event place reserved
-            # (as _defer_cache does for an admission whose hashes are all known).
-            assert type(page_hashes) is PackedPageHashes
-            place = pool.reserve_event()
-            self._deferred_digests.add(page_hashes.data, page_hashes.width)
-            self._deferred.append(_Deferred(req, n, place, page_hashes))
-        else:
-            self._defer_cache(req, n, 0, page_hashes is None)
+        self._defer_cache(req, n, 0, page_hashes is None, packed)
         req.num_computed_tokens = n
         req.scheduled_start, req.num_scheduled = 0, n
         return Allocation(request_id, 0, (tuple(pages),), ((),))
@@ -1307,12 +1302,19 @@ class PageManager:
             )
 
     def _defer_cache(
-        self, req: _Request, num_computed: int, num_hit_pages: int, chained: bool
+        self,
+        req: _Request,
+        num_computed: int,
+        num_hit_pages: int,
+        chained: bool,
+        packed: PackedPageHashes | None = None,
     ) -> None:
         """Leave an admission's caching to :meth:`settle`, holding its ``stored`` event's
         place now (after the evictions of its own allocation, as :meth:`_cache` would).
         ``chained``: its hashes are this manager's, known up to the first miss (else the
-        client's, completed: every one known)."""
+        client's, completed: every one known). ``packed``: a fresh admission's client
+        hashes, every page's, of which ``req.hashes`` holds the first: remembered as raw
+        bytes, made objects by settle."""
         ps = self.hash_page_size
         num_full = len(req.token_ids) // ps
         place = None
@@ -1324,10 +1326,12 @@ class PageManager:
             if chained:
                 self._deferred_hashes.add(req.hashes[num_hit_pages])
                 self._deferred_chained = True
+            elif packed is not None:
+                self._deferred_digests.add(packed.data, packed.width)
             else:
                 self._deferred_hashes.update(req.hashes[num_hit_pages:end])
         if place is not None or len(req.hashes) < num_full:
-            self._deferred.append(_Deferred(req, num_computed, place))
+            self._deferred.append(_Deferred(req, num_computed, place, packed))
 
     def _cache(self, req: _Request, num_computed: int, place: EventPlace | None = None) -> None:
         if not self.enable_caching:

@@ -36,6 +36,7 @@ from pagekeeper.state import (
     ServiceCounters,
     StepCommand,
     StepResult,
+    plain_decodes,
 )
 from pagekeeper_client._proto.pagekeeper.v1 import pagekeeper_pb2 as pb
 from pagekeeper_client.extra_keys import extra_keys_to_pb
@@ -303,8 +304,7 @@ def _few_plain_decodes(c: pb.GrowthColumns) -> tuple[Growth, ...] | None:
         or len(c.new_token_ids) != 4 * n
     ):
         return None
-    tokens = decode_i32(c.new_token_ids, "growth_columns.new_token_ids")
-    return tuple(Growth(rid, 1, tokens[i : i + 1]) for i, rid in enumerate(ids))
+    return plain_decodes(ids, decode_i32(c.new_token_ids, "growth_columns.new_token_ids"))
 
 
 def growth_columns_from_pb(c: pb.GrowthColumns) -> GrowthColumns:
