@@ -25,6 +25,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 
@@ -179,9 +180,8 @@ def pool_cases(cases: int, seed: int) -> int:
     """Two pools, C loops and Python loops, through the same random operations (colliding
     hashes, pages listed twice, pages outside the pool when caching); equal after every
     one."""
-    ops = pool_module._ops
+    ops = _pool_ops()
     if ops is None:
-        print("memcheck: pagekeeper.core._poolops is not built here; nothing to check")
         return 0
     rng = random.Random(seed)
     num_pages = 40
@@ -253,6 +253,14 @@ def pool_cases(cases: int, seed: int) -> int:
     return 0
 
 
+def _pool_ops() -> ModuleType | None:
+    """The pool's C loops, or None (and a line saying so) where they are not built."""
+    ops = pool_module._ops
+    if ops is None:
+        print("memcheck: pagekeeper.core._poolops is not built here; nothing to check")
+    return ops
+
+
 def _refused(call: Callable[[], object], what: str) -> int:
     """1 when ``call`` raises one of the refusals a bad argument gets; fails otherwise."""
     try:
@@ -266,9 +274,8 @@ def index_cases(cases: int, seed: int) -> int:
     """``_poolops.PageIndex`` against a dict through the same random operations: small
     tables (long clusters that wrap around the end, growth past half full), deletions of
     every kind, listings; equal after every one."""
-    ops = pool_module._ops
+    ops = _pool_ops()
     if ops is None:
-        print("memcheck: pagekeeper.core._poolops is not built here; nothing to check")
         return 0
     rng = random.Random(seed)
     checked = 0
@@ -331,9 +338,8 @@ def digest_cases(cases: int, seed: int) -> int:
     """``_poolops.split_digests``, ``check_digests`` and ``DigestSet`` (client page hashes
     packed end to end) against Python's slicing and sets: random widths, repeats at any
     place, tables past their first size, clears; equal after every operation."""
-    ops = pool_module._ops
+    ops = _pool_ops()
     if ops is None:
-        print("memcheck: pagekeeper.core._poolops is not built here; nothing to check")
         return 0
     rng = random.Random(seed)
     checked = 0
@@ -391,8 +397,7 @@ def decode_cases(cases: int, seed: int) -> int:
     (``tests.core.test_pool_native.decode_workload``), equal after every step."""
     from tests.core.test_pool_native import _decode_twins, decode_workload
 
-    if pool_module._ops is None:
-        print("memcheck: pagekeeper.core._poolops is not built here; nothing to check")
+    if _pool_ops() is None:
         return 0
     rng = random.Random(seed)
     checked = 0
