@@ -64,6 +64,7 @@ from pagekeeper.core.errors import (
 from pagekeeper.core.events import KVEvent, event_nbytes
 from pagekeeper.core.hashing import digest_size, validate_extra_keys
 from pagekeeper.core.manager import (
+    CheckedPageHashes,
     CheckedTokens,
     PackedPageHashes,
     PageManager,
@@ -207,6 +208,13 @@ class Growth:
     new_token_ids: Int32Array
     num_computed_tokens: int | None = None
     num_lookahead_tokens: int = 0
+    page_hashes: tuple[bytes, ...] | PackedPageHashes | None = None
+    """Client hashes of the pages the new tokens complete, in order from the request's
+    first full page without one (at most one per such page; the service hashes the rest)."""
+    packed_page_hashes: bytes | None = None
+    """``page_hashes`` packed end to end, each of the pool's page-hash size; not with
+    ``page_hashes``. The state's check of the step leaves them checked in ``page_hashes``
+    (and clears this)."""
 
 
 def plain_decodes(request_ids: Sequence[str], tokens: Int32Array) -> tuple[Growth, ...]:
@@ -249,6 +257,12 @@ class GrowthColumns:
     num_computed_tokens: Int32Array
     num_lookahead_tokens: Int32Array
     defaults_only: bool = False
+    packed_page_hashes: bytes = b""
+    """Every growth's page hashes (see :attr:`Growth.page_hashes`) packed end to end, each
+    of the pool's page-hash size, in growth order: ``num_page_hashes[i]`` of them for
+    growth ``i``."""
+    num_page_hashes: Int32Array | None = None
+    """None: no growth carries hashes (``packed_page_hashes`` must be empty)."""
 
     def __len__(self) -> int:
         return len(self.request_ids)
@@ -270,9 +284,10 @@ class GrowthColumns:
             defaults_only=num_lookahead_tokens == 0,
         )
 
-    def check_shape(self) -> None:
-        """Every per-growth column has one entry per growth and the token counts add up
-        (InvalidArgument naming the column otherwise)."""
+    def check_shape(self, hash_size: int = 0) -> None:
+        """Every per-growth column has one entry per growth, the token counts add up, and
+        so do the page hashes, ``hash_size`` bytes each (InvalidArgument naming the column
+        otherwise)."""
         n = len(self.request_ids)
         columns = {
             "num_new_tokens": self.num_new_tokens,
@@ -280,6 +295,10 @@ class GrowthColumns:
             "num_computed_tokens": self.num_computed_tokens,
             "num_lookahead_tokens": self.num_lookahead_tokens,
         }
+        if self.num_page_hashes is not None:
+            columns["num_page_hashes"] = self.num_page_hashes
+        elif self.packed_page_hashes:
+            raise InvalidArgument("growth_columns.packed_page_hashes without num_page_hashes")
         for name, column in columns.items():
             if column.shape != (n,):
                 raise InvalidArgument(
@@ -294,6 +313,17 @@ class GrowthColumns:
                 f"growth_columns.num_new_token_ids adds up to {total} tokens but "
                 f"new_token_ids holds {self.new_token_ids.size}"
             )
+        hashes = self.num_page_hashes
+        if hashes is not None:
+            if n and int(hashes.min()) < 0:
+                raise InvalidArgument("growth_columns.num_page_hashes must be >= 0")
+            num_hashes = int(hashes.sum(dtype=np.int64))
+            if num_hashes * hash_size != len(self.packed_page_hashes):
+                raise InvalidArgument(
+                    f"growth_columns.num_page_hashes adds up to {num_hashes} hashes of "
+                    f"{hash_size} bytes but packed_page_hashes holds "
+                    f"{len(self.packed_page_hashes)} bytes"
+                )
 
     def token_offsets(self) -> npt.NDArray[np.int64]:
         """Where each growth's tokens start in ``new_token_ids`` (n + 1 entries)."""
@@ -301,29 +331,54 @@ class GrowthColumns:
         np.cumsum(self.num_new_token_ids, out=offsets[1:])
         return offsets
 
-    def growth(self, i: int, offsets: npt.NDArray[np.int64] | None = None) -> Growth:
-        """Growth ``i`` as a :class:`Growth`."""
+    def hash_offsets(self) -> npt.NDArray[np.int64] | None:
+        """Where each growth's page hashes start among the packed ones, in hashes (n + 1
+        entries); None when no growth carries any."""
+        if self.num_page_hashes is None:
+            return None
+        offsets = np.zeros(len(self.request_ids) + 1, dtype=np.int64)
+        np.cumsum(self.num_page_hashes, out=offsets[1:])
+        return offsets
+
+    def growth(
+        self,
+        i: int,
+        offsets: npt.NDArray[np.int64] | None = None,
+        hash_offsets: npt.NDArray[np.int64] | None = None,
+        hash_size: int = 0,
+    ) -> Growth:
+        """Growth ``i`` as a :class:`Growth` (its page hashes, if any, packed as they came:
+        ``hash_offsets`` from :meth:`hash_offsets`, ``hash_size`` bytes each)."""
         if offsets is None:
             offsets = self.token_offsets()
         computed = int(self.num_computed_tokens[i])
+        packed = None
+        if hash_offsets is not None and hash_offsets[i + 1] > hash_offsets[i]:
+            packed = self.packed_page_hashes[
+                int(hash_offsets[i]) * hash_size : int(hash_offsets[i + 1]) * hash_size
+            ]
         return Growth(
             self.request_ids[i],
             int(self.num_new_tokens[i]),
             self.new_token_ids[int(offsets[i]) : int(offsets[i + 1])],
             None if computed == -1 else computed,  # < -1 is refused by the validation
             int(self.num_lookahead_tokens[i]),
+            None,
+            packed,
         )
 
-    def growths(self) -> tuple[Growth, ...]:
-        offsets = self.token_offsets()
-        return tuple(self.growth(i, offsets) for i in range(len(self.request_ids)))
+    def growths(self, hash_size: int = 0) -> tuple[Growth, ...]:
+        offsets, hash_offsets = self.token_offsets(), self.hash_offsets()
+        return tuple(
+            self.growth(i, offsets, hash_offsets, hash_size) for i in range(len(self.request_ids))
+        )
 
-    def checked_growths(self) -> tuple[Growth, ...]:
+    def checked_growths(self, hash_size: int = 0) -> tuple[Growth, ...]:
         """:meth:`check_shape`, then :meth:`growths`; for plain decodes (``defaults_only``:
         one token each) without numpy's reductions (one decode: ~0.8 us against ~5.8)."""
-        if not self.defaults_only:
-            self.check_shape()
-            return self.growths()
+        if not self.defaults_only or self.num_page_hashes is not None:
+            self.check_shape(hash_size)
+            return self.growths(hash_size)
         tokens, n = self.new_token_ids, len(self.request_ids)
         if tokens.shape != (n,):
             raise InvalidArgument(
@@ -1157,12 +1212,12 @@ class ServiceState:
             growths, columns = cmd.growths, cmd.growth_columns
             if columns is not None and len(columns) < MIN_COLUMN_GROWTHS:
                 # A handful of growths: the per-growth path costs less than the arrays.
-                growths, columns = columns.checked_growths(), None
+                growths, columns = columns.checked_growths(self.page_hash_size), None
             if client.revoked:
                 revoked = _named_revoked(client.revoked, cmd, growths, columns)
                 if revoked:
                     if columns is not None:
-                        growths, columns = columns.checked_growths(), None
+                        growths, columns = columns.checked_growths(self.page_hash_size), None
                     revoked_frees = tuple(r for r in frees if r in revoked)
                     frees = tuple(r for r in frees if r not in revoked)
                     revoked_growths = tuple(g for g in growths if g.request_id in revoked)
@@ -1415,7 +1470,8 @@ class ServiceState:
         messages); returns the grown request ids."""
         ids = cols.request_ids
         n = len(ids)
-        if cols.defaults_only and n and cols.new_token_ids.shape == (n,):
+        plain = cols.defaults_only and cols.num_page_hashes is None
+        if plain and n and cols.new_token_ids.shape == (n,):
             # Plain decodes (one token each, tracked counts): the checks below reduce to
             # the rows' maxima and the tokens' minimum (computed <= tokens < max_len also
             # keeps computed + 1 within it); any doubt, and they run in full.
@@ -1429,7 +1485,7 @@ class ServiceState:
                 grown = set(ids)
                 if len(grown) == n and not grown & freed:
                     return grown
-        cols.check_shape()
+        cols.check_shape(self.page_hash_size)
         if n == 0:
             return set()
         counts = cols.num_new_token_ids
@@ -1488,6 +1544,14 @@ class ServiceState:
                 f"request {ids[i]!r}: {int(computed[i])} computed + {int(num_new[i])} new "
                 f"tokens exceed max_model_len {max_len}"
             )
+        hash_offsets = cols.hash_offsets()
+        if hash_offsets is not None:
+            size = self.page_hash_size
+            for i in np.flatnonzero(np.diff(hash_offsets)).tolist():
+                packed = cols.packed_page_hashes[
+                    int(hash_offsets[i]) * size : int(hash_offsets[i + 1]) * size
+                ]
+                self._growth_hashes(ids[i], None, packed, int(lengths[i]), int(counts[i]))
         return grown
 
     def _apply_growth_columns(
@@ -1510,11 +1574,16 @@ class ServiceState:
         num_ids = cols.num_new_token_ids
         lookahead = cols.num_lookahead_tokens
         plain: Sequence[bool] | npt.NDArray[np.bool_]
-        if cols.defaults_only:
+        hash_offsets = cols.hash_offsets()
+        if cols.defaults_only and hash_offsets is None:
             plain, bounds = (True,), [0, n]  # one run of plain decodes
         else:
             one_new = cols.num_new_tokens == 1
             plain = one_new & (num_ids == 1) & (explicit == -1)
+            if hash_offsets is not None:
+                # A growth with page hashes goes on its own (the core's batched decodes
+                # hash the pages they fill themselves).
+                plain &= np.diff(hash_offsets) == 0
             # A decode with a computed count is a plain one too when the count is the
             # tracked one plus the tokens before its own: a client's held-back decodes
             # riding with it (or a client that always sends its mirror's count).
@@ -1530,7 +1599,7 @@ class ServiceState:
             if plain[start]:
                 run = ids[start:stop]
                 held: dict[str, list[int]] = {}
-                if cols.defaults_only:
+                if cols.defaults_only and hash_offsets is None:
                     tokens = cols.new_token_ids
                 else:
                     offsets = cols.token_offsets() if offsets is None else offsets
@@ -1569,7 +1638,8 @@ class ServiceState:
                     continue
             offsets = cols.token_offsets() if offsets is None else offsets
             for i in range(start, stop):
-                outcome = self._apply_growth(cols.growth(i, offsets))
+                growth = cols.growth(i, offsets, hash_offsets, self.page_hash_size)
+                outcome = self._apply_growth(growth)
                 if outcome is None:
                     continue
                 if outcome.status is not AllocationStatus.OK:
@@ -1617,6 +1687,54 @@ class ServiceState:
                 f"request {rid!r}: {computed} computed + {growth.num_new_tokens} new tokens "
                 f"exceed max_model_len {max_len}"
             )
+        if growth.page_hashes is not None or growth.packed_page_hashes is not None:
+            growth.page_hashes = self._growth_hashes(
+                rid,
+                growth.page_hashes,
+                growth.packed_page_hashes,
+                len(record.token_ids),
+                len(new_tokens),
+            )
+            growth.packed_page_hashes = None
+
+    def _growth_hashes(
+        self,
+        rid: str,
+        page_hashes: Sequence[bytes] | None,
+        packed: bytes | None,
+        num_tokens: int,
+        num_new_token_ids: int,
+    ) -> CheckedPageHashes | PackedPageHashes | None:
+        """A growth's page hashes, checked: well formed, at most one per page its
+        ``num_new_token_ids`` tokens complete after the request's ``num_tokens``, none the
+        request's last page hash (InvalidArgument naming the request otherwise)."""
+        try:
+            if packed is not None:
+                hashes: CheckedPageHashes | PackedPageHashes | None = self._packed_hashes(
+                    packed, page_hashes
+                )
+            else:
+                hashes = None if page_hashes is None else check_page_hashes(page_hashes)
+        except InvalidArgument as exc:
+            raise InvalidArgument(f"request {rid!r}: {exc.message}") from None
+        if hashes is None:
+            return None
+        hps = self._hash_page_size
+        num_completed = (num_tokens + num_new_token_ids) // hps - num_tokens // hps
+        if len(hashes) > num_completed:
+            raise InvalidArgument(
+                f"request {rid!r}: {len(hashes)} page hashes for the {num_completed} pages "
+                f"its {num_new_token_ids} new tokens complete"
+            )
+        last = self.manager.last_page_hash(rid)
+        if last is not None and last in (
+            hashes.split() if type(hashes) is PackedPageHashes else hashes
+        ):
+            raise InvalidArgument(
+                f"request {rid!r}: page hash {last.hex()} repeats its previous page's "
+                "(each hash covers its whole prefix)"
+            )
+        return hashes
 
     def _validate_admission(self, admission: Admission, max_len: int) -> None:
         rid = admission.request_id
@@ -1681,6 +1799,10 @@ class ServiceState:
         answering nothing keeps a 256-decode step's reply small)."""
         rid = growth.request_id
         try:
+            hashes = growth.page_hashes
+            if growth.packed_page_hashes is not None:
+                # A column form's row (checked with the step; this cannot fail).
+                hashes = check_packed_page_hashes(growth.packed_page_hashes, self.page_hash_size)
             allocation = self.manager.allocate(
                 rid,
                 growth.num_new_tokens,
@@ -1688,6 +1810,7 @@ class ServiceState:
                 new_token_ids=growth.new_token_ids.tolist(),
                 num_computed_tokens=growth.num_computed_tokens,
                 num_lookahead_tokens=growth.num_lookahead_tokens,
+                new_page_hashes=hashes,
             )
         except PagekeeperError as exc:
             return AllocationOutcome(rid, AllocationStatus.REJECTED, reason=exc.message)

@@ -540,7 +540,7 @@ def test_a_step_read_over_grpc_is_journaled_as_its_request_bytes():
         b"\x0a\x02" + header.pack(1.0, 8, 0, 0) + wire,
         b"\x0a\x02" + header.pack(1.0, 1, 0, 1 << 30) + wire,
         b"\x0a\x02" + header.pack(1.0, 1, 0, 2) + b"\xff\xfe" + wire,
-        b"\x0a\x04" + header.pack(1.0, 1, 0, 0) + wire,  # 3: a step naming a revoked id
+        b"\x0a\x05" + header.pack(1.0, 1, 0, 0) + wire,  # 3: revoked ids, 4: growth hashes
     ):
         with pytest.raises(RecordDecodeError):
             decode_command(bad)

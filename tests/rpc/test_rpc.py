@@ -198,6 +198,73 @@ def test_packed_page_hashes_are_the_hashes_sent_one_by_one(pagekeeper_server):
         assert reason in refused.value.details()
 
 
+def test_growth_page_hashes_name_the_pages_generated_tokens_complete(pagekeeper_server):
+    """A growth's hashes (packed, listed, or in the column form) name the pages its new
+    tokens complete, so a prompt holding the same text with the same hashes (a chat's next
+    turn, hashed by an engine unlike the service) hits them; too many is refused."""
+    sched = Scheduler(pagekeeper_server)
+    info = sched.stub.GetPoolInfo(pb.GetPoolInfoRequest(), metadata=sched.md)
+    assert info.config.accepts_growth_page_hashes
+    names = [bytes([9, i]) * 16 for i in range(8)]
+    prompt = _unique_prompt(11, 32)  # 2 full pages of 16
+    generated = _unique_prompt(12, 48)
+    forms = {
+        "packed": lambda rid, toks, hashes: sched.step(
+            growths=[
+                pb.Growth(
+                    request_id=rid,
+                    num_new_tokens=len(toks),
+                    new_token_ids=i32(toks),
+                    packed_page_hashes=b"".join(hashes),
+                )
+            ]
+        ),
+        "listed": lambda rid, toks, hashes: sched.step(
+            growths=[
+                pb.Growth(
+                    request_id=rid,
+                    num_new_tokens=len(toks),
+                    new_token_ids=i32(toks),
+                    page_hashes=hashes,
+                )
+            ]
+        ),
+        "columns": lambda rid, toks, hashes: sched.step(
+            growth_columns=pb.GrowthColumns(
+                request_ids=[rid],
+                new_token_ids=i32(toks),
+                num_new_token_ids=i32([len(toks)]),
+                num_new_tokens=i32([len(toks)]),
+                packed_page_hashes=b"".join(hashes),
+                num_page_hashes=i32([len(hashes)]),
+            )
+        ),
+    }
+    for k, (form, grow) in enumerate(forms.items()):
+        rid = f"gh-{form}"
+        hashes = [bytes([k]) + n[1:] for n in names]
+        assert sched.admit(rid, prompt, packed_page_hashes=b"".join(hashes[:2])).status == (
+            pb.ALLOCATION_STATUS_OK
+        )
+        with pytest.raises(grpc.RpcError) as refused:
+            grow(rid, generated[:16], hashes[2:4])  # 16 tokens complete one page
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "2 page hashes for the 1 pages" in refused.value.details()
+        # Three pages complete; the client names two, the service hashes the third.
+        (result,) = grow(rid, generated, hashes[2:4]).results
+        assert result.status == pb.ALLOCATION_STATUS_OK
+        found = sched.stub.Lookup(
+            pb.LookupRequest(
+                token_ids=i32(prompt + generated), packed_page_hashes=b"".join(hashes[:4])
+            ),
+            metadata=sched.md,
+        )
+        # Every page hits: two admitted, two named by the growth, one the service chained on.
+        assert found.num_hit_tokens == 80
+        assert list(found.page_hashes)[:4] == hashes[:4]
+        sched.free(rid)
+
+
 def test_lookup_has_no_side_effects(pagekeeper_server):
     sched = Scheduler(pagekeeper_server)
     prompt = _unique_prompt(2, 64)

@@ -936,13 +936,19 @@ class PageManager:
         new_token_ids: TokenIds = (),
         num_computed_tokens: int | None = None,
         num_lookahead_tokens: int = 0,
-        new_page_hashes: Sequence[bytes] | None = None,
+        new_page_hashes: Sequence[bytes] | PackedPageHashes | None = None,
     ) -> Allocation | None:
         """Grow a running request: append ``new_token_ids`` (tokens generated since its last
         step), then make room for ``num_new_tokens`` more computed tokens (+ lookahead).
         ``num_computed_tokens`` defaults to what the manager tracked. Returns None when pages
         run out; then only sliding-window releases have happened (as in vLLM) and the tokens
-        are not appended."""
+        are not appended.
+
+        ``new_page_hashes``: the client's hashes of the pages (hash page size) the new
+        tokens complete, in order from the request's first full page without one: at most
+        one per such page (the manager hashes the rest, chaining from the client's last),
+        none repeated, none the request's previous page's. Their pages enter the prefix
+        cache under them, so a later prompt the client hashes alike hits them."""
         if self._deferred:
             self.settle()
         req = self._requests.get(request_id)
@@ -987,6 +993,8 @@ class PageManager:
                 f"request {request_id!r}: {computed} computed + {num_new_tokens} new tokens "
                 f"exceed max_model_len {max_len}"
             )
+        if new_page_hashes is not None:
+            new_page_hashes = self._check_growth_hashes(req, new_page_hashes, len(new_tokens))
         num_slots = computed + num_new_tokens + num_lookahead_tokens
         if num_slots > max_len:
             num_slots = max_len
@@ -1270,6 +1278,34 @@ class PageManager:
             TokenRun.adopt,
             group.group_id,
         )
+
+    def _check_growth_hashes(
+        self, req: _Request, hashes: Sequence[bytes] | PackedPageHashes, num_new: int
+    ) -> Sequence[bytes]:
+        """A growth's client page hashes as a checked sequence, or InvalidArgument."""
+        if type(hashes) is PackedPageHashes:
+            checked: Sequence[bytes] = hashes.split()
+        else:
+            checked = check_page_hashes(hashes)  # type: ignore[arg-type]
+        hps = self.hash_page_size
+        num_tokens = len(req.token_ids)
+        num_completed = (num_tokens + num_new) // hps - num_tokens // hps
+        if len(checked) > num_completed:
+            raise InvalidArgument(
+                f"request {req.request_id!r}: {len(checked)} page hashes for the "
+                f"{num_completed} pages its {num_new} new tokens complete"
+            )
+        if req.hashes and req.hashes[-1] in checked:
+            raise InvalidArgument(
+                f"request {req.request_id!r}: page hash {req.hashes[-1].hex()} repeats its "
+                "previous page's (each hash covers its whole prefix)"
+            )
+        return checked
+
+    def last_page_hash(self, request_id: str) -> bytes | None:
+        """The hash of the request's last full page (None: no full page, or no caching)."""
+        hashes = self._get(request_id).hashes
+        return hashes[-1] if hashes else None
 
     def _extend_hashes(self, req: _Request, new_page_hashes: Sequence[bytes] | None) -> None:
         """Hash the request's newly full pages (the client's hashes first, if it sent any)."""

@@ -103,6 +103,13 @@ STEP_WIRE_VERSION = 2
 # it; a version it does not know makes it refuse the data dir instead.
 STEP_WIRE_REVOKED_VERSION = 3
 STEP_TREE_REVOKED_VERSION = 2
+# A step whose growths carry client page hashes (``Growth.page_hashes``, the columns'
+# ``packed_page_hashes``) is the next version of its kind (a revoked name or not): a
+# pagekeeper from before them would replay its wire form without them, hashing those pages
+# itself, into another prefix cache; a version it does not know makes it refuse the data
+# dir instead. The tree form adds the hashes to its growths (9 or 10 entries).
+STEP_WIRE_GROWTH_HASHES_VERSION = 4
+STEP_TREE_GROWTH_HASHES_VERSION = 3
 # A force-free that leaves its scheduler a revocation to acknowledge (the answer to
 # ``ServiceState.force_free`` is True) is version 2 of its kind, the same layout: an older
 # pagekeeper would replay it without one, and answer the owner's free of the request
@@ -155,10 +162,15 @@ def _resume_from_tree(version: int, tree: Any) -> ResumeLeasesCommand:
 
 
 READABLE_VERSIONS = {
-    KIND_STEP: (1, STEP_TREE_REVOKED_VERSION),
+    KIND_STEP: (1, STEP_TREE_REVOKED_VERSION, STEP_TREE_GROWTH_HASHES_VERSION),
     KIND_FORCE_FREE: (1, FORCE_FREE_REVOKED_VERSION),
     KIND_REGISTER: (1, REGISTER_FRESH_VERSION),
-    KIND_STEP_WIRE: (1, STEP_WIRE_VERSION, STEP_WIRE_REVOKED_VERSION),
+    KIND_STEP_WIRE: (
+        1,
+        STEP_WIRE_VERSION,
+        STEP_WIRE_REVOKED_VERSION,
+        STEP_WIRE_GROWTH_HASHES_VERSION,
+    ),
     KIND_RESUME_LEASES: (1, RESUME_MODE_VERSION, RESUME_SHIFT_VERSION),
 }
 """The record versions a kind reads (any other kind: ``VERSION`` only)."""
@@ -182,6 +194,8 @@ def _encode_step_wire(
         slot, error = result.published_slot, result.publish_error.encode()
         if result.names_revoked:
             version = STEP_WIRE_REVOKED_VERSION
+    if _carries_growth_hashes(command):
+        version = STEP_WIRE_GROWTH_HASHES_VERSION
     received = command.wire_bytes
     return (
         b"".join(
@@ -193,6 +207,13 @@ def _encode_step_wire(
         ),
         wire.SerializeToString() if received is None else received,
     )
+
+
+def _carries_growth_hashes(command: StepCommand) -> bool:
+    columns = command.growth_columns
+    if columns is not None and columns.num_page_hashes is not None:
+        return True
+    return any(g.page_hashes is not None or g.packed_page_hashes for g in command.growths)
 
 
 def encode_command(command: Command, result: Any = None) -> bytes:
@@ -213,6 +234,8 @@ def _encode_tree_command(command: Command, result: Any) -> bytes:
     tree: Any
     if isinstance(command, StepCommand):
         kind, tree = KIND_STEP, _step_to_tree(command, result)
+        if _carries_growth_hashes(command):
+            return bytes((kind, STEP_TREE_GROWTH_HASHES_VERSION)) + encode(tree)
         if result is not None and result.names_revoked:
             return bytes((kind, STEP_TREE_REVOKED_VERSION)) + encode(tree)
     elif isinstance(command, HeartbeatCommand):
@@ -272,7 +295,11 @@ def decode_command(body: bytes | memoryview) -> tuple[Command, Publication | Non
         raise RecordFromNewerVersion(
             f"{KIND_NAMES[kind]} record version {version} is not {' or '.join(map(str, readable))}"
         )
-    if kind == KIND_STEP_WIRE and version in (STEP_WIRE_VERSION, STEP_WIRE_REVOKED_VERSION):
+    if kind == KIND_STEP_WIRE and version in (
+        STEP_WIRE_VERSION,
+        STEP_WIRE_REVOKED_VERSION,
+        STEP_WIRE_GROWTH_HASHES_VERSION,
+    ):
         return _step_wire_from_body(memoryview(body)[2:])
     try:
         tree = decode(memoryview(body)[2:])
@@ -421,6 +448,9 @@ def _step_to_tree(cmd: StepCommand, result: StepResult | None) -> list[Any]:
             ),
             _column([g.num_lookahead_tokens for g in growths]),
         ]
+        if any(g.page_hashes is not None or g.packed_page_hashes for g in growths):
+            # Each growth's page hashes (None: none); the 8th entry says "not columns".
+            growths_tree += [False, [_growth_hashes_tree(g) for g in growths]]
     columns = cmd.growth_columns
     if columns is not None:
         # Already column-wise; the 8th entry marks the form so replay rebuilds the same one.
@@ -435,6 +465,11 @@ def _step_to_tree(cmd: StepCommand, result: StepResult | None) -> list[Any]:
             _array_column(columns.num_lookahead_tokens, n),
             True,
         ]
+        if columns.num_page_hashes is not None:
+            growths_tree += [
+                columns.packed_page_hashes,
+                _array_column(columns.num_page_hashes, n),
+            ]
     admissions = [
         [
             a.request_id,
@@ -471,6 +506,16 @@ def _step_to_tree(cmd: StepCommand, result: StepResult | None) -> list[Any]:
         batch,
         publication,
     ]
+
+
+def _growth_hashes_tree(growth: Growth) -> list[bytes] | bytes | None:
+    """A growth's page hashes as a record holds them: a list, or the packed bytes as they
+    came (a ``bytes`` entry), or None."""
+    if growth.packed_page_hashes is not None:
+        return growth.packed_page_hashes
+    if growth.page_hashes is None:
+        return None
+    return list(growth.page_hashes)
 
 
 def _publication(result: StepResult | None) -> list[Any] | None:
@@ -519,8 +564,16 @@ def _step_from_tree(tree: list[Any]) -> tuple[StepCommand, Publication | None]:
     now, client_id, generation, step_id, frees, growths_tree, admissions, batch, pub = tree
     growths: tuple[Growth, ...] = ()
     columns: GrowthColumns | None = None
-    if growths_tree is not None and len(growths_tree) == 8:
-        n, ids, num_new, tokens, token_lens, computed, lookahead, _ = growths_tree
+    growth_hashes: Any = None
+    if growths_tree is not None and len(growths_tree) == 9:
+        # Growths with their page hashes, one entry each.
+        growths_tree, is_columns, growth_hashes = growths_tree[:7], growths_tree[7], growths_tree[8]
+        if is_columns is not False:
+            raise ValueError("growths with page hashes marked as columns")
+    if growths_tree is not None and len(growths_tree) in (8, 10):
+        n, ids, num_new, tokens, token_lens, computed, lookahead, is_columns = growths_tree[:8]
+        if is_columns is not True:
+            raise ValueError("growth columns not marked as columns")
         # The ids first: they check the count against what the record holds before any
         # column is sized by it (a damaged count must not size an allocation).
         n = int(n)
@@ -536,7 +589,12 @@ def _step_from_tree(tree: list[Any]) -> tuple[StepCommand, Publication | None]:
             defaults_only=all(
                 isinstance(v, int) for v in (num_new, token_lens, computed, lookahead)
             )
-            and (num_new, token_lens, computed, lookahead) == (1, 1, -1, 0),
+            and (num_new, token_lens, computed, lookahead) == (1, 1, -1, 0)
+            and len(growths_tree) == 8,
+            packed_page_hashes=bytes(growths_tree[8]) if len(growths_tree) == 10 else b"",
+            num_page_hashes=(
+                _int32_column(growths_tree[9], n) if len(growths_tree) == 10 else None
+            ),
         )
     elif growths_tree is not None:
         n, ids, num_new, tokens, token_lens, computed, lookahead = growths_tree
@@ -560,6 +618,14 @@ def _step_from_tree(tree: list[Any]) -> tuple[StepCommand, Publication | None]:
                 strict=True,
             )
         )
+        if growth_hashes is not None:
+            if len(growth_hashes) != n:
+                raise ValueError("the growths' page hashes do not match their count")
+            for growth, hashes in zip(growths, growth_hashes, strict=True):
+                if isinstance(hashes, (bytes, memoryview)):
+                    growth.packed_page_hashes = bytes(hashes)
+                elif hashes is not None:
+                    growth.page_hashes = tuple(bytes(h) for h in hashes)
     decoded_admissions = tuple(
         Admission(
             request_id=str(rid),

@@ -133,6 +133,7 @@ def pool_config_to_pb(config: PoolConfig) -> pb.PoolConfig:
         hash_algorithm=config.hash_algorithm,
         max_model_len=config.max_model_len,
         page_hash_size=digest_size(config.hash_algorithm),
+        accepts_growth_page_hashes=True,
     )
 
 
@@ -244,12 +245,15 @@ def _growth_from_pb(g: pb.Growth) -> Growth:
     tokens = _EMPTY_I32
     if data:
         tokens = decode_i32(data, lambda: f"growth {g.request_id!r}: new_token_ids")
+    hashes = g.page_hashes
     return Growth(
         g.request_id,
         g.num_new_tokens,
         tokens,
         g.num_computed_tokens if g.HasField("num_computed_tokens") else None,
         g.num_lookahead_tokens,
+        tuple(hashes) if hashes else None,
+        g.packed_page_hashes or None,
     )
 
 
@@ -301,6 +305,8 @@ def _few_plain_decodes(c: pb.GrowthColumns) -> tuple[Growth, ...] | None:
         or c.num_new_token_ids
         or c.num_computed_tokens
         or c.num_lookahead_tokens
+        or c.num_page_hashes
+        or c.packed_page_hashes
         or len(c.new_token_ids) != 4 * n
     ):
         return None
@@ -312,6 +318,18 @@ def growth_columns_from_pb(c: pb.GrowthColumns) -> GrowthColumns:
     lengths are checked by the state with the rest of the step)."""
     n = len(c.request_ids)
     counts = (c.num_new_tokens, c.num_new_token_ids, c.num_computed_tokens, c.num_lookahead_tokens)
+    num_hashes, packed = c.num_page_hashes, c.packed_page_hashes
+    if num_hashes or packed:
+        return GrowthColumns(
+            request_ids=tuple(c.request_ids),
+            num_new_tokens=_column_from_pb(counts[0], "num_new_tokens", n, 1),
+            new_token_ids=decode_i32(c.new_token_ids, "growth_columns.new_token_ids"),
+            num_new_token_ids=_column_from_pb(counts[1], "num_new_token_ids", n, 1),
+            num_computed_tokens=_column_from_pb(counts[2], "num_computed_tokens", n, -1),
+            num_lookahead_tokens=_column_from_pb(counts[3], "num_lookahead_tokens", n, 0),
+            packed_page_hashes=packed,
+            num_page_hashes=_column_from_pb(num_hashes, "num_page_hashes", n, 0),
+        )
     return GrowthColumns(
         request_ids=tuple(c.request_ids),
         num_new_tokens=_column_from_pb(counts[0], "num_new_tokens", n, 1),

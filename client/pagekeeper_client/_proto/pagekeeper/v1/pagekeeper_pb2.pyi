@@ -72,20 +72,22 @@ class GroupInfo(_message.Message):
     def __init__(self, group_id: _Optional[int] = ..., kind: _Optional[_Union[GroupKind, str]] = ..., page_size: _Optional[int] = ..., window: _Optional[int] = ..., chunk: _Optional[int] = ..., enable_state_caching: _Optional[bool] = ..., name: _Optional[str] = ...) -> None: ...
 
 class PoolConfig(_message.Message):
-    __slots__ = ("num_pages", "groups", "enable_prefix_caching", "hash_algorithm", "max_model_len", "page_hash_size")
+    __slots__ = ("num_pages", "groups", "enable_prefix_caching", "hash_algorithm", "max_model_len", "page_hash_size", "accepts_growth_page_hashes")
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     ENABLE_PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
     HASH_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     PAGE_HASH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTS_GROWTH_PAGE_HASHES_FIELD_NUMBER: _ClassVar[int]
     num_pages: int
     groups: _containers.RepeatedCompositeFieldContainer[GroupInfo]
     enable_prefix_caching: bool
     hash_algorithm: str
     max_model_len: int
     page_hash_size: int
-    def __init__(self, num_pages: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[GroupInfo, _Mapping]]] = ..., enable_prefix_caching: _Optional[bool] = ..., hash_algorithm: _Optional[str] = ..., max_model_len: _Optional[int] = ..., page_hash_size: _Optional[int] = ...) -> None: ...
+    accepts_growth_page_hashes: bool
+    def __init__(self, num_pages: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[GroupInfo, _Mapping]]] = ..., enable_prefix_caching: _Optional[bool] = ..., hash_algorithm: _Optional[str] = ..., max_model_len: _Optional[int] = ..., page_hash_size: _Optional[int] = ..., accepts_growth_page_hashes: _Optional[bool] = ...) -> None: ...
 
 class Limits(_message.Message):
     __slots__ = ("max_requests_per_step", "max_tokens_per_step", "max_clients", "max_message_bytes", "lease_ttl_ms")
@@ -368,34 +370,42 @@ class Admission(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[bytes] = ..., num_new_tokens: _Optional[int] = ..., extra_keys: _Optional[_Union[ExtraKeys, _Mapping]] = ..., page_hashes: _Optional[_Iterable[bytes]] = ..., num_lookahead_tokens: _Optional[int] = ..., enable_cache_read: _Optional[bool] = ..., packed_page_hashes: _Optional[bytes] = ...) -> None: ...
 
 class Growth(_message.Message):
-    __slots__ = ("request_id", "num_new_tokens", "new_token_ids", "num_computed_tokens", "num_lookahead_tokens")
+    __slots__ = ("request_id", "num_new_tokens", "new_token_ids", "num_computed_tokens", "num_lookahead_tokens", "page_hashes", "packed_page_hashes")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_LOOKAHEAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PACKED_PAGE_HASHES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_new_tokens: int
     new_token_ids: bytes
     num_computed_tokens: int
     num_lookahead_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., num_new_tokens: _Optional[int] = ..., new_token_ids: _Optional[bytes] = ..., num_computed_tokens: _Optional[int] = ..., num_lookahead_tokens: _Optional[int] = ...) -> None: ...
+    page_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    packed_page_hashes: bytes
+    def __init__(self, request_id: _Optional[str] = ..., num_new_tokens: _Optional[int] = ..., new_token_ids: _Optional[bytes] = ..., num_computed_tokens: _Optional[int] = ..., num_lookahead_tokens: _Optional[int] = ..., page_hashes: _Optional[_Iterable[bytes]] = ..., packed_page_hashes: _Optional[bytes] = ...) -> None: ...
 
 class GrowthColumns(_message.Message):
-    __slots__ = ("request_ids", "num_new_tokens", "new_token_ids", "num_new_token_ids", "num_computed_tokens", "num_lookahead_tokens")
+    __slots__ = ("request_ids", "num_new_tokens", "new_token_ids", "num_new_token_ids", "num_computed_tokens", "num_lookahead_tokens", "packed_page_hashes", "num_page_hashes")
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_LOOKAHEAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_PAGE_HASHES_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAGE_HASHES_FIELD_NUMBER: _ClassVar[int]
     request_ids: _containers.RepeatedScalarFieldContainer[str]
     num_new_tokens: bytes
     new_token_ids: bytes
     num_new_token_ids: bytes
     num_computed_tokens: bytes
     num_lookahead_tokens: bytes
-    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., num_new_tokens: _Optional[bytes] = ..., new_token_ids: _Optional[bytes] = ..., num_new_token_ids: _Optional[bytes] = ..., num_computed_tokens: _Optional[bytes] = ..., num_lookahead_tokens: _Optional[bytes] = ...) -> None: ...
+    packed_page_hashes: bytes
+    num_page_hashes: bytes
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., num_new_tokens: _Optional[bytes] = ..., new_token_ids: _Optional[bytes] = ..., num_new_token_ids: _Optional[bytes] = ..., num_computed_tokens: _Optional[bytes] = ..., num_lookahead_tokens: _Optional[bytes] = ..., packed_page_hashes: _Optional[bytes] = ..., num_page_hashes: _Optional[bytes] = ...) -> None: ...
 
 class Batch(_message.Message):
     __slots__ = ("request_ids", "num_scheduled_tokens", "num_computed_tokens")
