@@ -18,6 +18,7 @@ from hypothesis.stateful import (
 from pagekeeper.core import pool as pool_module
 from pagekeeper.core.config import GroupConfig, GroupKind, PoolConfig
 from pagekeeper.core.events import PageRemoved, PageStored
+from pagekeeper.core.hashing import hash_pages
 from pagekeeper.core.manager import PageManager
 from tests.core.refmodel import RefModel
 from tests.helpers.props import examples
@@ -87,8 +88,9 @@ class ManagerVsModel(RuleBasedStateMachine):
         new=st.lists(st.integers(0, 20), min_size=0, max_size=20),
         lookahead=st.integers(0, 2),
         extra=st.integers(0, 5),
+        named=st.integers(0, 3),
     )
-    def grow(self, rid, new, lookahead, extra):
+    def grow(self, rid, new, lookahead, extra, named):
         if rid not in self.model.reqs:
             return
         req = self.model.reqs[rid]
@@ -100,7 +102,21 @@ class ManagerVsModel(RuleBasedStateMachine):
         num_new = pending if pending > 0 else min(extra, 0) or 0
         if num_new < 1:
             return
-        got = self.manager.allocate(rid, num_new, new_token_ids=new, num_lookahead_tokens=lookahead)
+        # Up to ``named`` of the pages the new tokens complete named by the client (with
+        # the manager's own hashes, so the model holds: the rest are chained on from them).
+        ps = self.model.page_size
+        first, end = len(req["tokens"]) // ps, num_tokens // ps
+        page_hashes = None
+        if named and end > first:
+            chain = hash_pages([*req["tokens"], *new], ps)
+            page_hashes = chain[first : min(end, first + named)]
+        got = self.manager.allocate(
+            rid,
+            num_new,
+            new_token_ids=new,
+            num_lookahead_tokens=lookahead,
+            new_page_hashes=page_hashes,
+        )
         want = self.model.grow(rid, new, num_new, lookahead)
         if want is None:
             assert got is None

@@ -138,6 +138,33 @@ class FieldFuzz:
                 num_lookahead_tokens=_i32([0, 1, 0]),
             ),
         )
+        # Growths naming the pages their tokens complete (a page's worth each: one page).
+        yield self.request(
+            growths=[
+                pb.Growth(
+                    request_id=ids[5],
+                    num_new_tokens=PAGE,
+                    new_token_ids=_i32(range(PAGE)),
+                    packed_page_hashes=bytes([1]) * 32,
+                ),
+                pb.Growth(
+                    request_id=ids[6],
+                    num_new_tokens=PAGE,
+                    new_token_ids=_i32(range(PAGE)),
+                    page_hashes=[bytes([2]) * 32],
+                ),
+            ],
+        )
+        yield self.request(
+            growth_columns=pb.GrowthColumns(
+                request_ids=ids[:8],
+                new_token_ids=_i32(list(range(PAGE)) * 8),
+                num_new_token_ids=_i32([PAGE] * 8),
+                num_new_tokens=_i32([PAGE] * 8),
+                packed_page_hashes=b"".join(bytes([10 + k]) * 32 for k in range(4)),
+                num_page_hashes=_i32([1, 0] * 4),
+            ),
+        )
         prompt = np.arange(100, 170, dtype=np.int32)
         extra = pb.ExtraKeys(
             lora_name="l1",

@@ -196,15 +196,22 @@ class SimScheduler:
             generation=self.generation,
             step_id=self.counter.next(),
             free_request_ids=frees,
-            growths=[
-                pb.Growth(request_id=rid, num_new_tokens=1, new_token_ids=i32([token]))
-                for rid, token in growths.items()
-            ],
+            growths=[self._growth(rid, token) for rid, token in growths.items()],
             admissions=[self._admission(rid, tokens) for rid, tokens in admissions.items()],
             batch=pb.Batch(request_ids=[*growths, *admissions]),
         )
         self.pending = Pending(request, growths, admissions)
         return self.pending
+
+    def _growth(self, rid: str, token: int) -> pb.Growth:
+        """A decode; one that completes a page names it for half of them (the hash the
+        service would make, so the model stays exact; the record is the version that
+        carries growth hashes)."""
+        growth = pb.Growth(request_id=rid, num_new_tokens=1, new_token_ids=i32([token]))
+        tokens = [*self.requests[rid].tokens, token]
+        if len(tokens) % PAGE_SIZE == 0 and self.rng.integers(0, 2):
+            growth.packed_page_hashes = hash_pages(tokens, PAGE_SIZE)[-1]
+        return growth
 
     def _admission(self, rid: str, tokens: list[int]) -> pb.Admission:
         hashes = self._hashes(tokens)
