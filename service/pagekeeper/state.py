@@ -212,9 +212,25 @@ class Growth:
     """Client hashes of the pages the new tokens complete, in order from the request's
     first full page without one (at most one per such page; the service hashes the rest)."""
     packed_page_hashes: bytes | None = None
-    """``page_hashes`` packed end to end, each of the pool's page-hash size; not with
+    """``page_hashes`` packed end to end, ``page_hash_size`` bytes each; not with
     ``page_hashes``. The state's check of the step leaves them checked in ``page_hashes``
     (and clears this)."""
+    page_hash_size: int = 0
+    """Bytes in each of ``packed_page_hashes``; 0: the pool's page-hash size."""
+
+
+MAX_PAGE_HASH_SIZE = 64
+"""Most bytes in one client page hash sent packed with its own size."""
+
+
+def packed_hash_size(size: int, pool_size: int, what: str) -> int:
+    """The width of packed client hashes: ``size``, or the pool's when 0 (InvalidArgument
+    outside 0..MAX_PAGE_HASH_SIZE)."""
+    if size == 0:
+        return pool_size
+    if not 0 < size <= MAX_PAGE_HASH_SIZE:
+        raise InvalidArgument(f"{what} {size} outside [0, {MAX_PAGE_HASH_SIZE}] (0: the pool's)")
+    return size
 
 
 def plain_decodes(request_ids: Sequence[str], tokens: Int32Array) -> tuple[Growth, ...]:
@@ -263,6 +279,8 @@ class GrowthColumns:
     growth ``i``."""
     num_page_hashes: Int32Array | None = None
     """None: no growth carries hashes (``packed_page_hashes`` must be empty)."""
+    page_hash_size: int = 0
+    """Bytes in each of ``packed_page_hashes``; 0: the pool's page-hash size."""
 
     def __len__(self) -> int:
         return len(self.request_ids)
@@ -284,10 +302,10 @@ class GrowthColumns:
             defaults_only=num_lookahead_tokens == 0,
         )
 
-    def check_shape(self, hash_size: int = 0) -> None:
+    def check_shape(self, pool_hash_size: int = 0) -> None:
         """Every per-growth column has one entry per growth, the token counts add up, and
-        so do the page hashes, ``hash_size`` bytes each (InvalidArgument naming the column
-        otherwise)."""
+        so do the page hashes, ``page_hash_size`` bytes each (``pool_hash_size`` when 0)
+        (InvalidArgument naming the column otherwise)."""
         n = len(self.request_ids)
         columns = {
             "num_new_tokens": self.num_new_tokens,
@@ -318,6 +336,9 @@ class GrowthColumns:
             if n and int(hashes.min()) < 0:
                 raise InvalidArgument("growth_columns.num_page_hashes must be >= 0")
             num_hashes = int(hashes.sum(dtype=np.int64))
+            hash_size = packed_hash_size(
+                self.page_hash_size, pool_hash_size, "growth_columns.page_hash_size"
+            )
             if num_hashes * hash_size != len(self.packed_page_hashes):
                 raise InvalidArgument(
                     f"growth_columns.num_page_hashes adds up to {num_hashes} hashes of "
@@ -345,14 +366,15 @@ class GrowthColumns:
         i: int,
         offsets: npt.NDArray[np.int64] | None = None,
         hash_offsets: npt.NDArray[np.int64] | None = None,
-        hash_size: int = 0,
+        pool_hash_size: int = 0,
     ) -> Growth:
         """Growth ``i`` as a :class:`Growth` (its page hashes, if any, packed as they came:
-        ``hash_offsets`` from :meth:`hash_offsets`, ``hash_size`` bytes each)."""
+        ``hash_offsets`` from :meth:`hash_offsets`; shape checked)."""
         if offsets is None:
             offsets = self.token_offsets()
         computed = int(self.num_computed_tokens[i])
         packed = None
+        hash_size = self.page_hash_size or pool_hash_size
         if hash_offsets is not None and hash_offsets[i + 1] > hash_offsets[i]:
             packed = self.packed_page_hashes[
                 int(hash_offsets[i]) * hash_size : int(hash_offsets[i + 1]) * hash_size
@@ -365,20 +387,22 @@ class GrowthColumns:
             int(self.num_lookahead_tokens[i]),
             None,
             packed,
+            self.page_hash_size,
         )
 
-    def growths(self, hash_size: int = 0) -> tuple[Growth, ...]:
+    def growths(self, pool_hash_size: int = 0) -> tuple[Growth, ...]:
         offsets, hash_offsets = self.token_offsets(), self.hash_offsets()
         return tuple(
-            self.growth(i, offsets, hash_offsets, hash_size) for i in range(len(self.request_ids))
+            self.growth(i, offsets, hash_offsets, pool_hash_size)
+            for i in range(len(self.request_ids))
         )
 
-    def checked_growths(self, hash_size: int = 0) -> tuple[Growth, ...]:
+    def checked_growths(self, pool_hash_size: int = 0) -> tuple[Growth, ...]:
         """:meth:`check_shape`, then :meth:`growths`; for plain decodes (``defaults_only``:
         one token each) without numpy's reductions (one decode: ~0.8 us against ~5.8)."""
         if not self.defaults_only or self.num_page_hashes is not None:
-            self.check_shape(hash_size)
-            return self.growths(hash_size)
+            self.check_shape(pool_hash_size)
+            return self.growths(pool_hash_size)
         tokens, n = self.new_token_ids, len(self.request_ids)
         if tokens.shape != (n,):
             raise InvalidArgument(
@@ -1546,12 +1570,12 @@ class ServiceState:
             )
         hash_offsets = cols.hash_offsets()
         if hash_offsets is not None:
-            size = self.page_hash_size
+            size = cols.page_hash_size or self.page_hash_size  # (checked with the shape)
             for i in np.flatnonzero(np.diff(hash_offsets)).tolist():
                 packed = cols.packed_page_hashes[
                     int(hash_offsets[i]) * size : int(hash_offsets[i + 1]) * size
                 ]
-                self._growth_hashes(ids[i], None, packed, int(lengths[i]), int(counts[i]))
+                self._growth_hashes(ids[i], None, packed, size, int(lengths[i]), int(counts[i]))
         return grown
 
     def _apply_growth_columns(
@@ -1692,6 +1716,7 @@ class ServiceState:
                 rid,
                 growth.page_hashes,
                 growth.packed_page_hashes,
+                growth.page_hash_size,
                 len(record.token_ids),
                 len(new_tokens),
             )
@@ -1702,16 +1727,20 @@ class ServiceState:
         rid: str,
         page_hashes: Sequence[bytes] | None,
         packed: bytes | None,
+        size: int,
         num_tokens: int,
         num_new_token_ids: int,
     ) -> CheckedPageHashes | PackedPageHashes | None:
-        """A growth's page hashes, checked: well formed, at most one per page its
-        ``num_new_token_ids`` tokens complete after the request's ``num_tokens``, none the
-        request's last page hash (InvalidArgument naming the request otherwise)."""
+        """A growth's page hashes, checked: well formed (``packed``: ``size`` bytes each,
+        0: the pool's size), at most one per page its ``num_new_token_ids`` tokens complete
+        after the request's ``num_tokens``, none the request's last page hash
+        (InvalidArgument naming the request otherwise)."""
         try:
             if packed is not None:
                 hashes: CheckedPageHashes | PackedPageHashes | None = self._packed_hashes(
-                    packed, page_hashes
+                    packed,
+                    page_hashes,
+                    packed_hash_size(size, self.page_hash_size, "page_hash_size"),
                 )
             else:
                 hashes = None if page_hashes is None else check_page_hashes(page_hashes)
@@ -1780,15 +1809,17 @@ class ServiceState:
                 raise InvalidArgument(f"request {rid!r}: {exc.message}") from None
         _validate_extra_keys(admission.extra_keys, rid, tokens.shape[0])
 
-    def _packed_hashes(self, packed: bytes, page_hashes: object) -> PackedPageHashes:
-        """A request's packed client hashes, checked (``page_hashes``: the same request's
-        hashes a field each, which must be absent), or InvalidArgument naming the pool's
-        hash size."""
+    def _packed_hashes(self, packed: bytes, page_hashes: object, size: int = 0) -> PackedPageHashes:
+        """A request's packed client hashes, ``size`` bytes each (0: the pool's), checked
+        (``page_hashes``: the same request's hashes a field each, which must be absent), or
+        InvalidArgument naming the size."""
         if page_hashes is not None:
             raise InvalidArgument("page_hashes and packed_page_hashes both set (send one)")
         try:
-            return check_packed_page_hashes(packed, self.page_hash_size)
+            return check_packed_page_hashes(packed, size or self.page_hash_size)
         except InvalidArgument as exc:
+            if size and size != self.page_hash_size:
+                raise InvalidArgument(f"{exc.message} (page_hash_size {size})") from None
             raise InvalidArgument(
                 f"{exc.message} ({self.pool_config.hash_algorithm} page hashes are "
                 f"{self.page_hash_size} bytes)"
@@ -1802,7 +1833,9 @@ class ServiceState:
             hashes = growth.page_hashes
             if growth.packed_page_hashes is not None:
                 # A column form's row (checked with the step; this cannot fail).
-                hashes = check_packed_page_hashes(growth.packed_page_hashes, self.page_hash_size)
+                hashes = check_packed_page_hashes(
+                    growth.packed_page_hashes, growth.page_hash_size or self.page_hash_size
+                )
             allocation = self.manager.allocate(
                 rid,
                 growth.num_new_tokens,

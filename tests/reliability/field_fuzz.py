@@ -151,7 +151,8 @@ class FieldFuzz:
                     request_id=ids[6],
                     num_new_tokens=PAGE,
                     new_token_ids=_i32(range(PAGE)),
-                    page_hashes=[bytes([2]) * 32],
+                    packed_page_hashes=bytes([2]) * 16,
+                    page_hash_size=16,
                 ),
             ],
         )

@@ -199,9 +199,10 @@ def test_packed_page_hashes_are_the_hashes_sent_one_by_one(pagekeeper_server):
 
 
 def test_growth_page_hashes_name_the_pages_generated_tokens_complete(pagekeeper_server):
-    """A growth's hashes (packed, listed, or in the column form) name the pages its new
-    tokens complete, so a prompt holding the same text with the same hashes (a chat's next
-    turn, hashed by an engine unlike the service) hits them; too many is refused."""
+    """A growth's hashes (packed at the pool's size or their own, or in the column form)
+    name the pages its new tokens complete, so a prompt holding the same text with the
+    same hashes (a chat's next turn, hashed by an engine unlike the service) hits them; too
+    many is refused."""
     sched = Scheduler(pagekeeper_server)
     info = sched.stub.GetPoolInfo(pb.GetPoolInfoRequest(), metadata=sched.md)
     assert info.config.accepts_growth_page_hashes
@@ -219,13 +220,14 @@ def test_growth_page_hashes_name_the_pages_generated_tokens_complete(pagekeeper_
                 )
             ]
         ),
-        "listed": lambda rid, toks, hashes: sched.step(
+        "sized": lambda rid, toks, hashes: sched.step(
             growths=[
                 pb.Growth(
                     request_id=rid,
                     num_new_tokens=len(toks),
                     new_token_ids=i32(toks),
-                    page_hashes=hashes,
+                    packed_page_hashes=b"".join(h[:16] for h in hashes),
+                    page_hash_size=16,
                 )
             ]
         ),
@@ -243,9 +245,9 @@ def test_growth_page_hashes_name_the_pages_generated_tokens_complete(pagekeeper_
     for k, (form, grow) in enumerate(forms.items()):
         rid = f"gh-{form}"
         hashes = [bytes([k]) + n[1:] for n in names]
-        assert sched.admit(rid, prompt, packed_page_hashes=b"".join(hashes[:2])).status == (
-            pb.ALLOCATION_STATUS_OK
-        )
+        if form == "sized":
+            hashes = [h[:16] for h in hashes]  # an engine's 16-byte hashes (xxh3-128)
+        assert sched.admit(rid, prompt, page_hashes=hashes[:2]).status == pb.ALLOCATION_STATUS_OK
         with pytest.raises(grpc.RpcError) as refused:
             grow(rid, generated[:16], hashes[2:4])  # 16 tokens complete one page
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -254,9 +256,7 @@ def test_growth_page_hashes_name_the_pages_generated_tokens_complete(pagekeeper_
         (result,) = grow(rid, generated, hashes[2:4]).results
         assert result.status == pb.ALLOCATION_STATUS_OK
         found = sched.stub.Lookup(
-            pb.LookupRequest(
-                token_ids=i32(prompt + generated), packed_page_hashes=b"".join(hashes[:4])
-            ),
+            pb.LookupRequest(token_ids=i32(prompt + generated), page_hashes=hashes[:4]),
             metadata=sched.md,
         )
         # Every page hits: two admitted, two named by the growth, one the service chained on.

@@ -5,6 +5,7 @@ journaled so a replay rebuilds the same cache."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 
 import numpy as np
@@ -383,3 +384,44 @@ def test_wire_steps_with_growth_hashes_are_the_next_record_version() -> None:
             assert decoded.growth_columns.packed_page_hashes == h("a", 1)
     assert versions[0] < STEP_WIRE_GROWTH_HASHES_VERSION
     assert versions[1:] == [STEP_WIRE_GROWTH_HASHES_VERSION] * 2
+
+
+def test_hashes_of_their_own_size() -> None:
+    """An engine hashing unlike the pool (16-byte hashes beside sha256_cbor's 32) says its
+    size; the pages take those hashes, in either form, and a record keeps the size."""
+    d = two_pages()
+    for i in range(8):
+        d.admit(f"c{i}", 3, 0)
+    d.step(
+        growths=(
+            Growth("a", 2, tokens(6, 2), packed_page_hashes=h("a", 1)[:16], page_hash_size=16),
+        )
+    )
+    assert d.state.manager._requests["a"].hashes[1] == h("a", 1)[:16]
+    cols = columns(
+        [(f"c{i}", tokens(i, 1), (h(f"c{i}", 0)[:16],) if i % 2 else ()) for i in range(8)]
+    )
+    cols = dataclasses.replace(cols, page_hash_size=16)
+    d.step(growth_columns=cols)
+    assert d.state.manager._requests["c1"].hashes == [h("c1", 0)[:16]]
+    decoded, _ = decode_command(encode_command(d.commands[-1]))
+    assert decoded.growth_columns is not None and decoded.growth_columns.page_hash_size == 16
+    for size, match in (
+        (65, "page_hash_size 65 outside"),
+        (-1, "page_hash_size -1 outside"),
+        (12, "16 bytes are not a whole number of 12-byte|of 12 bytes but"),
+    ):
+        with pytest.raises(InvalidArgument, match=match):
+            d.step(
+                growths=(
+                    Growth(
+                        "c0",
+                        2,
+                        tokens(6, 5),
+                        packed_page_hashes=h("x", 1)[:16],
+                        page_hash_size=size,
+                    ),
+                )
+            )
+        with pytest.raises(InvalidArgument, match="growth_columns.page_hash_size|" + match):
+            d.step(growth_columns=dataclasses.replace(cols, page_hash_size=size))

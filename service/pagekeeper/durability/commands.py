@@ -107,7 +107,7 @@ STEP_TREE_REVOKED_VERSION = 2
 # ``packed_page_hashes``) is the next version of its kind (a revoked name or not): a
 # pagekeeper from before them would replay its wire form without them, hashing those pages
 # itself, into another prefix cache; a version it does not know makes it refuse the data
-# dir instead. The tree form adds the hashes to its growths (9 or 10 entries).
+# dir instead. The tree form adds the hashes to its growths (9 or 11 entries).
 STEP_WIRE_GROWTH_HASHES_VERSION = 4
 STEP_TREE_GROWTH_HASHES_VERSION = 3
 # A force-free that leaves its scheduler a revocation to acknowledge (the answer to
@@ -469,6 +469,7 @@ def _step_to_tree(cmd: StepCommand, result: StepResult | None) -> list[Any]:
             growths_tree += [
                 columns.packed_page_hashes,
                 _array_column(columns.num_page_hashes, n),
+                columns.page_hash_size,
             ]
     admissions = [
         [
@@ -509,10 +510,13 @@ def _step_to_tree(cmd: StepCommand, result: StepResult | None) -> list[Any]:
 
 
 def _growth_hashes_tree(growth: Growth) -> list[bytes] | bytes | None:
-    """A growth's page hashes as a record holds them: a list, or the packed bytes as they
-    came (a ``bytes`` entry), or None."""
-    if growth.packed_page_hashes is not None:
-        return growth.packed_page_hashes
+    """A growth's page hashes as a record holds them: a list, or packed bytes of the pool's
+    size as they came (a ``bytes`` entry), or None."""
+    packed, size = growth.packed_page_hashes, growth.page_hash_size
+    if packed is not None:
+        if not size:
+            return packed
+        return [packed[i : i + size] for i in range(0, len(packed), size)]
     if growth.page_hashes is None:
         return None
     return list(growth.page_hashes)
@@ -570,7 +574,7 @@ def _step_from_tree(tree: list[Any]) -> tuple[StepCommand, Publication | None]:
         growths_tree, is_columns, growth_hashes = growths_tree[:7], growths_tree[7], growths_tree[8]
         if is_columns is not False:
             raise ValueError("growths with page hashes marked as columns")
-    if growths_tree is not None and len(growths_tree) in (8, 10):
+    if growths_tree is not None and len(growths_tree) in (8, 11):
         n, ids, num_new, tokens, token_lens, computed, lookahead, is_columns = growths_tree[:8]
         if is_columns is not True:
             raise ValueError("growth columns not marked as columns")
@@ -591,10 +595,11 @@ def _step_from_tree(tree: list[Any]) -> tuple[StepCommand, Publication | None]:
             )
             and (num_new, token_lens, computed, lookahead) == (1, 1, -1, 0)
             and len(growths_tree) == 8,
-            packed_page_hashes=bytes(growths_tree[8]) if len(growths_tree) == 10 else b"",
+            packed_page_hashes=bytes(growths_tree[8]) if len(growths_tree) == 11 else b"",
             num_page_hashes=(
-                _int32_column(growths_tree[9], n) if len(growths_tree) == 10 else None
+                _int32_column(growths_tree[9], n) if len(growths_tree) == 11 else None
             ),
+            page_hash_size=int(growths_tree[10]) if len(growths_tree) == 11 else 0,
         )
     elif growths_tree is not None:
         n, ids, num_new, tokens, token_lens, computed, lookahead = growths_tree

@@ -245,15 +245,24 @@ def _growth_from_pb(g: pb.Growth) -> Growth:
     tokens = _EMPTY_I32
     if data:
         tokens = decode_i32(data, lambda: f"growth {g.request_id!r}: new_token_ids")
-    hashes = g.page_hashes
+    packed = g.packed_page_hashes
+    if packed:
+        return Growth(
+            g.request_id,
+            g.num_new_tokens,
+            tokens,
+            g.num_computed_tokens if g.HasField("num_computed_tokens") else None,
+            g.num_lookahead_tokens,
+            None,
+            packed,
+            g.page_hash_size,
+        )
     return Growth(
         g.request_id,
         g.num_new_tokens,
         tokens,
         g.num_computed_tokens if g.HasField("num_computed_tokens") else None,
         g.num_lookahead_tokens,
-        tuple(hashes) if hashes else None,
-        g.packed_page_hashes or None,
     )
 
 
@@ -329,6 +338,7 @@ def growth_columns_from_pb(c: pb.GrowthColumns) -> GrowthColumns:
             num_lookahead_tokens=_column_from_pb(counts[3], "num_lookahead_tokens", n, 0),
             packed_page_hashes=packed,
             num_page_hashes=_column_from_pb(num_hashes, "num_page_hashes", n, 0),
+            page_hash_size=c.page_hash_size,
         )
     return GrowthColumns(
         request_ids=tuple(c.request_ids),

@@ -370,25 +370,25 @@ class Admission(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[bytes] = ..., num_new_tokens: _Optional[int] = ..., extra_keys: _Optional[_Union[ExtraKeys, _Mapping]] = ..., page_hashes: _Optional[_Iterable[bytes]] = ..., num_lookahead_tokens: _Optional[int] = ..., enable_cache_read: _Optional[bool] = ..., packed_page_hashes: _Optional[bytes] = ...) -> None: ...
 
 class Growth(_message.Message):
-    __slots__ = ("request_id", "num_new_tokens", "new_token_ids", "num_computed_tokens", "num_lookahead_tokens", "page_hashes", "packed_page_hashes")
+    __slots__ = ("request_id", "num_new_tokens", "new_token_ids", "num_computed_tokens", "num_lookahead_tokens", "packed_page_hashes", "page_hash_size")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_LOOKAHEAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    PAGE_HASHES_FIELD_NUMBER: _ClassVar[int]
     PACKED_PAGE_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PAGE_HASH_SIZE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_new_tokens: int
     new_token_ids: bytes
     num_computed_tokens: int
     num_lookahead_tokens: int
-    page_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     packed_page_hashes: bytes
-    def __init__(self, request_id: _Optional[str] = ..., num_new_tokens: _Optional[int] = ..., new_token_ids: _Optional[bytes] = ..., num_computed_tokens: _Optional[int] = ..., num_lookahead_tokens: _Optional[int] = ..., page_hashes: _Optional[_Iterable[bytes]] = ..., packed_page_hashes: _Optional[bytes] = ...) -> None: ...
+    page_hash_size: int
+    def __init__(self, request_id: _Optional[str] = ..., num_new_tokens: _Optional[int] = ..., new_token_ids: _Optional[bytes] = ..., num_computed_tokens: _Optional[int] = ..., num_lookahead_tokens: _Optional[int] = ..., packed_page_hashes: _Optional[bytes] = ..., page_hash_size: _Optional[int] = ...) -> None: ...
 
 class GrowthColumns(_message.Message):
-    __slots__ = ("request_ids", "num_new_tokens", "new_token_ids", "num_new_token_ids", "num_computed_tokens", "num_lookahead_tokens", "packed_page_hashes", "num_page_hashes")
+    __slots__ = ("request_ids", "num_new_tokens", "new_token_ids", "num_new_token_ids", "num_computed_tokens", "num_lookahead_tokens", "packed_page_hashes", "num_page_hashes", "page_hash_size")
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -397,6 +397,7 @@ class GrowthColumns(_message.Message):
     NUM_LOOKAHEAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PACKED_PAGE_HASHES_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGE_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PAGE_HASH_SIZE_FIELD_NUMBER: _ClassVar[int]
     request_ids: _containers.RepeatedScalarFieldContainer[str]
     num_new_tokens: bytes
     new_token_ids: bytes
@@ -405,7 +406,8 @@ class GrowthColumns(_message.Message):
     num_lookahead_tokens: bytes
     packed_page_hashes: bytes
     num_page_hashes: bytes
-    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., num_new_tokens: _Optional[bytes] = ..., new_token_ids: _Optional[bytes] = ..., num_new_token_ids: _Optional[bytes] = ..., num_computed_tokens: _Optional[bytes] = ..., num_lookahead_tokens: _Optional[bytes] = ..., packed_page_hashes: _Optional[bytes] = ..., num_page_hashes: _Optional[bytes] = ...) -> None: ...
+    page_hash_size: int
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., num_new_tokens: _Optional[bytes] = ..., new_token_ids: _Optional[bytes] = ..., num_new_token_ids: _Optional[bytes] = ..., num_computed_tokens: _Optional[bytes] = ..., num_lookahead_tokens: _Optional[bytes] = ..., packed_page_hashes: _Optional[bytes] = ..., num_page_hashes: _Optional[bytes] = ..., page_hash_size: _Optional[int] = ...) -> None: ...
 
 class Batch(_message.Message):
     __slots__ = ("request_ids", "num_scheduled_tokens", "num_computed_tokens")
