@@ -91,6 +91,7 @@ test-vllm: $(STAMP)
 vllm-diff: $(STAMP)
 	VLLM_TARGET_DEVICE=cpu /opt/vllm-anchor/bin/python tests/vllm_diff/run_diff.py
 	VLLM_TARGET_DEVICE=cpu /opt/vllm-anchor/bin/python tests/vllm_diff/run_diff.py --defer-caching
+	VLLM_TARGET_DEVICE=cpu /opt/vllm-anchor/bin/python tests/vllm_diff/run_diff.py --engine-hashes
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

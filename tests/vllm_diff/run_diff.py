@@ -237,7 +237,12 @@ class VllmBackend:
             SlidingWindowSpec,
         )
 
-        init_none_hash(sha256_cbor)
+        hash_fn = sha256_cbor
+        if ENGINE_HASHES:
+            from vllm.utils.hashing import sha256
+
+            hash_fn = sha256  # vLLM's default: pickle, not the service's CBOR
+        init_none_hash(hash_fn)
         common = {"num_kv_heads": 1, "head_size": 8, "dtype": torch.float16}
         specs = []
         for g in cfg.groups:
@@ -284,8 +289,11 @@ class VllmBackend:
             enable_kv_cache_events=True,
             log_stats=True,
         )
-        self.hasher = get_request_block_hasher(hbs, sha256_cbor)
+        self.hasher = get_request_block_hasher(hbs, hash_fn)
         self.requests: dict[str, Any] = {}
+        self.made: dict[str, Any] = {}
+        """Every request made, by id (``--engine-hashes``: pagekeeper reads its block
+        hashes, as the vLLM plugin does)."""
         self.running: set[str] = set()
         self.cfg = cfg
         self.num_empty_stored_events = 0
@@ -316,7 +324,7 @@ class VllmBackend:
             )
             for ident, offset, length in mm or ()
         ]
-        return Request(
+        req = Request(
             rid,
             list(tokens),
             SamplingParams(max_tokens=1 << 20),
@@ -326,6 +334,8 @@ class VllmBackend:
             cache_salt=salt,
             block_hasher=self.hasher,
         )
+        self.made[rid] = req
+        return req
 
     # -- ops --------------------------------------------------------------------------
     def admit(
@@ -512,6 +522,14 @@ class VllmBackend:
 # ---------------------------------------------------------------------------------------
 
 
+ENGINE_HASHES = False
+"""``--engine-hashes``: vLLM hashes with its default ``sha256`` (pickle), unlike the
+service's ``sha256_cbor``, and pagekeeper is sent vLLM's own block hashes, as the vLLM
+plugin sends them: every admission's and lookup's pages, and the pages a growth's new
+tokens complete (``allocate(new_page_hashes=...)``). Every hit, page and event (hashes
+included) must still be vLLM's: a page filled by generated tokens is named alike on both
+sides, so a prompt holding another request's output hits it."""
+
 DEFER_CACHING = False
 """``--defer-caching``: pagekeeper's manager defers admissions' prefix-cache work and
 evictions as the service runs it (``PageManager.defer_caching``); every view settles.
@@ -549,6 +567,8 @@ class PagekeeperBackend:
             )
         )
         self.pm.defer_caching = DEFER_CACHING
+        self.engine: Any = None
+        """The vLLM backend run beside (``--engine-hashes`` reads its requests' hashes)."""
         self.running: set[str] = set()
         self.tokens: dict[str, list[int]] = {}
         self.extra: dict[str, Any] = {}
@@ -623,7 +643,9 @@ class PagekeeperBackend:
     ) -> OpResult:
         given: Any = list(tokens)
         hashes: Any = None
-        if DEFER_CACHING:
+        if ENGINE_HASHES and self.cfg.enable_caching:
+            hashes = [bytes(h) for h in self.engine.made[rid].block_hashes]
+        elif DEFER_CACHING:
             import zlib
 
             import numpy as np
@@ -679,8 +701,18 @@ class PagekeeperBackend:
         return self._admit(rid, self.tokens[rid], num_new, lookahead, self.extra[rid])
 
     def step(self, rid: str, new_tokens: Sequence[int], num_new: int, lookahead: int) -> OpResult:
+        before = len(self.tokens[rid])
         self.tokens[rid].extend(new_tokens)
-        if len(new_tokens) == 1 and num_new == 1:
+        page_hashes = None
+        if ENGINE_HASHES and self.cfg.enable_caching:
+            # The pages the new tokens complete, by the engine's hashes (vLLM hashed them as
+            # the tokens were appended on its side, just before).
+            hps = self.pm.hash_page_size
+            block_hashes = self.engine.requests[rid].block_hashes
+            page_hashes = [
+                bytes(h) for h in block_hashes[before // hps : len(self.tokens[rid]) // hps]
+            ]
+        if len(new_tokens) == 1 and num_new == 1 and not page_hashes:
             # A plain decode: through the batched decode path (the service's hot path).
             answers = self.pm.allocate_decodes(
                 [rid], list(new_tokens), num_lookahead_tokens=lookahead
@@ -691,7 +723,11 @@ class PagekeeperBackend:
                 res = OpResult(ok=True, new_pages=tuple(() for _ in self.pm.groups))
         else:
             alloc = self.pm.allocate(
-                rid, num_new, new_token_ids=list(new_tokens), num_lookahead_tokens=lookahead
+                rid,
+                num_new,
+                new_token_ids=list(new_tokens),
+                num_lookahead_tokens=lookahead,
+                new_page_hashes=page_hashes or None,
             )
             res = self._alloc_result(alloc)
         res.hit_pages = None
@@ -716,7 +752,12 @@ class PagekeeperBackend:
         salt: str | None,
         mm: list[Any] | None = None,
     ) -> OpResult:
-        res = self.pm.lookup(list(tokens), extra_keys=self._extra(lora, salt, mm))
+        page_hashes = None
+        if ENGINE_HASHES:
+            page_hashes = [bytes(h) for h in self.engine.made["__lookup__"].block_hashes]
+        res = self.pm.lookup(
+            list(tokens), extra_keys=self._extra(lora, salt, mm), page_hashes=page_hashes
+        )
         hit = tuple(tuple(int(p) for p in g) for g in res.page_ids)
         return OpResult(value=[int(res.num_hit_tokens), hit])
 
@@ -1068,6 +1109,8 @@ def generate_and_compare(
 ) -> tuple[list[list[Any]], RunStats, Mismatch | Exception | None]:
     ref = VllmBackend(cfg)
     other = make_backend(other_name, cfg) if other_name else None
+    if other is not None:
+        other.engine = ref
     gen = Generator(cfg, seed)
     ops: list[list[Any]] = []
     stats = RunStats()
@@ -1094,6 +1137,7 @@ def replay(
     """Run a recorded op list; ops that no longer apply (after shrinking) are skipped."""
     ref = VllmBackend(cfg)
     other = make_backend(other_name, cfg)
+    other.engine = ref
     stats = RunStats()
     for i, op in enumerate(ops):
         kind = op[0]
@@ -1188,9 +1232,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="pagekeeper defers admissions' caching and evictions as the service does",
     )
+    ap.add_argument(
+        "--engine-hashes",
+        action="store_true",
+        help="vLLM hashes with pickle sha256; pagekeeper is sent vLLM's hashes (admissions, "
+        "lookups, growths)",
+    )
     args = ap.parse_args(argv)
-    global DEFER_CACHING
+    global DEFER_CACHING, ENGINE_HASHES
     DEFER_CACHING = args.defer_caching
+    ENGINE_HASHES = args.engine_hashes
 
     try:
         import vllm  # noqa: F401
