@@ -68,6 +68,7 @@ _EXPORTS = {
     "UnauthenticatedError": "pagekeeper_client.errors",
     "UnavailableError": "pagekeeper_client.errors",
     "DeadlineExceededError": "pagekeeper_client.errors",
+    "UnimplementedError": "pagekeeper_client.errors",
     "InternalError": "pagekeeper_client.errors",
     "NotRegisteredError": "pagekeeper_client.errors",
     # ring
@@ -117,6 +118,7 @@ __all__ = [
     "StepResult",
     "UnauthenticatedError",
     "UnavailableError",
+    "UnimplementedError",
     "WorkerHandle",
     "WorkerTableView",
     "WorkerTables",
@@ -154,6 +156,7 @@ if TYPE_CHECKING:  # pragma: no cover - static names for type checkers and IDEs
         ResourceExhaustedError,
         UnauthenticatedError,
         UnavailableError,
+        UnimplementedError,
     )
     from pagekeeper_client.ring import RingDescriptor
     from pagekeeper_client.types import (

@@ -518,13 +518,14 @@ class AsyncPagekeeperClient(_ClientCore[AsyncLocalChannel]):
         token_ids: TokenIds,
         *,
         num_lookahead_tokens: int = 0,
+        page_hashes: Mapping[str, bytes] | None = None,
     ) -> list[str]:
         """See :meth:`PagekeeperClient.allocate_decodes` (never awaits a call unless the
         queue must be sent first for ordering)."""
         state = self._scheduler()
         while True:  # checked again after every flush (other tasks may queue meanwhile)
             if not state.must_flush_before_decodes(request_ids):
-                plan = state.plan_decodes(request_ids, token_ids, num_lookahead_tokens)
+                plan = state.plan_decodes(request_ids, token_ids, num_lookahead_tokens, page_hashes)
                 if not state.decodes_need_ordering_flush(plan):
                     break
                 state.unplan_decodes(plan)
@@ -543,6 +544,7 @@ class AsyncPagekeeperClient(_ClientCore[AsyncLocalChannel]):
         num_computed_tokens: int | None = None,
         num_lookahead_tokens: int = 0,
         sync: bool = False,
+        page_hashes: Sequence[bytes] | None = None,
     ) -> SlotAllocation:
         """See :meth:`PagekeeperClient.allocate_slots` (local answers never await a call)."""
         state = self._scheduler()
@@ -561,6 +563,7 @@ class AsyncPagekeeperClient(_ClientCore[AsyncLocalChannel]):
                     new_token_ids,
                     num_computed_tokens,
                     num_lookahead_tokens,
+                    page_hashes,
                 )
                 if not state.growth_needs_ordering_flush(growth):
                     break
@@ -628,6 +631,7 @@ class AsyncPagekeeperClient(_ClientCore[AsyncLocalChannel]):
                 new_token_ids=g.new_token_ids,
                 num_computed_tokens=g.num_computed_tokens,
                 num_lookahead_tokens=g.num_lookahead_tokens,
+                page_hashes=g.page_hashes,
             )
         for a in admissions:
             await self.admit(

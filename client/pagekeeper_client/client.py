@@ -84,6 +84,7 @@ from pagekeeper_client.errors import (
     PermissionDeniedError,
     UnauthenticatedError,
     UnavailableError,
+    UnimplementedError,
     error_from_rpc,
 )
 from pagekeeper_client.extra_keys import extra_keys_to_pb
@@ -494,6 +495,7 @@ def pool_from_pb(msg: pb.PoolConfig) -> PoolConfig:
         hash_algorithm=msg.hash_algorithm,
         max_model_len=msg.max_model_len,
         page_hash_size=msg.page_hash_size,
+        accepts_growth_page_hashes=msg.accepts_growth_page_hashes,
     )
 
 
@@ -780,6 +782,8 @@ class _PendingGrowth:
     """Held back (not queued): a decode that needs no page and completes none."""
     prev_held: bytes = b""
     """The request's held-back tokens before it (``token_bytes`` starts with them)."""
+    page_hashes: tuple[bytes, ...] = ()
+    """The caller's hashes of the pages its tokens complete (checked; never held back)."""
 
     @property
     def mutates_pool(self) -> bool:
@@ -813,16 +817,23 @@ def _int32_column(values: list[int], default: int) -> bytes:
 
 _IS_PLAIN = operator.attrgetter("is_plain")
 
+MAX_GROWTH_PAGE_HASH_SIZE = 64
+"""Most bytes in one page hash of a growth (the service's limit on a packed hash's size)."""
 
-def growth_columns(growths: Sequence[_PendingGrowth]) -> pb.GrowthColumns:
+
+def growth_columns(
+    growths: Sequence[_PendingGrowth], *, page_hash_size: int | None = None
+) -> pb.GrowthColumns:
     """The queued growths in column form: a decode step of hundreds of requests becomes
-    their ids and one token array (the service applies its plain decodes in one call)."""
+    their ids and one token array (the service applies its plain decodes in one call).
+    ``page_hash_size``: some growth carries page hashes, every one of this size (0: the
+    service's own; see :meth:`SchedulerState.prepare_step`); None: none is looked for."""
     request_ids = [g.request_id for g in growths]
     new_token_ids = b"".join([g.token_bytes for g in growths])
     if all(map(_IS_PLAIN, growths)):
         # A decode step: every other column is its default (one C-level pass to know it).
         return pb.GrowthColumns(request_ids=request_ids, new_token_ids=new_token_ids)
-    return pb.GrowthColumns(
+    columns = pb.GrowthColumns(
         request_ids=request_ids,
         new_token_ids=new_token_ids,
         num_new_token_ids=_int32_column([len(g.token_bytes) // 4 for g in growths], 1),
@@ -836,6 +847,31 @@ def growth_columns(growths: Sequence[_PendingGrowth]) -> pb.GrowthColumns:
         ),
         num_lookahead_tokens=_int32_column([g.num_lookahead_tokens for g in growths], 0),
     )
+    if page_hash_size is not None:
+        columns.num_page_hashes = _int32_column([len(g.page_hashes) for g in growths], 0)
+        columns.packed_page_hashes = b"".join([h for g in growths for h in g.page_hashes])
+        columns.page_hash_size = page_hash_size
+    return columns
+
+
+def growth_message(growth: _PendingGrowth, pool_hash_size: int) -> pb.Growth:
+    """One queued growth as a ``Growth`` message (in a step whose growths' page hashes are
+    not all of one size, which the columns need), its hashes packed with their size (left
+    0 when it is the service's own, ``pool_hash_size``)."""
+    message = pb.Growth(
+        request_id=growth.request_id,
+        num_new_tokens=growth.num_new_tokens,
+        new_token_ids=growth.token_bytes,
+        num_lookahead_tokens=growth.num_lookahead_tokens,
+    )
+    if growth.is_computed_given:  # as the column's -1: unset is the service's own count
+        message.num_computed_tokens = growth.num_computed_tokens
+    hashes = growth.page_hashes
+    if hashes:
+        message.packed_page_hashes = b"".join(hashes)
+        if len(hashes[0]) != pool_hash_size:
+            message.page_hash_size = len(hashes[0])
+    return message
 
 
 @dataclass(slots=True)
@@ -868,6 +904,8 @@ class _DecodePlan:
     held: list[_Tracked]
     revoked: list[str] = field(default_factory=list)
     """Rows of requests an admin freed: planned as nothing, answered NO_CAPACITY."""
+    has_page_hashes: bool = False
+    """Some growth carries page hashes."""
 
 
 def _unhold(held: Sequence[_Tracked]) -> None:
@@ -919,6 +957,12 @@ class SchedulerState:
         self.max_model_len = pool.max_model_len
         self.page_hash_size = pool.page_hash_size
         """Bytes in one page hash (0: the service takes them one field each)."""
+        # The service hashes pages of the smallest page size (a larger page is named by the
+        # last such hash inside it): a growth's page hashes count those pages.
+        self._hash_page_size = min(g.page_size for g in pool.groups)
+        # Whether some queued growth carries page hashes: only then does a step look for
+        # them (a decode step with none builds its columns as it always did).
+        self._has_growth_hashes = False
         self._is_simple = len(pool.groups) == 1 and pool.groups[0].kind is GroupKind.FULL
         self._page_size0 = pool.groups[0].page_size
         # Hold back plain decodes that change nothing in the pool (no page needed, none
@@ -1021,6 +1065,7 @@ class SchedulerState:
         new_token_ids: TokenIds,
         num_computed_tokens: int | None,
         num_lookahead_tokens: int,
+        page_hashes: Sequence[bytes] | None = None,
     ) -> _PendingGrowth:
         """Check a growth like the service would, apply it to the mirror, and return the
         queue entry (not yet queued). ``is_local``: no group needs a new page."""
@@ -1060,6 +1105,7 @@ class SchedulerState:
                 f"request {request_id!r}: {computed} computed + {num_new_tokens} new tokens "
                 f"exceed max_model_len {self.max_model_len}"
             )
+        hashes = self._growth_hashes(request_id, page_hashes, t, num_tokens) if page_hashes else ()
         num_slots = min(computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
         nulled: list[tuple[int, int, int]] = []
         if self._is_simple:
@@ -1085,6 +1131,8 @@ class SchedulerState:
             and not nulled
             and self.hold_decodes
             and not self._completes(computed)
+            # Hashes name pages its tokens complete: the service must get them now.
+            and not hashes
         )
         prev_held = t.held
         if prev_held:
@@ -1107,15 +1155,55 @@ class SchedulerState:
             tracked=t,
             is_local=not needs,
             is_computed_given=num_computed_tokens is not None or bool(prev_held),
-            is_plain=is_decode and not prev_held and num_lookahead_tokens == 0,
+            is_plain=is_decode and not prev_held and num_lookahead_tokens == 0 and not hashes,
             is_held=is_held,
             prev_held=prev_held,
+            page_hashes=hashes,
         )
         t.num_tokens = num_tokens
         t.num_computed_tokens = computed + num_new_tokens
         t.pending = growth
         t.held = token_bytes if is_held else b""
         return growth
+
+    def _growth_hashes(
+        self, request_id: str, page_hashes: Sequence[bytes], t: _Tracked, num_tokens: int
+    ) -> tuple[bytes, ...]:
+        """A growth's page hashes, checked as the service checks them: bytes of one size
+        (they travel packed) in [1, 64], none twice, at most one per page (of the hash page
+        size) its tokens complete -- the pages from the first full one the service has no
+        hash for (its token count, which trails the mirror's by the held-back decodes this
+        growth carries) up to ``num_tokens``. (That none equals the request's previous
+        page's hash, the service checks.)"""
+        where = f"request {request_id!r}: "
+        if not self.pool.accepts_growth_page_hashes:
+            raise UnimplementedError(
+                f"{where}this service does not take a growth's page hashes (it predates "
+                "them and would hash the pages itself); send none"
+            )
+        hashes = tuple(page_hashes)
+        if not all(isinstance(h, bytes) for h in hashes):
+            raise InvalidArgumentError(f"{where}page hashes must be bytes")
+        size = len(hashes[0])
+        if not 0 < size <= MAX_GROWTH_PAGE_HASH_SIZE or any(len(h) != size for h in hashes):
+            raise InvalidArgumentError(
+                f"{where}a growth's page hashes must all have one size in "
+                f"[1, {MAX_GROWTH_PAGE_HASH_SIZE}] bytes (they travel packed), got "
+                f"{sorted({len(h) for h in hashes})}"
+            )
+        if len(set(hashes)) != len(hashes):
+            raise InvalidArgumentError(
+                f"{where}a page hash repeats in one growth (each hash covers its whole prefix)"
+            )
+        page_size = self._hash_page_size
+        num_full_before = (t.num_tokens - len(t.held) // 4) // page_size
+        num_completed = num_tokens // page_size - num_full_before
+        if len(hashes) > num_completed:
+            raise InvalidArgumentError(
+                f"{where}{len(hashes)} page hashes for the {num_completed} pages of "
+                f"{page_size} tokens its new tokens complete (pages {num_full_before} on)"
+            )
+        return hashes
 
     def _completes(self, computed: int) -> bool:
         """Whether a decode at ``computed`` completes a page the prefix cache takes."""
@@ -1205,14 +1293,22 @@ class SchedulerState:
         return tracked
 
     def plan_decodes(
-        self, request_ids: Sequence[str], token_ids: TokenIds, num_lookahead_tokens: int
+        self,
+        request_ids: Sequence[str],
+        token_ids: TokenIds,
+        num_lookahead_tokens: int,
+        page_hashes: Mapping[str, bytes] | None = None,
     ) -> _DecodePlan:
         """``plan_growth(rid, 1, [token], None, lookahead)`` for every request, checked as a
-        whole first (nothing planned when one is bad)."""
+        whole first (nothing planned when one is bad). ``page_hashes``: request id -> the
+        hash of the page its token completes, for the rows that complete one."""
         n = len(request_ids)
         if len(token_ids) != n:
             raise InvalidArgumentError(f"{len(token_ids)} token ids for {n} decoding requests")
         num_lookahead_tokens = _check_int32("num_lookahead_tokens", num_lookahead_tokens)
+        if page_hashes and not set(page_hashes).issubset(request_ids):
+            stray = sorted(set(page_hashes).difference(request_ids))
+            raise InvalidArgumentError(f"page hashes for requests that do not decode: {stray}")
         if self.revoked and not self.revoked.isdisjoint(request_ids):
             revoked = [r for r in request_ids if self.is_revoked(r)]
             if revoked:
@@ -1227,8 +1323,11 @@ class SchedulerState:
                     if isinstance(token_ids, np.ndarray)
                     else [token_ids[i] for i in rows]
                 )
+                kept_hashes = (
+                    {r: h for r, h in page_hashes.items() if r not in gone} if page_hashes else None
+                )
                 plan = self.plan_decodes(
-                    [request_ids[i] for i in rows], kept_tokens, num_lookahead_tokens
+                    [request_ids[i] for i in rows], kept_tokens, num_lookahead_tokens, kept_hashes
                 )
                 plan.revoked = revoked
                 return plan
@@ -1250,14 +1349,23 @@ class SchedulerState:
         )
         if len(set(request_ids)) != n:
             raise InvalidArgumentError("a request decodes twice in one call")
-        if not self._is_simple:
+        if not self._is_simple or page_hashes:
+            # Row by row (several groups, or rows that name the page they complete).
             growths: list[_PendingGrowth] = []
             held_back: list[_Tracked] = []
+            has_page_hashes = False
             try:
                 for i, request_id in enumerate(request_ids):
+                    page_hash = page_hashes.get(request_id) if page_hashes else None
                     growth = self.plan_growth(
-                        request_id, 1, token_ids[i : i + 1], None, num_lookahead_tokens
+                        request_id,
+                        1,
+                        token_ids[i : i + 1],
+                        None,
+                        num_lookahead_tokens,
+                        None if page_hash is None else (page_hash,),
                     )
+                    has_page_hashes = has_page_hashes or bool(growth.page_hashes)
                     if growth.is_held:
                         assert growth.tracked is not None
                         growth.tracked.pending = None
@@ -1268,7 +1376,7 @@ class SchedulerState:
                 # Nothing planned when one is refused.
                 self.unplan_decodes(_DecodePlan(growths, held_back))
                 raise
-            return _DecodePlan(growths, held_back)
+            return _DecodePlan(growths, held_back, has_page_hashes=has_page_hashes)
         # One full-attention group: plan_growth's arithmetic inline. A decode that needs no
         # page and completes none is held back (no object, no wire entry); the others get a
         # queue entry carrying the request's held-back tokens.
@@ -1350,6 +1458,8 @@ class SchedulerState:
         growths = plan.growths
         self._growths.extend(growths)
         self._held.extend(plan.held)
+        if plan.has_page_hashes:
+            self._has_growth_hashes = True
         need_pages = [g.request_id for g in growths if not g.is_local]
         for request_id in plan.revoked:
             answer = self.revoked_answer(request_id)
@@ -1389,6 +1499,8 @@ class SchedulerState:
             self._held.append(t)
             return
         self._growths.append(growth)
+        if growth.page_hashes:
+            self._has_growth_hashes = True
         if growth.num_pages_needed and self.free_pages_bound is not None:
             self.free_pages_bound -= growth.num_pages_needed
 
@@ -1494,7 +1606,10 @@ class SchedulerState:
             grants_in_columns=True,
         )
         if growths:
-            request.growth_columns.CopyFrom(growth_columns(growths))
+            if not self._has_growth_hashes:
+                request.growth_columns.CopyFrom(growth_columns(growths))
+            else:
+                self._put_hashed_growths(request, growths)
         if batch is not None:
             b = request.batch
             b.request_ids.extend(batch)
@@ -1519,6 +1634,25 @@ class SchedulerState:
             request, list(self._frees), list(growths), list(self._admissions), explicit
         )
 
+    def _put_hashed_growths(self, request: pb.StepRequest, growths: list[_PendingGrowth]) -> None:
+        """Growths some of which carry page hashes: in columns when every hash has one
+        size (the columns carry one), else as one message each (each growth's hashes have
+        one size: :meth:`_growth_hashes`)."""
+        pool_size = self.page_hash_size
+        sizes = {len(g.page_hashes[0]) for g in growths if g.page_hashes}
+        if len(sizes) == 1:
+            (size,) = sizes
+            request.growth_columns.CopyFrom(
+                growth_columns(growths, page_hash_size=0 if size == pool_size else size)
+            )
+        else:
+            request.growths.extend([growth_message(g, pool_size) for g in growths])
+
+    def _note_growths_left(self) -> None:
+        """After growths left the queue: whether the rest still carries page hashes."""
+        if self._has_growth_hashes:
+            self._has_growth_hashes = any(g.page_hashes for g in self._growths)
+
     def apply_step(self, prepared: PreparedStep, response: pb.StepResponse) -> StepResult:
         """Accept the service's answer: drop the sent entries from the queue and bring the
         mirror to the service's state.
@@ -1537,6 +1671,8 @@ class SchedulerState:
             )
         self._frees = self._frees[len(prepared.frees) :]
         self._growths = self._growths[len(prepared.growths) :]
+        if self._has_growth_hashes:
+            self._note_growths_left()
         num_held = len(self._held)
         self._held = []  # what is held back now stays (discard_queued no longer undoes it)
         self._admissions = self._admissions[num_admissions:]
@@ -1751,6 +1887,7 @@ class SchedulerState:
         """Take a queued growth back (its synchronous step failed as a whole)."""
         if growth in self._growths:
             self._growths.remove(growth)
+            self._note_growths_left()
             self.unplan_growth(growth)
             if self.free_pages_bound is not None:
                 self.free_pages_bound += growth.num_pages_needed
@@ -1775,6 +1912,7 @@ class SchedulerState:
             if f.tracked is not None:
                 self.requests[f.request_id] = f.tracked
         self._frees, self._growths, self._admissions = [], [], []
+        self._has_growth_hashes = False
         self._admitting.clear()
         self._freeing.clear()
         self._carried.clear()
@@ -2821,6 +2959,7 @@ class PagekeeperClient(_ClientCore[LocalChannel]):
         num_computed_tokens: int | None = None,
         num_lookahead_tokens: int = 0,
         sync: bool = False,
+        page_hashes: Sequence[bytes] | None = None,
     ) -> SlotAllocation:
         """Make room for ``num_new_tokens`` more tokens of a running request (vLLM's
         ``allocate_slots`` for a running request).
@@ -2828,6 +2967,16 @@ class PagekeeperClient(_ClientCore[LocalChannel]):
         ``new_token_ids``: tokens generated since the request's last step (for a decode,
         the sampled token); they fill pages, and a page they complete enters the prefix
         cache. ``num_computed_tokens`` defaults to what the client tracked.
+
+        ``page_hashes``: the engine's hashes of the pages ``new_token_ids`` complete (pages
+        of the pool's smallest page size, in order, from the request's first full page
+        the service has no hash for), as ``admit(page_hashes=...)`` takes them for a
+        prompt: a later prompt containing this request's generated text then hits those
+        pages. At most one per completed page (fewer: the service hashes the rest,
+        chained from the last one given), all of one size (up to 64 bytes; the service's
+        own or the engine's), none twice. Needs a service that takes them
+        (``pool.accepts_growth_page_hashes``, else :class:`UnimplementedError`). A growth
+        answered NO_CAPACITY keeps none of them: send them again with its retry.
 
         Answered locally (``is_local``, no call) when the request's pages cover
         ``computed + new + lookahead`` tokens in every group. Otherwise the growth is
@@ -2849,7 +2998,12 @@ class PagekeeperClient(_ClientCore[LocalChannel]):
             if revoked is not None:
                 return revoked
         growth = state.plan_growth(
-            request_id, num_new_tokens, new_token_ids, num_computed_tokens, num_lookahead_tokens
+            request_id,
+            num_new_tokens,
+            new_token_ids,
+            num_computed_tokens,
+            num_lookahead_tokens,
+            page_hashes,
         )
         if state.growth_needs_ordering_flush(growth):
             state.unplan_growth(growth)
@@ -2859,7 +3013,12 @@ class PagekeeperClient(_ClientCore[LocalChannel]):
             if revoked is not None:
                 return revoked
             growth = state.plan_growth(
-                request_id, num_new_tokens, new_token_ids, num_computed_tokens, num_lookahead_tokens
+                request_id,
+                num_new_tokens,
+                new_token_ids,
+                num_computed_tokens,
+                num_lookahead_tokens,
+                page_hashes,
             )
         defer = sync and self.defer_page_ids and growth.needs_pages and state.can_defer(growth)
         state.queue_growth(growth)
@@ -2892,23 +3051,28 @@ class PagekeeperClient(_ClientCore[LocalChannel]):
         token_ids: TokenIds,
         *,
         num_lookahead_tokens: int = 0,
+        page_hashes: Mapping[str, bytes] | None = None,
     ) -> list[str]:
         """A whole decode step, queued with no call: request ``i`` appends
         ``token_ids[i]`` and needs room for one more token (+ lookahead), exactly as
         ``allocate_slots(rid, 1, new_token_ids=[token])`` for each, at a fraction of the
         cost. Returns the ids whose token needs a new page (PENDING: their pages come with
         the next ``step()``'s results); the rest fit in their pages. Checked as a whole
-        first: on a bad id or token nothing is queued."""
+        first: on a bad id or token nothing is queued.
+
+        ``page_hashes``: request id -> the hash of the page its token completes (see
+        ``allocate_slots``), for rows that complete one; such a step is planned row by
+        row."""
         state = self._scheduler()
         if state.must_flush_before_decodes(request_ids):
             self.stats.num_ordering_flushes += 1
             self._send_step(None, None)
-        plan = state.plan_decodes(request_ids, token_ids, num_lookahead_tokens)
+        plan = state.plan_decodes(request_ids, token_ids, num_lookahead_tokens, page_hashes)
         if state.decodes_need_ordering_flush(plan):
             state.unplan_decodes(plan)
             self.stats.num_ordering_flushes += 1
             self._send_step(None, None)
-            plan = state.plan_decodes(request_ids, token_ids, num_lookahead_tokens)
+            plan = state.plan_decodes(request_ids, token_ids, num_lookahead_tokens, page_hashes)
         need_pages = state.queue_decodes(plan)
         self.stats.num_local_answers += len(request_ids) - len(need_pages)
         return need_pages
@@ -2970,6 +3134,7 @@ class PagekeeperClient(_ClientCore[LocalChannel]):
                 new_token_ids=g.new_token_ids,
                 num_computed_tokens=g.num_computed_tokens,
                 num_lookahead_tokens=g.num_lookahead_tokens,
+                page_hashes=g.page_hashes,
             )
         for a in admissions:
             self.admit(

@@ -106,6 +106,10 @@ class PoolConfig:
     page_hash_size: int = 0
     """Bytes in one page hash; 0 from a service that takes page hashes only one field
     each (before ``packed_page_hashes``)."""
+    accepts_growth_page_hashes: bool = False
+    """The service takes a growth's page hashes (``allocate_slots(page_hashes=...)``);
+    False from one that predates them (it would ignore them and hash generated pages
+    itself, so the client refuses to send them)."""
 
     @property
     def page_sizes(self) -> tuple[int, ...]:
@@ -303,6 +307,9 @@ class Growth:
     new_token_ids: TokenIds = ()
     num_computed_tokens: int | None = None
     num_lookahead_tokens: int = 0
+    page_hashes: Sequence[bytes] | None = None
+    """Client-computed hashes of the pages ``new_token_ids`` complete (see
+    ``PagekeeperClient.allocate_slots``)."""
 
 
 # -- step results ----------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from pagekeeper_client import (
     AsyncPagekeeperClient,
     DeadlineExceededError,
     FailedPreconditionError,
+    Growth,
     InvalidArgumentError,
     NotFoundError,
     NotRegisteredError,
@@ -1353,3 +1354,153 @@ def test_a_refused_carrier_holds_its_tokens_again(server_factory, tmp_path):
         assert (table.num_tokens, table.num_computed_tokens) == (33, 33)
         assert client.request("rc-a").num_held_tokens == 0
         assert len(table.page_ids) == 3
+
+
+# -- a growth's page hashes ----------------------------------------------------------------
+
+
+def _engine_chain(label: str, n: int, width: int = 32) -> list[bytes]:
+    """``n`` page hashes of an engine's own chain: not what the service makes of the tokens."""
+    import hashlib
+
+    out, parent = [], label.encode()
+    for _ in range(n):
+        parent = hashlib.sha256(parent).digest()[:width]
+        out.append(parent)
+    return out
+
+
+def _stored_hashes(client: PagekeeperClient, since: int) -> set[bytes]:
+    return {
+        h
+        for e in _service_events(client, since)
+        if isinstance(e, PageStored)
+        for h in e.page_hashes
+    }
+
+
+@pytest.mark.parametrize(
+    "widths",
+    [(32, 32), (16, 16), (32, 16)],
+    ids=["columns-service-size", "columns-own-size", "growth-messages"],
+)
+def test_growth_page_hashes_name_the_pages_generated_tokens_complete(connect, widths):
+    """The engine's hashes of the pages generated tokens complete, sent with the growths
+    that complete them (decodes held back in between, a raw chunk), are those pages'
+    hashes on the service: a lookup by them hits every page, the stored events name them,
+    and the service's own hash of the tokens misses. Two requests decode side by side:
+    hashes of one size ride in the growth columns, of two sizes in Growth messages."""
+    client = connect()
+    assert client.pool.accepts_growth_page_hashes and client.pool.page_hash_size == 32
+    since = client.pool_info().counters.last_event_seq
+    rids = [f"gh-{'-'.join(map(str, widths))}-{i}" for i in range(2)]
+    chains = {rid: _engine_chain(rid, 5, width) for rid, width in zip(rids, widths, strict=True)}
+    everything = {rid: tokens(900 + i, 20) for i, rid in enumerate(rids)}  # page 1 partial
+    for rid in rids:
+        assert client.admit(rid, everything[rid], page_hashes=chains[rid][:1]).ok
+    for num_tokens in range(21, 65):  # decodes to 64 tokens: pages 1, 2, 3 complete
+        for rid in rids:
+            token = 1000 + num_tokens
+            named = [chains[rid][num_tokens // 16 - 1]] if num_tokens % 16 == 0 else None
+            client.allocate_slots(rid, 1, new_token_ids=[token], page_hashes=named)
+            everything[rid].append(token)
+        if num_tokens % 5 == 0:
+            client.step(batch=rids)
+    chunk = tokens(990, 16)  # page 4, by the raw form
+    client.step(
+        growths=[Growth(rid, 16, new_token_ids=chunk, page_hashes=chains[rid][4:]) for rid in rids],
+        batch=rids,
+    )
+    stored = _stored_hashes(client, since)
+    for rid in rids:
+        everything[rid] += chunk
+        hit = client.lookup(everything[rid], page_hashes=chains[rid])
+        assert hit.num_hit_tokens == 80 and list(hit.page_hashes) == chains[rid]
+        assert client.lookup(everything[rid]).num_hit_tokens == 0  # the service's own chain
+        assert set(chains[rid]) <= stored
+        assert client.block_table(rid).num_tokens == 80
+    client.free(*rids)
+
+
+def test_a_growth_refused_no_capacity_keeps_no_hash_and_its_retry_sends_them(server_factory):
+    server = server_factory("--num-pages", "5")  # pages 1..4
+    with PagekeeperClient(server.grpc_address, local_socket=None) as client:
+        client.register("scheduler")
+        hashes = _engine_chain("nc", 3)
+        assert client.admit("nc-a", tokens(80, 20), page_hashes=hashes[:1]).ok  # 2 pages
+        assert client.admit("nc-b", tokens(81, 32)).ok  # 2 pages: the pool is dry
+        chunk = tokens(82, 28)  # to 48 tokens: pages 1 and 2 complete, one more page
+        got = client.allocate_slots(
+            "nc-a", 28, new_token_ids=chunk, page_hashes=hashes[1:], sync=True
+        )
+        assert got.status is AllocationStatus.NO_CAPACITY
+        assert client.request("nc-a").num_tokens == 20
+        assert client.block_table("nc-a").num_tokens == 20
+        client.free("nc-b")
+        got = client.allocate_slots(
+            "nc-a", 28, new_token_ids=chunk, page_hashes=hashes[1:], sync=True
+        )
+        assert got.ok and len(got.new_page_ids[0]) == 1
+        everything = tokens(80, 20) + chunk
+        assert client.lookup(everything, page_hashes=hashes).num_hit_tokens == 48
+
+
+def test_growth_page_hashes_the_client_or_service_refuse_change_nothing(connect):
+    client = connect()
+    hashes = _engine_chain("bad", 2)
+    assert client.admit("gb-a", tokens(85, 31), page_hashes=hashes[:1]).ok
+    with pytest.raises(InvalidArgumentError, match="2 page hashes for the 1 pages"):
+        client.allocate_slots("gb-a", 1, new_token_ids=[5], page_hashes=hashes)
+    with pytest.raises(InvalidArgumentError, match="repeats"):
+        client.allocate_slots("gb-a", 1, new_token_ids=[5], page_hashes=[hashes[1]] * 2)
+    assert client.num_queued == 0 and client.request("gb-a").num_tokens == 31
+    # The previous page's own hash: only the service knows it, and refuses the step whole
+    # (the growth fits, so it rides in the next step); dropping the queue undoes it here.
+    assert client.allocate_slots("gb-a", 1, new_token_ids=[5], page_hashes=hashes[:1]).is_local
+    with pytest.raises(InvalidArgumentError, match="previous page"):
+        client.step()
+    assert client.discard_queued() == 1
+    assert client.request("gb-a").num_tokens == 31
+    assert client.block_table("gb-a").num_tokens == 31
+    assert client.allocate_slots("gb-a", 1, new_token_ids=[5], page_hashes=hashes[1:]).ok
+    client.step()
+    assert client.lookup(tokens(85, 31) + [5], page_hashes=hashes).num_hit_tokens == 32
+    client.free("gb-a")
+
+
+def test_async_growth_and_decode_page_hashes(pagekeeper_server):
+    async def main() -> None:
+        async with AsyncPagekeeperClient(
+            pagekeeper_server.grpc_address, token=pagekeeper_server.token
+        ) as client:
+            await client.register("scheduler", name="async-growth-hashes")
+            a, b = _engine_chain("agh-a", 2), _engine_chain("agh-b", 2)
+            for rid, seed, chain in (("agh-a", 86, a), ("agh-b", 87, b)):
+                assert (await client.admit(rid, tokens(seed, 31), page_hashes=chain[:1])).ok
+            with pytest.raises(InvalidArgumentError, match="do not decode"):
+                await client.allocate_decodes(["agh-a"], [1], page_hashes={"agh-c": a[1]})
+            # Both complete page 1: a names it in the decode step, b by allocate_slots.
+            await client.allocate_decodes(["agh-a"], [1], page_hashes={"agh-a": a[1]})
+            await client.allocate_slots("agh-b", 1, new_token_ids=[2], page_hashes=b[1:])
+            await client.step()
+            for seed, token, chain in ((86, 1, a), (87, 2, b)):
+                hit = await client.lookup(tokens(seed, 31) + [token], page_hashes=chain)
+                assert hit.num_hit_tokens == 32
+            await client.free("agh-a", "agh-b")
+
+    asyncio.run(main())
+
+
+def test_an_older_service_is_not_sent_growth_hashes_it_would_ignore(connect):
+    import dataclasses
+
+    from pagekeeper_client import UnimplementedError
+
+    client = connect()
+    assert client.admit("old-a", tokens(88, 31)).ok
+    state = client._scheduler()
+    state.pool = dataclasses.replace(state.pool, accepts_growth_page_hashes=False)
+    with pytest.raises(UnimplementedError, match="does not take a growth's page hashes"):
+        client.allocate_slots("old-a", 1, new_token_ids=[1], page_hashes=_engine_chain("o", 1))
+    assert client.num_queued == 0 and client.request("old-a").num_tokens == 31
+    client.free("old-a")
