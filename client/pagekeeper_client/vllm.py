@@ -55,15 +55,18 @@ use, and ``P`` must be a multiple of it (``r = P / K``). Page ``p`` becomes the 
 
 Hashes. The engine's ``Request.block_hashes`` (its own chain, one hash every ``K`` tokens)
 are sent as the page hashes, never recomputed; a page of ``r`` blocks is named by the last
-block hash inside it, as vLLM's ``BlockHashListWithBlockSize`` does. The service hashes the
-tokens a growth appends itself (``Growth`` carries no hashes). With ``r == 1`` and the
-engine on the service's algorithm (``prefix_caching_hash_algo="sha256_cbor"``, the default
-NONE_HASH seed) those are the engine's own hashes bit for bit, and every hit vLLM finds,
-pagekeeper finds. Otherwise (vLLM's default pickle-based "sha256", or ``r > 1``) an
-admission sends the hashes of the prompt's pages only and the service extends the chain
-over generated tokens exactly as it did while decoding: a preempted request still hits its
-own generated pages, but a new prompt that contains another request's generated text (a
-chat's next turn) misses the pages that text filled.
+block hash inside it, as vLLM's ``BlockHashListWithBlockSize`` does. A growth that completes
+pages (a report, or the growth that needs a page) sends their hashes too
+(``allocate_slots(page_hashes=...)``), so every page is named by the engine's hash whatever
+its algorithm and ``r``, and a new prompt that contains another request's generated text (a
+chat's next turn) hits the pages that text filled. Not needed (and not sent) with ``r == 1``
+and the engine on the service's algorithm (``prefix_caching_hash_algo="sha256_cbor"``, the
+default NONE_HASH seed): the service's hashes are then the engine's bit for bit. A service
+that predates growth hashes (``PoolConfig.accepts_growth_page_hashes`` false) is sent none:
+with vLLM's default pickle-based "sha256" or ``r > 1`` an admission then sends the hashes of
+the prompt's pages only and the service extends the chain over generated tokens itself: a
+preempted request still hits its own generated pages, but a chat's next turn misses the
+pages the previous answer filled.
 
 Not supported (each raises ``NotImplementedError`` naming it): KV connectors (P/D, offload),
 speculative decoding, async scheduling (``AsyncScheduler``), pipeline parallelism, models with
@@ -235,7 +238,8 @@ class _Pages:
     keys: list[bytes]
     """Mirror keys of the request's full pages, in order (grows with its tokens)."""
     num_client_hashed_pages: int
-    """Pages whose hashes the admission sent (the service hashed the rest itself)."""
+    """Pages named by the engine's hashes, which the admission and growths send (the
+    service hashes the rest itself); ``sys.maxsize``: every page."""
     num_cached_pages: int = 0
     num_computed: int = 0
     """Tokens computed once this step's forward pass ran (the engine's view)."""
@@ -351,6 +355,14 @@ class PagekeeperKVCacheManager:
         self._service_hashes_like_engine = self.ratio == 1 and _engine_hashing_matches(
             pool.hash_algorithm, hash_algorithm
         )
+        # Otherwise a service that takes a growth's page hashes gets the engine's for the
+        # pages generated tokens complete too: every page is named by the engine's hash, so
+        # a prompt containing another request's generated text (a chat's next turn) hits.
+        self._sends_growth_hashes = (
+            self.enable_caching
+            and pool.accepts_growth_page_hashes
+            and not self._service_hashes_like_engine
+        )
         # One vLLM KVCacheBlock per kernel block id, shared by every request holding it (as
         # vLLM's pool shares its block objects), created on first use.
         self._block_objects: list[Any] = [None] * (self.num_pages * self.ratio)
@@ -421,10 +433,51 @@ class PagekeeperKVCacheManager:
         return b"svc:" + digest.digest()
 
     def _num_client_hashed_pages(self, request: Any) -> int:
+        if self._sends_growth_hashes:
+            return self._engine_hashed(request, sys.maxsize)
         if self._service_hashes_like_engine:
             return sys.maxsize
         # The prompt's full pages; the service extends the chain over the output.
         return int(request.num_prompt_tokens) // self.page_size
+
+    def _engine_hashed(self, request: Any, num_client_pages: int) -> int:
+        """``num_client_pages``, or fewer when growths send the engine's hashes and the
+        engine has not hashed every full page of the request within it: pages from the
+        first one without an engine hash on are then the service's to hash (and the mirror
+        keys them so), for good. (vLLM hashes a block as soon as its tokens are known; this
+        keeps the mirror right should it not.)"""
+        if not self._sends_growth_hashes:
+            return num_client_pages
+        num_hashed = len(request.block_hashes) // self.ratio
+        if num_hashed >= num_client_pages or num_hashed >= request.num_tokens // self.page_size:
+            return num_client_pages
+        log.warning(
+            "request %r: the engine hashed %d of its %d full pages; the service hashes the rest",
+            request.request_id,
+            num_hashed,
+            request.num_tokens // self.page_size,
+        )
+        return num_hashed
+
+    def _growth_hashes(self, state: _Pages, request: Any, num_tokens: int) -> list[bytes] | None:
+        """The engine's hashes of the pages a growth to ``num_tokens`` tokens completes
+        (from the first full page the service has no hash for), when this manager sends
+        them; the mirror's keys of those pages, which the service then uses too."""
+        if not self._sends_growth_hashes:
+            return None
+        ps = self.page_size
+        first = state.num_tokens_sent // ps
+        if num_tokens // ps <= first:
+            return None  # completes no page
+        keys = self._keys(state, request)
+        end = min(num_tokens // ps, state.num_client_hashed_pages)
+        return keys[first:end] if end > first else None
+
+    def _keys(self, state: _Pages, request: Any) -> list[bytes]:
+        """The mirror keys of every full page of a running request (:meth:`_page_keys`),
+        the engine's hashes as far as it has hashed them."""
+        state.num_client_hashed_pages = self._engine_hashed(request, state.num_client_hashed_pages)
+        return self._page_keys(request, state.keys, state.num_client_hashed_pages)
 
     def _cache(self, state: _Pages, request: Any, num_tokens: int) -> bool:
         """Enter the request's newly full pages (up to ``num_tokens``) into the mirror, as
@@ -435,7 +488,7 @@ class PagekeeperKVCacheManager:
         num_full = min(num_tokens, request.num_tokens) // ps
         if num_full <= state.num_cached_pages:
             return False
-        keys = self._page_keys(request, state.keys, state.num_client_hashed_pages)
+        keys = self._keys(state, request)
         for i in range(state.num_cached_pages, num_full):
             page = state.page_ids[i]
             self._mirror.insert(page, keys[i])
@@ -475,17 +528,19 @@ class PagekeeperKVCacheManager:
                 self._forget_unreported(request_id, state)
                 continue
             self.stats.num_reports += 1
+            num_tokens = request.num_tokens
             got = self.client.allocate_slots(
                 request_id,
                 state.num_computed - state.num_computed_sent,
-                new_token_ids=request.all_token_ids[state.num_tokens_sent : request.num_tokens],
+                new_token_ids=request.all_token_ids[state.num_tokens_sent : num_tokens],
                 num_computed_tokens=state.num_computed_sent,
+                page_hashes=self._growth_hashes(state, request, num_tokens),
             )
             if got.status is AllocationStatus.NO_CAPACITY and self.client.is_revoked(request_id):
                 self._forget_unreported(request_id, state)  # learnt from a flush just now
                 continue
             state.num_computed_sent = state.num_computed
-            state.num_tokens_sent = request.num_tokens
+            state.num_tokens_sent = num_tokens
             if request_id == upto:
                 return
 
@@ -744,6 +799,7 @@ class PagekeeperKVCacheManager:
             num_computed_tokens=state.num_computed_sent,
             num_lookahead_tokens=num_lookahead_tokens,
             sync=True,
+            page_hashes=self._growth_hashes(state, request, num_tokens),
         )
         if got.status is AllocationStatus.NO_CAPACITY:
             self.stats.num_no_capacity += 1

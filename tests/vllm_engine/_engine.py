@@ -31,6 +31,10 @@ class EngineConfig:
     block_size: int
     num_blocks: int
     enable_prefix_caching: bool
+    hash_algo: str = "sha256_cbor"
+    """The engine's ``prefix_caching_hash_algo``: by default the service's, so pages filled
+    by generated tokens hash alike on both sides even without growth hashes; vLLM's own
+    default "sha256" (pickle) makes the manager send the engine's hashes of those pages."""
 
 
 @dataclass
@@ -157,8 +161,7 @@ def _make_llm(model_dir: str, config: EngineConfig, scheduler_cls: type) -> Any:
         enable_prefix_caching=config.enable_prefix_caching,
         num_gpu_blocks_override=config.num_blocks,
         seed=0,
-        # The service's hash: pages filled by generated tokens hash alike on both sides.
-        prefix_caching_hash_algo="sha256_cbor",
+        prefix_caching_hash_algo=config.hash_algo,
         disable_log_stats=False,  # the engine's prefix-cache statistics
         scheduler_cls=scheduler_cls,
     )

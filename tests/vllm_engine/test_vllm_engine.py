@@ -261,3 +261,108 @@ def test_connector_after_an_admin_freed_its_request(server_factory, monkeypatch)
         assert manager.allocate_slots(request, request.num_tokens - hit, hit, blocks) is not None
         manager.flush()
         assert [r["request_id"] for r in http.get("/v1/requests").json()["items"]] == ["r"]
+
+
+def _manager(client, monkeypatch: pytest.MonkeyPatch):
+    """A manager over ``client`` with 16-token pages and the engine hashing with its own
+    algorithm (the stub request's, as vLLM's default pickle-based "sha256" differs from
+    the service's sha256_cbor): the service cannot hash generated pages like the engine."""
+    import types
+
+    _stub_vllm(monkeypatch)
+    from pagekeeper_client.vllm import PagekeeperKVCacheManager
+
+    return PagekeeperKVCacheManager(
+        client,
+        kv_cache_config=types.SimpleNamespace(num_blocks=64),
+        original=types.SimpleNamespace(coordinator=types.SimpleNamespace(single_type_managers=())),
+        block_size=16,
+        max_model_len=client.pool.max_model_len,
+        enable_caching=True,
+        log_stats=False,
+        hash_algorithm="sha256",
+    )
+
+
+def _generate(manager, request: _Request, num_tokens: int) -> None:
+    """Admit ``request`` and decode until it holds ``num_tokens`` tokens."""
+    manager.get_computed_blocks(request)
+    assert manager.allocate_slots(request, request.num_tokens) is not None
+    request.num_computed_tokens = request.num_tokens
+    while request.num_tokens < num_tokens:
+        request.all_token_ids.append(7000 + request.num_tokens)
+        assert manager.allocate_slots(request, 1) is not None
+        request.num_computed_tokens += 1
+
+
+@pytest.mark.parametrize("takes_growth_hashes", [True, False], ids=["service", "older-service"])
+def test_a_chats_next_turn_hits_the_pages_the_answer_filled(
+    server_factory, monkeypatch, takes_growth_hashes
+) -> None:
+    """A request's generated tokens fill page 1; a new prompt containing them (a chat's next
+    turn) hits it when the service takes a growth's page hashes: the growth that carried
+    those tokens named the page by the engine's hash, as the new prompt's admission does.
+    An older service hashes the page itself, and the new prompt hits the prompt's page
+    only. Either way the mirror predicted what the service answered (else RuntimeError)."""
+    import dataclasses
+
+    from pagekeeper_client import PagekeeperClient
+
+    server = server_factory("--num-pages", "64")
+    with PagekeeperClient(server.grpc_address, local_socket=None) as client:
+        client.register("scheduler", name="engine")
+        assert client.pool.accepts_growth_page_hashes
+        if not takes_growth_hashes:  # what an older service registers
+            registration = client._registration
+            client._registration = dataclasses.replace(
+                registration,
+                pool=dataclasses.replace(registration.pool, accepts_growth_page_hashes=False),
+            )
+        manager = _manager(client, monkeypatch)
+        first = _Request("turn-1", range(1000, 1020))  # page 0 full, page 1 partial
+        _generate(manager, first, 44)  # generated tokens fill page 1 (16..31)
+        manager.free(first)
+        manager.end_step()
+        follow_up = _Request("turn-2", [*first.all_token_ids, *range(9000, 9010)])
+        expected = 32 if takes_growth_hashes else 16
+        service = client.lookup(follow_up.all_token_ids, page_hashes=follow_up.block_hashes)
+        assert service.num_hit_tokens == expected
+        blocks, hit = manager.get_computed_blocks(follow_up)[:2]
+        assert hit == expected
+        assert (
+            manager.allocate_slots(follow_up, follow_up.num_tokens - hit, hit, blocks) is not None
+        )
+        assert manager.stats.num_mispredicted == 0
+        manager.flush()
+
+
+class _LaggingRequest(_Request):
+    """A request whose engine hashed its prompt's pages only (vLLM does not lag so)."""
+
+    @property
+    def block_hashes(self) -> list[bytes]:
+        return super().block_hashes[: self.num_prompt_tokens // 16]
+
+
+def test_pages_the_engine_did_not_hash_are_the_services_to_hash(server_factory, monkeypatch):
+    """Where the engine has no hash for a page its generated tokens fill, the growth sends
+    none and the mirror keys the page (and every later one) as the service hashes it: a new
+    prompt with the same text hits the prompt's page only, as the service answers."""
+    from pagekeeper_client import PagekeeperClient
+
+    server = server_factory("--num-pages", "64")
+    with PagekeeperClient(server.grpc_address, local_socket=None) as client:
+        client.register("scheduler", name="engine")
+        manager = _manager(client, monkeypatch)
+        first = _LaggingRequest("lagging", range(1000, 1020))
+        _generate(manager, first, 60)  # fills pages 1 and 2
+        assert manager._requests["lagging"].num_client_hashed_pages == 1
+        manager.free(first)
+        follow_up = _Request("next", [*first.all_token_ids, *range(9000, 9010)])
+        blocks, hit = manager.get_computed_blocks(follow_up)[:2]
+        assert hit == 16
+        assert (
+            manager.allocate_slots(follow_up, follow_up.num_tokens - hit, hit, blocks) is not None
+        )
+        assert manager.stats.num_mispredicted == 0
+        manager.flush()
