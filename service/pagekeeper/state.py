@@ -313,10 +313,6 @@ class GrowthColumns:
             "num_computed_tokens": self.num_computed_tokens,
             "num_lookahead_tokens": self.num_lookahead_tokens,
         }
-        if self.num_page_hashes is not None:
-            columns["num_page_hashes"] = self.num_page_hashes
-        elif self.packed_page_hashes:
-            raise InvalidArgument("growth_columns.packed_page_hashes without num_page_hashes")
         for name, column in columns.items():
             if column.shape != (n,):
                 raise InvalidArgument(
@@ -331,20 +327,33 @@ class GrowthColumns:
                 f"growth_columns.num_new_token_ids adds up to {total} tokens but "
                 f"new_token_ids holds {self.new_token_ids.size}"
             )
+        self.check_hash_shape(pool_hash_size)
+
+    def check_hash_shape(self, pool_hash_size: int) -> int:
+        """The page-hash columns' part of :meth:`check_shape`; returns the hashes' size."""
         hashes = self.num_page_hashes
-        if hashes is not None:
-            if n and int(hashes.min()) < 0:
-                raise InvalidArgument("growth_columns.num_page_hashes must be >= 0")
-            num_hashes = int(hashes.sum(dtype=np.int64))
-            hash_size = packed_hash_size(
-                self.page_hash_size, pool_hash_size, "growth_columns.page_hash_size"
+        n = len(self.request_ids)
+        if hashes is None:
+            if self.packed_page_hashes:
+                raise InvalidArgument("growth_columns.packed_page_hashes without num_page_hashes")
+            return pool_hash_size
+        if hashes.shape != (n,):
+            raise InvalidArgument(
+                f"growth_columns.num_page_hashes has {hashes.size} entries for {n} growths"
             )
-            if num_hashes * hash_size != len(self.packed_page_hashes):
-                raise InvalidArgument(
-                    f"growth_columns.num_page_hashes adds up to {num_hashes} hashes of "
-                    f"{hash_size} bytes but packed_page_hashes holds "
-                    f"{len(self.packed_page_hashes)} bytes"
-                )
+        if n and int(hashes.min()) < 0:
+            raise InvalidArgument("growth_columns.num_page_hashes must be >= 0")
+        num_hashes = int(hashes.sum(dtype=np.int64))
+        hash_size = packed_hash_size(
+            self.page_hash_size, pool_hash_size, "growth_columns.page_hash_size"
+        )
+        if num_hashes * hash_size != len(self.packed_page_hashes):
+            raise InvalidArgument(
+                f"growth_columns.num_page_hashes adds up to {num_hashes} hashes of "
+                f"{hash_size} bytes but packed_page_hashes holds "
+                f"{len(self.packed_page_hashes)} bytes"
+            )
+        return hash_size
 
     def token_offsets(self) -> npt.NDArray[np.int64]:
         """Where each growth's tokens start in ``new_token_ids`` (n + 1 entries)."""
@@ -1494,8 +1503,7 @@ class ServiceState:
         messages); returns the grown request ids."""
         ids = cols.request_ids
         n = len(ids)
-        plain = cols.defaults_only and cols.num_page_hashes is None
-        if plain and n and cols.new_token_ids.shape == (n,):
+        if cols.defaults_only and n and cols.new_token_ids.shape == (n,):
             # Plain decodes (one token each, tracked counts): the checks below reduce to
             # the rows' maxima and the tokens' minimum (computed <= tokens < max_len also
             # keeps computed + 1 within it); any doubt, and they run in full.
@@ -1508,6 +1516,21 @@ class ServiceState:
             ):
                 grown = set(ids)
                 if len(grown) == n and not grown & freed:
+                    if cols.num_page_hashes is not None:
+                        size = cols.check_hash_shape(self.page_hash_size)
+                        offsets = cols.hash_offsets()
+                        assert offsets is not None
+                        for i in np.flatnonzero(np.diff(offsets)).tolist():
+                            self._growth_hashes(
+                                ids[i],
+                                None,
+                                cols.packed_page_hashes[
+                                    int(offsets[i]) * size : int(offsets[i + 1]) * size
+                                ],
+                                size,
+                                len(rows.requests[i].token_ids),
+                                1,
+                            )
                     return grown
         cols.check_shape(self.page_hash_size)
         if n == 0:
@@ -1599,15 +1622,12 @@ class ServiceState:
         lookahead = cols.num_lookahead_tokens
         plain: Sequence[bool] | npt.NDArray[np.bool_]
         hash_offsets = cols.hash_offsets()
-        if cols.defaults_only and hash_offsets is None:
+        hash_size = cols.page_hash_size or self.page_hash_size
+        if cols.defaults_only:
             plain, bounds = (True,), [0, n]  # one run of plain decodes
         else:
             one_new = cols.num_new_tokens == 1
             plain = one_new & (num_ids == 1) & (explicit == -1)
-            if hash_offsets is not None:
-                # A growth with page hashes goes on its own (the core's batched decodes
-                # hash the pages they fill themselves).
-                plain &= np.diff(hash_offsets) == 0
             # A decode with a computed count is a plain one too when the count is the
             # tracked one plus the tokens before its own: a client's held-back decodes
             # riding with it (or a client that always sends its mirror's count).
@@ -1623,7 +1643,23 @@ class ServiceState:
             if plain[start]:
                 run = ids[start:stop]
                 held: dict[str, list[int]] = {}
-                if cols.defaults_only and hash_offsets is None:
+                named: dict[str, PackedPageHashes] | None = None
+                if hash_offsets is not None:
+                    # The client's hashes of the pages these decodes complete (checked
+                    # with the step; this cannot fail).
+                    named = {
+                        run[k]: check_packed_page_hashes(
+                            cols.packed_page_hashes[
+                                int(hash_offsets[start + k]) * hash_size : int(
+                                    hash_offsets[start + k + 1]
+                                )
+                                * hash_size
+                            ],
+                            hash_size,
+                        )
+                        for k in np.flatnonzero(np.diff(hash_offsets[start : stop + 1])).tolist()
+                    }
+                if cols.defaults_only:
                     tokens = cols.new_token_ids
                 else:
                     offsets = cols.token_offsets() if offsets is None else offsets
@@ -1645,6 +1681,7 @@ class ServiceState:
                         num_lookahead_tokens=int(lookahead[start]),
                         held_token_ids=held,
                         crossed=crossed,
+                        page_hashes=named,
                     )
                 except PagekeeperError:
                     answers = None  # checked up front; if not, the general path says why

@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from pagekeeper.core import pool as pool_module
-from pagekeeper.core.errors import PagekeeperError
+from pagekeeper.core.errors import InvalidArgument, PagekeeperError
 from pagekeeper.core.pool import PagePool
 from tests.core.native_memcheck import call_both
 from tests.helpers.props import examples
@@ -439,12 +439,13 @@ def _spy_decode_rows(manager) -> list[int]:
 
 
 def _decode_both(
-    native, python, ids: list[str], tokens: list[int], lookahead: int = 0, held=None
+    native, python, ids: list[str], tokens: list[int], lookahead: int = 0, held=None, named=None
 ) -> dict:
-    """One decode step on both managers (``held``: held-back tokens per request): the same
-    answers (in request order), events, request fields (tokens, hashes, the scheduled range
-    a published batch writes) and free queue. Returns the answer."""
-    kw = {"num_lookahead_tokens": lookahead, "held_token_ids": held}
+    """One decode step on both managers (``held``: held-back tokens per request; ``named``:
+    the client's hashes of the pages rows complete): the same answers (in request order),
+    events, request fields (tokens, hashes, the scheduled range a published batch writes)
+    and free queue. Returns the answer."""
+    kw = {"num_lookahead_tokens": lookahead, "held_token_ids": held, "page_hashes": named}
     want = python.allocate_decodes(ids, tokens, **kw)
     got = native.allocate_decodes(ids, tokens, **kw)
     assert list(got.items()) == list(want.items())  # in request order too
@@ -506,8 +507,9 @@ def decode_workload(native, python, steps: list[tuple[str, int]], max_len: int) 
     ``(op, seed)`` each, compared after every step (:func:`_decode_both`); returns how many
     decode steps ran. Small alphabets make prompts and decode tokens recur (hashes already
     in the index); some requests have a LoRA or send their first page's hash (8 or 32
-    bytes); lookahead makes a fill take a page too; some rows carry held-back tokens;
-    refused rows are preempted."""
+    bytes); lookahead makes a fill take a page too; some rows carry held-back tokens; some
+    name the pages they complete (a few recurring hashes of 8 or 32 bytes, so some are in
+    the index already); refused rows are preempted."""
     import random
 
     from pagekeeper.core.types import ExtraKeys
@@ -549,7 +551,17 @@ def decode_workload(native, python, steps: list[tuple[str, int]], max_len: int) 
                 for r in live
                 if rng.random() < 0.3
             }
-            answers = _decode_both(native, python, live, tokens, lookahead, held)
+            named = {}
+            for r in live:
+                before = python.request_info(r).num_tokens
+                after = before + len(held.get(r, ())) + 1
+                hps = python.hash_page_size
+                completed = after // hps - before // hps
+                if completed and rng.random() < 0.4:
+                    last = python.last_page_hash(r)
+                    pool = [bytes([k, 9]) * (rng.choice((8, 32)) // 2) for k in range(5)]
+                    named[r] = rng.sample([h for h in pool if h != last], completed)
+            answers = _decode_both(native, python, live, tokens, lookahead, held, named)
             decoded += 1
             for rid, answer in answers.items():
                 if answer is None:  # refused: preempted, as a scheduler would
@@ -898,3 +910,47 @@ def test_running_rows_survives_ids_changed_under_it() -> None:
     for rid in list(ids):
         manager.admit(rid, np.arange(5, dtype=np.int32), owner=Meddling("o"))
     assert manager.running_rows(ids, "o") is None
+
+
+@needs_native
+@pytest.mark.parametrize("size", [32, 16])
+def test_rows_whose_filled_page_the_client_names_stay_in_c(size: int) -> None:
+    """Decodes whose token fills a page with the client's hash for it (``page_hashes``:
+    an engine's hashes, of the pool's size or not) are cached in the same C pass as the
+    rest, under the client's hash, with the Python loop's pages, hashes and events; a
+    row that fills its page after a client hash of another size is the Python loop's
+    (C hashes only 32-byte parents)."""
+    import hashlib
+
+    prompts = [[10 * k + j for j in range(3)] for k in range(6)]  # 3 of 4 tokens each
+    native, python = _decode_twins(True, 64, 60, prompts)
+    ids = [f"r{k}" for k in range(6)]
+    calls = _spy_decode_rows(native)
+    for step in range(9):
+        calls.clear()
+        tokens = [100 + 6 * step + k for k in range(6)]
+        # Rows 0, 2 and 4 name the page their token fills (steps 0 and 8, not 4).
+        named = (
+            {r: [hashlib.sha256(f"{r}/{step}".encode()).digest()[:size]] for r in ids[0::2]}
+            if step in (0, 8)
+            else None
+        )
+        want = python.allocate_decodes(ids, tokens, page_hashes=named)
+        got = native.allocate_decodes(ids, tokens, page_hashes=named)
+        assert list(got.items()) == list(want.items())
+        assert native.take_events() == python.take_events()
+        for rid in ids:
+            assert native._requests[rid] == python._requests[rid]
+        assert native.pool.free_queue() == python.pool.free_queue()
+        native.check_invariants()
+        if step == 0:
+            assert calls == [0]  # every fill in one C pass, named or hashed
+            assert native._requests["r0"].hashes == named["r0"]  # type: ignore[index]
+        if step == 4:
+            # The named rows' next pages chain on the client's hashes: in C from 32-byte
+            # parents, the Python loop's from 16-byte ones.
+            assert (calls == [0]) == (size == 32), calls
+    with pytest.raises(InvalidArgument, match="2 page hashes for the 0 pages"):
+        native.allocate_decodes(["r0"], [1], page_hashes={"r0": [b"x" * 32, b"y" * 32]})
+    with pytest.raises(InvalidArgument, match="which does not decode here"):
+        native.allocate_decodes(["r0"], [1], page_hashes={"r1": [b"x" * 32]})

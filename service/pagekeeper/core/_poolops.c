@@ -77,7 +77,7 @@
  *
  *   decode_rows(reqs, tokens, start, num_free, page_counts, num_cached_pages, page_size,
  *               hash_page_size, max_len, lookahead, caching, crossing, crossing_held,
- *               crossing_rows[, fill[, extras]]) -> (stop, num_free)
+ *               crossing_rows[, fill[, extras[, named]]]) -> (stop, num_free)
  *       The manager's decode step for one full-attention group, row after row from `start`,
  *       for the rows that need no Python: request reqs[i] (a manager _Request) appends
  *       tokens[i] and counts one more computed token when that fills no page to cache and
@@ -92,7 +92,10 @@
  *       and announced by a `stored` event, as the manager's _extend_hashes +
  *       GroupManager.cache_next + PagePool.cache_one do. `extras` (a dict or None): a
  *       request's held-back decode tokens (a list of checked ints), appended and counted
- *       as computed before its own token, as the manager's loop does.
+ *       as computed before its own token, as the manager's loop does. `named` (a dict or
+ *       None): the client's hash (bytes) of the page a request's token fills, used for that
+ *       page instead of hashing it (the manager checked it); the parent hash may then be of
+ *       any size.
  *
  *   gather_rows(requests, request_ids, owner, lengths, computed)
  *       -> (reqs, max_tokens, max_computed, max_ahead) | None
@@ -1249,6 +1252,7 @@ enum {
 typedef struct {
     PyObject *page_counts, *num_cached, *crossing, *crossing_held, *crossing_rows;
     PyObject *extras;          /* request id -> its held-back tokens (a list), or NULL */
+    PyObject *named;           /* request id -> the client's hash of its filled page, or NULL */
     Py_ssize_t ps, hps, max_len, lookahead, num_free;
     int caching;
     PyObject **fill;           /* the fill tuple's items (borrowed), or NULL */
@@ -1268,7 +1272,7 @@ static PyObject *str_extra_keys, *str_event_seq, *str_pop, *str_head, *str_buf, 
  * applied, as it would leave the Python loop. */
 static int
 fill_page(DecodeStep *d, PyObject *req, PyObject *rid, PyObject *token, PyObject *ids,
-          PyObject *hashes, Py_ssize_t k, Py_ssize_t held)
+          PyObject *hashes, Py_ssize_t k, Py_ssize_t held, PyObject *given)
 {
     PyObject **f = d->fill;
     PyObject *keys = PyObject_GetAttr(req, str_extra_keys);
@@ -1281,7 +1285,7 @@ fill_page(DecodeStep *d, PyObject *req, PyObject *rid, PyObject *token, PyObject
         return 0;
     }
     PyObject *parent = k ? PyList_GET_ITEM(hashes, k - 1) : f[F_NONE_HASH];
-    if (!PyBytes_CheckExact(parent) || PyBytes_GET_SIZE(parent) != DIGEST_SIZE) {
+    if (!PyBytes_CheckExact(parent) || (given == NULL && PyBytes_GET_SIZE(parent) != DIGEST_SIZE)) {
         return 0;
     }
     PyObject *row_o = PyDict_GetItemWithError(f[F_REQUEST_ROWS], rid); /* borrowed */
@@ -1317,9 +1321,14 @@ fill_page(DecodeStep *d, PyObject *req, PyObject *rid, PyObject *token, PyObject
     appended = 1;
     PyObject *start_o = PyLong_FromSsize_t(k * d->ps), *ps_o = PyLong_FromSsize_t(d->ps);
     if (start_o != NULL && ps_o != NULL) {
-        PyObject *args[7] = {f[F_HEAD], parent, f[F_ARRAY_HEAD], ids, start_o, ps_o,
-                             f[F_EXTRA]};
-        digest = PyObject_Vectorcall(f[F_SHA256_PAGE], args, 7, NULL);
+        if (given != NULL) {
+            digest = Py_NewRef(given);  /* the client's hash of the page */
+        }
+        else {
+            PyObject *args[7] = {f[F_HEAD], parent, f[F_ARRAY_HEAD], ids, start_o, ps_o,
+                                 f[F_EXTRA]};
+            digest = PyObject_Vectorcall(f[F_SHA256_PAGE], args, 7, NULL);
+        }
     }
     Py_XDECREF(start_o);
     if (digest == NULL || !PyBytes_CheckExact(digest)) {
@@ -1612,7 +1621,18 @@ decode_row(DecodeStep *d, PyObject *req, PyObject *token, Py_ssize_t i)
                 result = -1;
                 goto done;
             }
-            int r = fill_page(d, req, rid, token, ids, hashes, done, held);
+            PyObject *given = NULL;
+            if (d->named != NULL) {
+                given = PyDict_GetItemWithError(d->named, rid); /* borrowed */
+                if (given == NULL && PyErr_Occurred()) {
+                    result = -1;
+                    goto done;
+                }
+                if (given != NULL && !PyBytes_CheckExact(given)) {
+                    goto leave;
+                }
+            }
+            int r = fill_page(d, req, rid, token, ids, hashes, done, held, given);
             if (r < 0) {
                 result = -1;
                 goto done;
@@ -1750,11 +1770,12 @@ static PyObject *
 pool_decode_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (nargs < 14 || nargs > 16) {
+    if (nargs < 14 || nargs > 17) {
         PyErr_SetString(PyExc_TypeError,
                         "decode_rows(reqs, tokens, start, num_free, page_counts, "
                         "num_cached_pages, page_size, hash_page_size, max_len, lookahead, "
-                        "caching, crossing, crossing_held, crossing_rows[, fill[, extras]])");
+                        "caching, crossing, crossing_held, crossing_rows[, fill[, extras"
+                        "[, named]]])");
         return NULL;
     }
     PyObject *reqs = args[0], *tokens = args[1];
@@ -1794,12 +1815,19 @@ pool_decode_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     PyObject *fill = nargs >= 15 ? args[14] : Py_None;
-    if (nargs == 16 && args[15] != Py_None) {
+    if (nargs >= 16 && args[15] != Py_None) {
         if (!PyDict_CheckExact(args[15])) {
             PyErr_SetString(PyExc_TypeError, "extras must be a dict or None");
             return NULL;
         }
         d.extras = args[15];
+    }
+    if (nargs == 17 && args[16] != Py_None) {
+        if (!PyDict_CheckExact(args[16])) {
+            PyErr_SetString(PyExc_TypeError, "named must be a dict or None");
+            return NULL;
+        }
+        d.named = args[16];
     }
     if (fill != Py_None && set_fill(&d, fill) < 0) {
         return NULL;
@@ -2706,7 +2734,8 @@ static PyMethodDef poolops_methods[] = {
     {"decode_rows", (PyCFunction)(void (*)(void))pool_decode_rows, METH_FASTCALL,
      "decode_rows(reqs, tokens, start, num_free, page_counts, num_cached_pages, page_size, "
      "hash_page_size, max_len, lookahead, caching, crossing, crossing_held, crossing_rows"
-     "[, fill[, extras]]) -> (stop, num_free): the manager's plain decode rows, in order "
+     "[, fill[, extras[, named]]]) -> (stop, num_free): the manager's plain decode rows, "
+     "in order "
      "from start."},
     {"gather_rows", (PyCFunction)(void (*)(void))pool_gather_rows, METH_FASTCALL,
      "gather_rows(requests, request_ids, owner, lengths, computed) -> (reqs, max_tokens, "

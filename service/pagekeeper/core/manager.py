@@ -1046,6 +1046,7 @@ class PageManager:
         num_lookahead_tokens: int = 0,
         held_token_ids: Mapping[str, TokenIds] | None = None,
         crossed: tuple[list[int], list[int]] | None = None,
+        page_hashes: Mapping[str, Sequence[bytes] | PackedPageHashes] | None = None,
     ) -> dict[str, Allocation | None]:
         """One decode step for many running requests at once: request ``i`` appends
         ``new_token_ids[i]`` and is given room for one more computed token (+ lookahead).
@@ -1069,6 +1070,9 @@ class PageManager:
         requests that took their one new page together with others in one pool call
         (single full-attention group only): request ``request_ids[rows[k]]`` was handed
         page ``pages[k]``, and it is left out of the answer (no object per request).
+
+        ``page_hashes[rid]``: the client's hashes of the pages the request's decode (and
+        its held tokens) complete, as ``allocate(..., new_page_hashes=...)`` takes them.
         """
         if self._deferred:
             self.settle()
@@ -1096,6 +1100,13 @@ class PageManager:
                 extras[rid] = _as_token_list(given, f"request {rid!r}: held token ids")
         max_len = self._max_model_len
         held_most = max(map(len, extras.values()), default=0)
+        named: dict[str, Sequence[bytes]] = {}
+        if page_hashes:
+            for rid, given_hashes in page_hashes.items():
+                if rid not in decoding:
+                    raise InvalidArgument(f"page hashes for {rid!r}, which does not decode here")
+                num_new = len(extras.get(rid, ())) + 1
+                named[rid] = self._check_growth_hashes(requests[rid], given_hashes, num_new)
 
         def first_past(counts: list[int]) -> int | None:
             """The first request whose count, with its held tokens and this decode's, passes
@@ -1135,10 +1146,15 @@ class PageManager:
                         new_token_ids=[*extra, token],
                         num_computed_tokens=requests[rid].num_computed_tokens + len(extra),
                         num_lookahead_tokens=num_lookahead_tokens,
+                        new_page_hashes=named.get(rid),
                     )
                 else:
                     allocation = self.allocate(
-                        rid, 1, new_token_ids=(token,), num_lookahead_tokens=num_lookahead_tokens
+                        rid,
+                        1,
+                        new_token_ids=(token,),
+                        num_lookahead_tokens=num_lookahead_tokens,
+                        new_page_hashes=named.get(rid),
                     )
                 if allocation is None or any(allocation.new_page_ids):
                     out[rid] = allocation
@@ -1182,6 +1198,9 @@ class PageManager:
         # held-back tokens (``extras``, appended before the row's own).
         fill = self._fill_context(group) if caching and ops is not None else None
         n = len(reqs)
+        # The client's hash of the one page a row fills, for the C loop (a row completing
+        # more pages is the loop body's below).
+        named_first = {rid: hashes[0] for rid, hashes in named.items() if hashes} or None
         i = 0
         while i < n:
             if ops is not None:
@@ -1205,6 +1224,7 @@ class PageManager:
                     crossing_rows,
                     fill,
                     extras or None,
+                    named_first,
                 )
                 if i == n:
                     break
@@ -1233,7 +1253,7 @@ class PageManager:
                 ids.extend(extra)
             ids.append(token)
             if caching and len(ids) // hps > len(req.hashes):
-                self._extend_hashes(req, None)
+                self._extend_hashes(req, named.get(rid) if named else None)
             if num_new > 0:
                 num_free -= num_new
                 if num_new == 1:

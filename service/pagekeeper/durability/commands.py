@@ -593,8 +593,7 @@ def _step_from_tree(tree: list[Any]) -> tuple[StepCommand, Publication | None]:
             defaults_only=all(
                 isinstance(v, int) for v in (num_new, token_lens, computed, lookahead)
             )
-            and (num_new, token_lens, computed, lookahead) == (1, 1, -1, 0)
-            and len(growths_tree) == 8,
+            and (num_new, token_lens, computed, lookahead) == (1, 1, -1, 0),
             packed_page_hashes=bytes(growths_tree[8]) if len(growths_tree) == 11 else b"",
             num_page_hashes=(
                 _int32_column(growths_tree[9], n) if len(growths_tree) == 11 else None

@@ -339,6 +339,7 @@ def growth_columns_from_pb(c: pb.GrowthColumns) -> GrowthColumns:
             packed_page_hashes=packed,
             num_page_hashes=_column_from_pb(num_hashes, "num_page_hashes", n, 0),
             page_hash_size=c.page_hash_size,
+            defaults_only=not any(counts),
         )
     return GrowthColumns(
         request_ids=tuple(c.request_ids),
