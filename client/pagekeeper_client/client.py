@@ -777,7 +777,7 @@ class _PendingGrowth:
     """The caller named ``num_computed_tokens`` (else the mirror's count was used)."""
     is_plain: bool = False
     """A plain decode: one token, one new slot, the tracked computed count, no lookahead
-    (every column of the wire form takes its default)."""
+    (every count column of the wire form takes its default; it may carry page hashes)."""
     is_held: bool = False
     """Held back (not queued): a decode that needs no page and completes none."""
     prev_held: bytes = b""
@@ -831,22 +831,25 @@ def growth_columns(
     request_ids = [g.request_id for g in growths]
     new_token_ids = b"".join([g.token_bytes for g in growths])
     if all(map(_IS_PLAIN, growths)):
-        # A decode step: every other column is its default (one C-level pass to know it).
-        return pb.GrowthColumns(request_ids=request_ids, new_token_ids=new_token_ids)
-    columns = pb.GrowthColumns(
-        request_ids=request_ids,
-        new_token_ids=new_token_ids,
-        num_new_token_ids=_int32_column([len(g.token_bytes) // 4 for g in growths], 1),
-        num_new_tokens=_int32_column([g.num_new_tokens for g in growths], 1),
-        # The mirror's computed count is the service's tracked one; it is sent only when a
-        # caller named one (the service treats a count equal to its own as a plain decode).
-        num_computed_tokens=(
-            _int32_column(
-                [g.num_computed_tokens if g.is_computed_given else -1 for g in growths], -1
-            )
-        ),
-        num_lookahead_tokens=_int32_column([g.num_lookahead_tokens for g in growths], 0),
-    )
+        # A decode step: every other count column is its default (one C-level pass to
+        # know it); the service applies it as plain decodes, page hashes or not.
+        columns = pb.GrowthColumns(request_ids=request_ids, new_token_ids=new_token_ids)
+    else:
+        columns = pb.GrowthColumns(
+            request_ids=request_ids,
+            new_token_ids=new_token_ids,
+            num_new_token_ids=_int32_column([len(g.token_bytes) // 4 for g in growths], 1),
+            num_new_tokens=_int32_column([g.num_new_tokens for g in growths], 1),
+            # The mirror's computed count is the service's tracked one; it is sent only
+            # when a caller named one (the service treats a count equal to its own as a
+            # plain decode).
+            num_computed_tokens=(
+                _int32_column(
+                    [g.num_computed_tokens if g.is_computed_given else -1 for g in growths], -1
+                )
+            ),
+            num_lookahead_tokens=_int32_column([g.num_lookahead_tokens for g in growths], 0),
+        )
     if page_hash_size is not None:
         columns.num_page_hashes = _int32_column([len(g.page_hashes) for g in growths], 0)
         columns.packed_page_hashes = b"".join([h for g in growths for h in g.page_hashes])
@@ -1155,7 +1158,7 @@ class SchedulerState:
             tracked=t,
             is_local=not needs,
             is_computed_given=num_computed_tokens is not None or bool(prev_held),
-            is_plain=is_decode and not prev_held and num_lookahead_tokens == 0 and not hashes,
+            is_plain=is_decode and not prev_held and num_lookahead_tokens == 0,
             is_held=is_held,
             prev_held=prev_held,
             page_hashes=hashes,

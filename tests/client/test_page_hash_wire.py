@@ -147,7 +147,7 @@ def test_hashes_of_one_size_ride_packed_in_the_columns() -> None:
         state = _running(a=(8, 8), b=(7, 7), c=(8, 8))
         _grow(state, "a", [1])
         b = _grow(state, "b", [2], [_h(1, width)])
-        assert not b.is_plain and not b.is_held
+        assert b.is_plain and not b.is_held  # a plain decode, with its page's hash
         _grow(state, "c", list(range(8)), [_h(2, width), _h(3, width)])
         request = _step(state)
         columns = request.growth_columns
@@ -155,6 +155,20 @@ def test_hashes_of_one_size_ride_packed_in_the_columns() -> None:
         assert _i32(columns.num_page_hashes) == [0, 1, 2]
         assert columns.packed_page_hashes == _h(1, width) + _h(2, width) + _h(3, width)
         assert columns.page_hash_size == wire_width
+
+
+def test_plain_decodes_with_hashes_leave_the_count_columns_out() -> None:
+    """A decode step whose rows are plain decodes, some naming the page they fill: the
+    service's plain-decode form (ids, tokens and the hash columns only)."""
+    state = _running(a=(8, 8), b=(7, 7), c=(3, 3))
+    _grow(state, "a", [1])
+    _grow(state, "b", [2], [_h(1)])
+    _grow(state, "c", [3], [_h(2)])
+    columns = _step(state).growth_columns
+    assert _i32(columns.num_page_hashes) == [0, 1, 1]
+    assert columns.packed_page_hashes == _h(1) + _h(2) and columns.page_hash_size == 0
+    for name in ("num_new_tokens", "num_new_token_ids", "num_computed_tokens"):
+        assert getattr(columns, name) == b"", name
 
 
 def test_hashes_of_several_sizes_send_the_steps_growths_as_messages() -> None:
