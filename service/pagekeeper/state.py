@@ -84,6 +84,7 @@ from pagekeeper.core.types import (
     PoolStats,
     RequestInfo,
     RunningRequest,
+    RunningRows,
 )
 from pagekeeper.publish.api import RingDescriptor
 
@@ -828,6 +829,9 @@ class ServiceState:
         self._page_sizes = tuple(g.page_size for g in pool_config.groups)
         # Called when a step leaves prefix-cache work for settle() (None: none is left).
         self._schedule_settle: Callable[[], None] | None = None
+        # The rows the step being checked gathered for its decode columns (handed to the
+        # core with them; None outside a step's check and apply).
+        self._column_rows: RunningRows | None = None
 
     # -- deferred caching --------------------------------------------------------------
     def defer_caching(self, schedule: Callable[[], None]) -> None:
@@ -1260,6 +1264,7 @@ class ServiceState:
             )
         except PagekeeperError:
             self.counters.num_steps_rejected += 1
+            self._column_rows = None
             raise
 
         # -- mutations: nothing below raises a PagekeeperError for this step as a whole --
@@ -1291,9 +1296,10 @@ class ServiceState:
         grants: GrowthGrants | None = None
         if columns is not None:
             granted: tuple[list[int], list[int]] = ([], [])
-            self._apply_growth_columns(columns, outcomes, left_out, granted)
+            self._apply_growth_columns(columns, outcomes, left_out, granted, self._column_rows)
             if granted[0]:
                 grants = GrowthGrants(columns.request_ids, *granted, len(outcomes))
+        self._column_rows = None
         for admission in cmd.admissions:
             client.revoked.discard(admission.request_id)
             outcome = self._apply_admission(client, admission)
@@ -1503,6 +1509,7 @@ class ServiceState:
         messages); returns the grown request ids."""
         ids = cols.request_ids
         n = len(ids)
+        self._column_rows = None
         if cols.defaults_only and n and cols.new_token_ids.shape == (n,):
             # Plain decodes (one token each, tracked counts): the checks below reduce to
             # the rows' maxima and the tokens' minimum (computed <= tokens < max_len also
@@ -1531,6 +1538,7 @@ class ServiceState:
                                 len(rows.requests[i].token_ids),
                                 1,
                             )
+                    self._column_rows = rows
                     return grown
         cols.check_shape(self.page_hash_size)
         if n == 0:
@@ -1540,7 +1548,8 @@ class ServiceState:
         # unknown or foreign request: row by row, so the first bad row names the error.
         lengths = np.empty(n, dtype=np.int64)
         tracked = np.empty(n, dtype=np.int64)
-        if self.manager.running_rows(ids, owner, lengths, tracked) is None:
+        rows = self.manager.running_rows(ids, owner, lengths, tracked)
+        if rows is None:
             recs = [self._check_owned(rid, owner) for rid in ids]
             lengths[:] = list(map(len, map(_TOKEN_IDS, recs)))
             tracked[:] = list(map(_NUM_COMPUTED_TOKENS, recs))
@@ -1599,6 +1608,7 @@ class ServiceState:
                     int(hash_offsets[i]) * size : int(hash_offsets[i + 1]) * size
                 ]
                 self._growth_hashes(ids[i], None, packed, size, int(lengths[i]), int(counts[i]))
+        self._column_rows = rows
         return grown
 
     def _apply_growth_columns(
@@ -1607,11 +1617,13 @@ class ServiceState:
         outcomes: list[AllocationOutcome],
         left_out: set[str],
         granted: tuple[list[int], list[int]],
+        rows: RunningRows | None = None,
     ) -> None:
         """Apply the growths in order; each run of plain decodes (one new token, tracked
         computed count, the same lookahead) goes to the core in one call. Growths that took
         one page each together go to ``granted`` (positions among the columns, pages)
-        instead of ``outcomes``."""
+        instead of ``outcomes``. ``rows``: the columns' rows as their check gathered them
+        (a run of every row takes them as they are)."""
         n = len(cols)
         if n == 0:
             return
@@ -1682,6 +1694,7 @@ class ServiceState:
                         held_token_ids=held,
                         crossed=crossed,
                         page_hashes=named,
+                        checked_rows=rows if start == 0 and stop == n else None,
                     )
                 except PagekeeperError:
                     answers = None  # checked up front; if not, the general path says why

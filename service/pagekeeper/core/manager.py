@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from array import array
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from math import lcm
 from operator import attrgetter
@@ -1047,6 +1047,7 @@ class PageManager:
         held_token_ids: Mapping[str, TokenIds] | None = None,
         crossed: tuple[list[int], list[int]] | None = None,
         page_hashes: Mapping[str, Sequence[bytes] | PackedPageHashes] | None = None,
+        checked_rows: RunningRows | None = None,
     ) -> dict[str, Allocation | None]:
         """One decode step for many running requests at once: request ``i`` appends
         ``new_token_ids[i]`` and is given room for one more computed token (+ lookahead).
@@ -1073,6 +1074,10 @@ class PageManager:
 
         ``page_hashes[rid]``: the client's hashes of the pages the request's decode (and
         its held tokens) complete, as ``allocate(..., new_page_hashes=...)`` takes them.
+
+        ``checked_rows``: what :meth:`running_rows` gave for ``request_ids``, which the
+        caller checked are unique, with nothing changed since (the service's step checks
+        its decode columns so, then applies them): not gathered again.
         """
         if self._deferred:
             self.settle()
@@ -1084,14 +1089,22 @@ class PageManager:
         if num_lookahead_tokens < 0:
             raise InvalidArgument("num_lookahead_tokens must be >= 0")
         requests = self._requests
-        rows = self.running_rows(request_ids)
+        rows = checked_rows
         if rows is None:
-            missing = next(r for r in request_ids if not isinstance(r, str) or r not in requests)
-            raise NotFound(f"request {missing!r} holds no pages")
+            rows = self.running_rows(request_ids)
+            if rows is None:
+                missing = next(
+                    r for r in request_ids if not isinstance(r, str) or r not in requests
+                )
+                raise NotFound(f"request {missing!r} holds no pages")
+            if len(set(request_ids)) != len(request_ids):
+                raise InvalidArgument("a request decodes twice in one call")
+        elif len(rows.requests) != len(request_ids):
+            raise InvalidArgument("checked_rows are not the rows of request_ids")
         reqs: list[_Request] = rows.requests  # type: ignore[assignment]
-        decoding = set(request_ids)
-        if len(decoding) != len(request_ids):
-            raise InvalidArgument("a request decodes twice in one call")
+        decoding: Collection[str] = request_ids
+        if len(request_ids) > 8 and (held_token_ids or page_hashes):
+            decoding = set(request_ids)
         extras: dict[str, list[int]] = {}
         if held_token_ids:
             for rid, given in held_token_ids.items():
