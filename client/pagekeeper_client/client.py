@@ -3000,22 +3000,9 @@ class PagekeeperClient(_ClientCore[LocalChannel]):
             revoked = state.revoked_answer(request_id)
             if revoked is not None:
                 return revoked
-        growth = state.plan_growth(
-            request_id,
-            num_new_tokens,
-            new_token_ids,
-            num_computed_tokens,
-            num_lookahead_tokens,
-            page_hashes,
-        )
-        if state.growth_needs_ordering_flush(growth):
-            state.unplan_growth(growth)
-            self.stats.num_ordering_flushes += 1
-            self._send_step(None, None)
-            revoked = state.revoked_answer(request_id)
-            if revoked is not None:
-                return revoked
-            growth = state.plan_growth(
+
+        def plan() -> _PendingGrowth:
+            return state.plan_growth(
                 request_id,
                 num_new_tokens,
                 new_token_ids,
@@ -3023,6 +3010,16 @@ class PagekeeperClient(_ClientCore[LocalChannel]):
                 num_lookahead_tokens,
                 page_hashes,
             )
+
+        growth = plan()
+        if state.growth_needs_ordering_flush(growth):
+            state.unplan_growth(growth)
+            self.stats.num_ordering_flushes += 1
+            self._send_step(None, None)
+            revoked = state.revoked_answer(request_id)
+            if revoked is not None:
+                return revoked
+            growth = plan()
         defer = sync and self.defer_page_ids and growth.needs_pages and state.can_defer(growth)
         state.queue_growth(growth)
         if growth.is_local:

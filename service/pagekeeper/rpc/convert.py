@@ -328,19 +328,7 @@ def growth_columns_from_pb(c: pb.GrowthColumns) -> GrowthColumns:
     n = len(c.request_ids)
     counts = (c.num_new_tokens, c.num_new_token_ids, c.num_computed_tokens, c.num_lookahead_tokens)
     num_hashes, packed = c.num_page_hashes, c.packed_page_hashes
-    if num_hashes or packed:
-        return GrowthColumns(
-            request_ids=tuple(c.request_ids),
-            num_new_tokens=_column_from_pb(counts[0], "num_new_tokens", n, 1),
-            new_token_ids=decode_i32(c.new_token_ids, "growth_columns.new_token_ids"),
-            num_new_token_ids=_column_from_pb(counts[1], "num_new_token_ids", n, 1),
-            num_computed_tokens=_column_from_pb(counts[2], "num_computed_tokens", n, -1),
-            num_lookahead_tokens=_column_from_pb(counts[3], "num_lookahead_tokens", n, 0),
-            packed_page_hashes=packed,
-            num_page_hashes=_column_from_pb(num_hashes, "num_page_hashes", n, 0),
-            page_hash_size=c.page_hash_size,
-            defaults_only=not any(counts),
-        )
+    has_hashes = bool(num_hashes or packed)
     return GrowthColumns(
         request_ids=tuple(c.request_ids),
         num_new_tokens=_column_from_pb(counts[0], "num_new_tokens", n, 1),
@@ -348,8 +336,14 @@ def growth_columns_from_pb(c: pb.GrowthColumns) -> GrowthColumns:
         num_new_token_ids=_column_from_pb(counts[1], "num_new_token_ids", n, 1),
         num_computed_tokens=_column_from_pb(counts[2], "num_computed_tokens", n, -1),
         num_lookahead_tokens=_column_from_pb(counts[3], "num_lookahead_tokens", n, 0),
-        # All four left out: plain decodes, which the state checks by the rows' maxima.
+        # All four left out: plain decodes, which the state checks by the rows' maxima
+        # (and applies in one run, page hashes or not).
         defaults_only=not any(counts),
+        packed_page_hashes=packed,
+        num_page_hashes=(
+            _column_from_pb(num_hashes, "num_page_hashes", n, 0) if has_hashes else None
+        ),
+        page_hash_size=c.page_hash_size if has_hashes else 0,
     )
 
 
