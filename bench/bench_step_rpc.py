@@ -19,6 +19,10 @@ Rows:
   that complete or take a page;
 * ``decode B=N new page``: every row crosses into a new page this step (unmeasured filler
   steps bring the rows to a page boundary between samples);
+* ``decode B=256, 16 fill``: 256 decodes of staggered lengths, 16 of whose tokens fill
+  their page each step (hashed and cached by the service); ``same, pages named``: those
+  16 carry the client's hash of the page they fill (``GrowthColumns.packed_page_hashes``,
+  what the vLLM plugin sends when the engine hashes unlike the service);
 * ``admit 8x2000``: 8 new 2,000-token prompts (no cache hit: hashing + allocation), freed
   again by an unmeasured step; ``same, hashes sent``: with each prompt's page hashes
   computed before the step (where vLLM computes them: when the request arrives) and sent
@@ -72,6 +76,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import os
 import statistics
@@ -307,6 +312,28 @@ def crossing_step(driver: Driver, ids: list[str], lengths: dict[str, int]):
     return make, refill
 
 
+def fill_step(driver: Driver, ids: list[str], lengths: dict[str, int], named: bool):
+    """A plain decode per row; with ``named``, each row whose token fills its page carries
+    a hash for it (the client's, not the service's: an engine hashing otherwise)."""
+    serial = [0]
+
+    def make() -> pb.StepRequest:
+        fields = decodes(driver, ids, lengths)
+        if named:
+            counts = [int(lengths[r] % PAGE_SIZE == 0) for r in ids]
+            hashes = []
+            for r, c in zip(ids, counts, strict=True):
+                if c:
+                    serial[0] += 1
+                    hashes.append(hashlib.sha256(f"{r}/{serial[0]}".encode()).digest())
+            cols = fields["growth_columns"]
+            cols.packed_page_hashes = b"".join(hashes)
+            cols.num_page_hashes = i32(counts)
+        return driver.request(**fields, batch=pb.Batch(request_ids=ids))
+
+    return make
+
+
 # -- the in-process mirror ----------------------------------------------------------------
 
 
@@ -493,6 +520,20 @@ async def run(
             # Rows grow one page per sample: keep the sample count within max_model_len.
             count = min(samples, (MAX_MODEL_LEN - max(lengths.values())) // PAGE_SIZE - 20)
             await measure(f"decode B={batch_size} new page", make, between, count)
+            await driver.step(free_request_ids=ids)
+        if "decode" in only:
+            # 256 rows of staggered lengths: 16 fill their page each step.
+            ids = driver.new_ids(256)
+            fill_lengths: dict[str, int] = {}
+            for k in range(PAGE_SIZE):
+                group = ids[k::PAGE_SIZE]
+                await driver.admit(group, prompt_len + k)
+                fill_lengths.update(dict.fromkeys(group, prompt_len + k))
+            for named in (False, True):
+                make = fill_step(driver, ids, fill_lengths, named)
+                count = min(samples, (MAX_MODEL_LEN - max(fill_lengths.values())) // 4 - 20)
+                name = "  same, pages named" if named else "decode B=256, 16 fill"
+                await measure(name, make, None, count)
             await driver.step(free_request_ids=ids)
 
         # Admissions: 8 new 2,000-token prompts, freed by an unmeasured step after each.

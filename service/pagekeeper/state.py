@@ -829,9 +829,11 @@ class ServiceState:
         self._page_sizes = tuple(g.page_size for g in pool_config.groups)
         # Called when a step leaves prefix-cache work for settle() (None: none is left).
         self._schedule_settle: Callable[[], None] | None = None
-        # The rows the step being checked gathered for its decode columns (handed to the
-        # core with them; None outside a step's check and apply).
+        # The rows the step being checked gathered for its decode columns and, for plain
+        # decodes, their checked page hashes by request (handed to the core with them;
+        # None outside a step's check and apply).
         self._column_rows: RunningRows | None = None
+        self._column_hashes: dict[str, tuple[bytes, ...]] | None = None
 
     # -- deferred caching --------------------------------------------------------------
     def defer_caching(self, schedule: Callable[[], None]) -> None:
@@ -1264,7 +1266,7 @@ class ServiceState:
             )
         except PagekeeperError:
             self.counters.num_steps_rejected += 1
-            self._column_rows = None
+            self._column_rows = self._column_hashes = None
             raise
 
         # -- mutations: nothing below raises a PagekeeperError for this step as a whole --
@@ -1296,10 +1298,12 @@ class ServiceState:
         grants: GrowthGrants | None = None
         if columns is not None:
             granted: tuple[list[int], list[int]] = ([], [])
-            self._apply_growth_columns(columns, outcomes, left_out, granted, self._column_rows)
+            self._apply_growth_columns(
+                columns, outcomes, left_out, granted, self._column_rows, self._column_hashes
+            )
             if granted[0]:
                 grants = GrowthGrants(columns.request_ids, *granted, len(outcomes))
-        self._column_rows = None
+        self._column_rows = self._column_hashes = None
         for admission in cmd.admissions:
             client.revoked.discard(admission.request_id)
             outcome = self._apply_admission(client, admission)
@@ -1509,7 +1513,7 @@ class ServiceState:
         messages); returns the grown request ids."""
         ids = cols.request_ids
         n = len(ids)
-        self._column_rows = None
+        self._column_rows = self._column_hashes = None
         if cols.defaults_only and n and cols.new_token_ids.shape == (n,):
             # Plain decodes (one token each, tracked counts): the checks below reduce to
             # the rows' maxima and the tokens' minimum (computed <= tokens < max_len also
@@ -1524,20 +1528,7 @@ class ServiceState:
                 grown = set(ids)
                 if len(grown) == n and not grown & freed:
                     if cols.num_page_hashes is not None:
-                        size = cols.check_hash_shape(self.page_hash_size)
-                        offsets = cols.hash_offsets()
-                        assert offsets is not None
-                        for i in np.flatnonzero(np.diff(offsets)).tolist():
-                            self._growth_hashes(
-                                ids[i],
-                                None,
-                                cols.packed_page_hashes[
-                                    int(offsets[i]) * size : int(offsets[i + 1]) * size
-                                ],
-                                size,
-                                len(rows.requests[i].token_ids),
-                                1,
-                            )
+                        self._column_hashes = self._check_decode_hashes(cols, rows)
                     self._column_rows = rows
                     return grown
         cols.check_shape(self.page_hash_size)
@@ -1618,12 +1609,14 @@ class ServiceState:
         left_out: set[str],
         granted: tuple[list[int], list[int]],
         rows: RunningRows | None = None,
+        checked_hashes: dict[str, tuple[bytes, ...]] | None = None,
     ) -> None:
         """Apply the growths in order; each run of plain decodes (one new token, tracked
         computed count, the same lookahead) goes to the core in one call. Growths that took
         one page each together go to ``granted`` (positions among the columns, pages)
         instead of ``outcomes``. ``rows``: the columns' rows as their check gathered them
-        (a run of every row takes them as they are)."""
+        (a run of every row takes them as they are), and ``checked_hashes`` the page hashes
+        it checked (plain decodes)."""
         n = len(cols)
         if n == 0:
             return
@@ -1633,7 +1626,8 @@ class ServiceState:
         num_ids = cols.num_new_token_ids
         lookahead = cols.num_lookahead_tokens
         plain: Sequence[bool] | npt.NDArray[np.bool_]
-        hash_offsets = cols.hash_offsets()
+        # (Plain decodes' hashes come checked, by request: no offsets needed for them.)
+        hash_offsets = cols.hash_offsets() if checked_hashes is None else None
         hash_size = cols.page_hash_size or self.page_hash_size
         if cols.defaults_only:
             plain, bounds = (True,), [0, n]  # one run of plain decodes
@@ -1655,8 +1649,11 @@ class ServiceState:
             if plain[start]:
                 run = ids[start:stop]
                 held: dict[str, list[int]] = {}
-                named: dict[str, PackedPageHashes] | None = None
-                if hash_offsets is not None:
+                named: Mapping[str, Sequence[bytes] | PackedPageHashes] | None = None
+                whole = start == 0 and stop == n
+                if whole and rows is not None and checked_hashes is not None:
+                    named = checked_hashes
+                elif hash_offsets is not None:
                     # The client's hashes of the pages these decodes complete (checked
                     # with the step; this cannot fail).
                     named = {
@@ -1694,7 +1691,7 @@ class ServiceState:
                         held_token_ids=held,
                         crossed=crossed,
                         page_hashes=named,
-                        checked_rows=rows if start == 0 and stop == n else None,
+                        checked_rows=rows if whole else None,
                     )
                 except PagekeeperError:
                     answers = None  # checked up front; if not, the general path says why
@@ -1711,6 +1708,8 @@ class ServiceState:
                             outcomes.append(_outcome(allocation))
                     continue
             offsets = cols.token_offsets() if offsets is None else offsets
+            if hash_offsets is None:
+                hash_offsets = cols.hash_offsets()
             for i in range(start, stop):
                 growth = cols.growth(i, offsets, hash_offsets, self.page_hash_size)
                 outcome = self._apply_growth(growth)
@@ -1772,6 +1771,43 @@ class ServiceState:
             )
             growth.packed_page_hashes = None
 
+    def _check_decode_hashes(
+        self, cols: GrowthColumns, rows: RunningRows
+    ) -> dict[str, tuple[bytes, ...]]:
+        """The page hashes of plain decodes in column form (one token each), checked as
+        :meth:`_growth_hashes` checks a growth's, by request: the common case (one hash for
+        the page a row's token fills, not its previous page's) in one cheap pass; any other
+        row through :meth:`_growth_hashes`, which says what is wrong."""
+        size = cols.check_hash_shape(self.page_hash_size)
+        counts = cols.num_page_hashes
+        assert counts is not None
+        hashed = np.flatnonzero(counts).tolist()
+        packed = cols.packed_page_hashes
+        ids = cols.request_ids
+        hps = self._hash_page_size
+        last_page_hash = self.manager.last_page_hash
+        single = len(hashed) * size == len(packed)  # one hash a row
+        named: dict[str, tuple[bytes, ...]] = {}
+        at = 0
+        for k, i in enumerate(hashed):
+            rid = ids[i]
+            num_tokens = len(rows.requests[i].token_ids)
+            if single:
+                h = packed[k * size : (k + 1) * size]
+                if (num_tokens + 1) % hps == 0 and h != last_page_hash(rid):
+                    named[rid] = (h,)
+                    continue
+                self._growth_hashes(rid, None, h, size, num_tokens, 1)  # raises
+                raise InvariantViolation(f"request {rid!r}: a page hash passed both checks")
+            num = int(counts[i])
+            checked = self._growth_hashes(
+                rid, None, packed[at : at + num * size], size, num_tokens, 1
+            )
+            assert checked is not None
+            named[rid] = tuple(checked)
+            at += num * size
+        return named
+
     def _growth_hashes(
         self,
         rid: str,
@@ -1806,8 +1842,10 @@ class ServiceState:
                 f"its {num_new_token_ids} new tokens complete"
             )
         last = self.manager.last_page_hash(rid)
-        if last is not None and last in (
-            hashes.split() if type(hashes) is PackedPageHashes else hashes
+        if last is not None and (
+            last == hashes.data
+            if type(hashes) is PackedPageHashes and len(hashes.data) == hashes.width
+            else last in (hashes.split() if type(hashes) is PackedPageHashes else hashes)
         ):
             raise InvalidArgument(
                 f"request {rid!r}: page hash {last.hex()} repeats its previous page's "

@@ -297,7 +297,7 @@ KNOWN_ATTRIBUTES = {
         "_events_nbytes",  # derived from _events: recomputed when a snapshot is restored
         "_listeners", "_page_sizes",
         "_schedule_settle",  # the running loop's hook (deferred caching), not state
-        "_column_rows",  # a step's scratch between its check and apply, not state
+        "_column_rows", "_column_hashes",  # a step's scratch between its check and apply
         "_hash_page_size", "page_hash_size",  # derived from the pool config
     },
 }  # fmt: skip

@@ -277,6 +277,8 @@ def check_packed_page_hashes(packed: bytes, width: int) -> PackedPageHashes:
         raise InvalidArgument(
             f"packed page hashes: {len(packed)} bytes are not a whole number of {width}-byte hashes"
         )
+    if len(packed) == width:
+        return PackedPageHashes(packed, width)  # one hash (a decode's page): none repeats
     if _check_digests is not None:
         repeat = _check_digests(packed, width)
         if repeat >= 0:
@@ -1076,8 +1078,9 @@ class PageManager:
         its held tokens) complete, as ``allocate(..., new_page_hashes=...)`` takes them.
 
         ``checked_rows``: what :meth:`running_rows` gave for ``request_ids``, which the
-        caller checked are unique, with nothing changed since (the service's step checks
-        its decode columns so, then applies them): not gathered again.
+        caller checked are unique, with nothing changed since, and whose ``page_hashes``
+        it checked as this method would (the service's step checks its decode columns so,
+        then applies them): neither gathered nor checked again.
         """
         if self._deferred:
             self.settle()
@@ -1114,7 +1117,12 @@ class PageManager:
         max_len = self._max_model_len
         held_most = max(map(len, extras.values()), default=0)
         named: dict[str, Sequence[bytes]] = {}
-        if page_hashes:
+        if page_hashes and checked_rows is not None:
+            named = {
+                rid: hashes.split() if isinstance(hashes, PackedPageHashes) else hashes
+                for rid, hashes in page_hashes.items()
+            }
+        elif page_hashes:
             for rid, given_hashes in page_hashes.items():
                 if rid not in decoding:
                     raise InvalidArgument(f"page hashes for {rid!r}, which does not decode here")
@@ -1317,7 +1325,9 @@ class PageManager:
     ) -> Sequence[bytes]:
         """A growth's client page hashes as a checked sequence, or InvalidArgument."""
         if type(hashes) is PackedPageHashes:
-            checked: Sequence[bytes] = hashes.split()
+            checked: Sequence[bytes] = (
+                (hashes.data,) if len(hashes.data) == hashes.width else hashes.split()
+            )
         else:
             checked = check_page_hashes(hashes)  # type: ignore[arg-type]
         hps = self.hash_page_size
