@@ -66,10 +66,12 @@ back, ``--gap-ms 0``, on a 2-core machine it lands in the echo after the step). 
     .venv/bin/python bench/bench_step_rpc.py [--samples 200] [--quick] [--no-local]
                                              [--durability none|process|fsync] [--no-defer]
                                              [--gap-ms 3] [--young]
-                                             [--only decode,admit,sched]
+                                             [--only decode,admit,fill,sched]
 
-``--only`` runs some of the rows' families (the decode rows, the two admission rows, the
-scheduling step), e.g. ``--only admit`` to repeat the admission rows alone.
+``--only`` runs some of the rows' families (the decode rows, the admission rows, the two
+page-filling decode rows, the scheduling step), e.g. ``--only admit`` to repeat the
+admission rows alone. The fill rows run after the admission rows, on a service whose event
+buffer is full (see below), each on fresh requests of the same lengths.
 """
 
 from __future__ import annotations
@@ -410,7 +412,7 @@ def summary(values: list[float]) -> tuple[float, float]:
 
 
 Row = tuple[str, int, float, float, float, float, float, float | None]
-ROW_FAMILIES = frozenset({"decode", "admit", "sched"})
+ROW_FAMILIES = frozenset({"decode", "admit", "fill", "sched"})
 
 
 async def run(
@@ -521,20 +523,6 @@ async def run(
             count = min(samples, (MAX_MODEL_LEN - max(lengths.values())) // PAGE_SIZE - 20)
             await measure(f"decode B={batch_size} new page", make, between, count)
             await driver.step(free_request_ids=ids)
-        if "decode" in only:
-            # 256 rows of staggered lengths: 16 fill their page each step.
-            ids = driver.new_ids(256)
-            fill_lengths: dict[str, int] = {}
-            for k in range(PAGE_SIZE):
-                group = ids[k::PAGE_SIZE]
-                await driver.admit(group, prompt_len + k)
-                fill_lengths.update(dict.fromkeys(group, prompt_len + k))
-            for named in (False, True):
-                make = fill_step(driver, ids, fill_lengths, named)
-                count = min(samples, (MAX_MODEL_LEN - max(fill_lengths.values())) // 4 - 20)
-                name = "  same, pages named" if named else "decode B=256, 16 fill"
-                await measure(name, make, None, count)
-            await driver.step(free_request_ids=ids)
 
         # Admissions: 8 new 2,000-token prompts, freed by an unmeasured step after each.
         admitted: list[str] = []
@@ -551,7 +539,7 @@ async def run(
         async def free_admitted() -> None:
             await driver.step(free_request_ids=list(admitted))
 
-        if "admit" in only and not young:
+        if ("admit" in only or "fill" in only) and not young:
             # A service that has run a while holds as many KV events as its buffer keeps
             # (event_buffer_size / _bytes) and drops the oldest as new ones come, so its
             # heap no longer grows. A fresh one grows it by every admission's events
@@ -593,6 +581,22 @@ async def run(
             await measure(
                 "  same, field per hash", lambda: make_hashed_admissions(False), free_admitted
             )
+
+        if "fill" in only:
+            # 256 rows of staggered lengths: 16 fill their page each step. Fresh requests
+            # of the same lengths for each row (the rows see the same work), after the
+            # admission rows (the event buffer full: a steady heap).
+            for named in (False, True):
+                ids = driver.new_ids(256)
+                fill_lengths: dict[str, int] = {}
+                for k in range(PAGE_SIZE):
+                    group = ids[k::PAGE_SIZE]
+                    await driver.admit(group, prompt_len + k)
+                    fill_lengths.update(dict.fromkeys(group, prompt_len + k))
+                make = fill_step(driver, ids, fill_lengths, named)
+                name = "  same, pages named" if named else "decode B=256, 16 fill"
+                await measure(name, make)
+                await driver.step(free_request_ids=ids)
 
         if "sched" in only:
             # The scheduling step of the core benchmark: 256 running requests of staggered
@@ -669,7 +673,7 @@ def main() -> int:
     parser.add_argument(
         "--only",
         default=",".join(sorted(ROW_FAMILIES)),
-        help="comma-separated row families to run: decode, admit, sched (default: all)",
+        help="comma-separated row families to run: decode, admit, fill, sched (default: all)",
     )
     parser.add_argument("--echo-server", metavar="PORT_FILE", help=argparse.SUPPRESS)
     ns = parser.parse_args()
