@@ -77,7 +77,7 @@
  *
  *   decode_rows(reqs, tokens, start, num_free, page_counts, num_cached_pages, page_size,
  *               hash_page_size, max_len, lookahead, caching, crossing, crossing_held,
- *               crossing_rows[, fill[, extras[, named]]]) -> (stop, num_free)
+ *               crossing_rows[, fill[, extras[, named[, take_crossings]]]]) -> (stop, num_free)
  *       The manager's decode step for one full-attention group, row after row from `start`,
  *       for the rows that need no Python: request reqs[i] (a manager _Request) appends
  *       tokens[i] and counts one more computed token when that fills no page to cache and
@@ -95,7 +95,11 @@
  *       as computed before its own token, as the manager's loop does. `named` (a dict or
  *       None): the client's hash (bytes) of the page a request's token fills, used for that
  *       page instead of hashing it (the manager checked it); the parent hash may then be of
- *       any size.
+ *       any size. `take_crossings` (a callable or None): called (no arguments) when a row
+ *       fills its page while crossings wait for pages that are cached: it takes their pages
+ *       (evicting, announcing `removed` first, as the manager's loop does before such a
+ *       fill) and empties the crossing lists, and the fill stays in C; without it, the C
+ *       pass stops at that row.
  *
  *   gather_rows(requests, request_ids, owner, lengths, computed)
  *       -> (reqs, max_tokens, max_computed, max_ahead) | None
@@ -1253,6 +1257,7 @@ typedef struct {
     PyObject *page_counts, *num_cached, *crossing, *crossing_held, *crossing_rows;
     PyObject *extras;          /* request id -> its held-back tokens (a list), or NULL */
     PyObject *named;           /* request id -> the client's hash of its filled page, or NULL */
+    PyObject *take_crossings;  /* takes the waiting crossings' pages (a callable), or NULL */
     Py_ssize_t ps, hps, max_len, lookahead, num_free;
     int caching;
     PyObject **fill;           /* the fill tuple's items (borrowed), or NULL */
@@ -1611,9 +1616,26 @@ decode_row(DecodeStep *d, PyObject *req, PyObject *token, Py_ssize_t i)
              * crossing waiting to take its page first taking one that evicts nothing),
              * with a fill context. */
             if (d->fill == NULL || num_new != 0 || d->hps != d->ps || num_hashed != done
-                || num_full != done + 1 || num_tokens / d->ps != done + 1
-                || !crossings_take_clean_pages(d)) {
+                || num_full != done + 1 || num_tokens / d->ps != done + 1) {
                 goto leave;
+            }
+            if (!crossings_take_clean_pages(d)) {
+                if (d->take_crossings == NULL) {
+                    goto leave;
+                }
+                /* The crossings take their pages now (evicting): the fill follows them. */
+                PyObject *taken = PyObject_CallNoArgs(d->take_crossings);
+                if (taken == NULL) {
+                    result = -1;
+                    goto done;
+                }
+                Py_DECREF(taken);
+                if (PyList_GET_SIZE(d->crossing) != 0) {
+                    PyErr_SetString(PyExc_RuntimeError,
+                                    "take_crossings left crossings waiting");
+                    result = -1;
+                    goto done;
+                }
             }
             fills = 1;
             end_o = PyLong_FromSsize_t(end);
@@ -1770,12 +1792,12 @@ static PyObject *
 pool_decode_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (nargs < 14 || nargs > 17) {
+    if (nargs < 14 || nargs > 18) {
         PyErr_SetString(PyExc_TypeError,
                         "decode_rows(reqs, tokens, start, num_free, page_counts, "
                         "num_cached_pages, page_size, hash_page_size, max_len, lookahead, "
                         "caching, crossing, crossing_held, crossing_rows[, fill[, extras"
-                        "[, named]]])");
+                        "[, named[, take_crossings]]]])");
         return NULL;
     }
     PyObject *reqs = args[0], *tokens = args[1];
@@ -1822,7 +1844,14 @@ pool_decode_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
         d.extras = args[15];
     }
-    if (nargs == 17 && args[16] != Py_None) {
+    if (nargs == 18 && args[17] != Py_None) {
+        if (!PyCallable_Check(args[17])) {
+            PyErr_SetString(PyExc_TypeError, "take_crossings must be callable or None");
+            return NULL;
+        }
+        d.take_crossings = args[17];
+    }
+    if (nargs >= 17 && args[16] != Py_None) {
         if (!PyDict_CheckExact(args[16])) {
             PyErr_SetString(PyExc_TypeError, "named must be a dict or None");
             return NULL;
@@ -2734,7 +2763,8 @@ static PyMethodDef poolops_methods[] = {
     {"decode_rows", (PyCFunction)(void (*)(void))pool_decode_rows, METH_FASTCALL,
      "decode_rows(reqs, tokens, start, num_free, page_counts, num_cached_pages, page_size, "
      "hash_page_size, max_len, lookahead, caching, crossing, crossing_held, crossing_rows"
-     "[, fill[, extras[, named]]]) -> (stop, num_free): the manager's plain decode rows, "
+     "[, fill[, extras[, named[, take_crossings]]]]) -> (stop, num_free): the manager's "
+     "plain decode rows, "
      "in order "
      "from start."},
     {"gather_rows", (PyCFunction)(void (*)(void))pool_gather_rows, METH_FASTCALL,

@@ -1246,6 +1246,9 @@ class PageManager:
                     fill,
                     extras or None,
                     named_first,
+                    # A fill after crossings that evict: their pages first, then the fill,
+                    # still in C (as this loop would take them before caching it).
+                    take_crossing_pages,
                 )
                 if i == n:
                     break
