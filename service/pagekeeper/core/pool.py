@@ -987,9 +987,18 @@ class PagePool:
                     hashes = None  # pages of several groups: the general path
                 if hashes is not None:
                     if event_per_page:
+                        # One ``removed`` event per page (hundreds when a decode step's
+                        # crossings evict): _removed_event's work inline.
                         group_id = group_plus_one - 1
+                        events, seq = self._events, self._event_seq
                         for page, removed in zip(pages, hashes, strict=True):
-                            self._removed_event(group_id, [page], [removed])
+                            seq += 1
+                            event = new_removed(
+                                seq, group_id, _event_tuple((removed,)), _event_tuple((page,))
+                            )
+                            _untrack(event)
+                            events.append(event)
+                        self._event_seq = seq
                     else:
                         self._removed_event(group_plus_one - 1, pages, hashes, place)
                     self.num_evictions += k
