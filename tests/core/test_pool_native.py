@@ -952,3 +952,20 @@ def test_rows_whose_filled_page_the_client_names_stay_in_c(size: int) -> None:
         native.allocate_decodes(["r0"], [1], page_hashes={"r0": [b"x" * 32, b"y" * 32]})
     with pytest.raises(InvalidArgument, match="which does not decode here"):
         native.allocate_decodes(["r0"], [1], page_hashes={"r1": [b"x" * 32]})
+
+
+@needs_native
+@pytest.mark.parametrize("seed", range(4))
+def test_decode_rows_in_c_match_the_python_loop_with_deferred_caching(seed: int) -> None:
+    """The random decode workload with both managers deferring admissions' caching and
+    evictions as the service runs them (``defer_caching``): settled before each decode
+    step, the same answers, events and pools as the Python loop."""
+    import random
+
+    rng = random.Random(seed)
+    native, python = _decode_twins(True, 64, rng.choice((12, 16, 24, 40)), [])
+    for manager in (native, python):
+        manager.defer_caching = True
+    ops = ["admit", "decode", "decode", "decode", "free"]
+    steps = [(rng.choice(ops), rng.randrange(10**6)) for _ in range(examples(150))]
+    assert decode_workload(native, python, steps, 64) > 0
