@@ -1352,8 +1352,8 @@ class SchedulerState:
         )
         if len(set(request_ids)) != n:
             raise InvalidArgumentError("a request decodes twice in one call")
-        if not self._is_simple or page_hashes:
-            # Row by row (several groups, or rows that name the page they complete).
+        if not self._is_simple:
+            # Row by row (several groups).
             growths: list[_PendingGrowth] = []
             held_back: list[_Tracked] = []
             has_page_hashes = False
@@ -1385,6 +1385,14 @@ class SchedulerState:
         # queue entry carrying the request's held-back tokens.
         page_size, max_len = self._page_size0, self.max_model_len
         plain = num_lookahead_tokens == 0
+        named: dict[str, tuple[bytes, ...]] = {}
+        if page_hashes:
+            # Checked before anything is planned: each names the one page its row's token
+            # completes (such a row is never held back: the loop below plans it).
+            for k, rid in enumerate(request_ids):
+                if rid in page_hashes:
+                    t = tracked[k]
+                    named[rid] = self._growth_hashes(rid, (page_hashes[rid],), t, t.num_tokens + 1)
         hold = self.hold_decodes
         caching = self.pool.enable_prefix_caching
         alignment = self._cache_alignment  # the page size here: _completes, inline
@@ -1439,12 +1447,14 @@ class SchedulerState:
                 is_plain=plain and not held,
                 prev_held=held,
             )
+            if named:
+                growth.page_hashes = named.get(request_id, ())
             t.num_tokens = num_tokens + 1
             t.num_computed_tokens = computed + 1
             t.pending = growth
             t.held = b""
             append(growth)
-        return _DecodePlan(growths, held_back)
+        return _DecodePlan(growths, held_back, has_page_hashes=bool(named))
 
     def decodes_need_ordering_flush(self, plan: _DecodePlan) -> bool:
         """A page-taking decode may not overtake a queued admission."""

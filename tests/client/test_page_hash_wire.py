@@ -296,3 +296,30 @@ def test_without_the_services_size_every_size_is_said() -> None:
     _grow(state, "b", [2], [_h(1)])
     columns = _step(state).growth_columns
     assert (columns.packed_page_hashes, columns.page_hash_size) == (_h(1), 32)
+
+
+def test_a_decode_steps_hashes_plan_as_its_rows_one_by_one() -> None:
+    """A decode step of many rows (held decodes, rows completing a page with and without a
+    name, one crossing into a page) planned at once gives the queue, the held decodes and
+    the wire of the same decodes planned one by one."""
+    lengths = {f"r{k}": 5 + k for k in range(12)}  # 4-token pages: staggered in them
+    named = {r: _h(k + 1) for k, r in enumerate(lengths) if (lengths[r] + 1) % 4 == 0}
+    named.pop("r2")  # a row completing its page without a name: the service hashes it
+    steps = []
+    for batch in (True, False):
+        state = _running(hold=True, **{r: (n, n) for r, n in lengths.items()})
+        ids = list(lengths)
+        tokens = [30 + k for k in range(len(ids))]
+        if batch:
+            state.queue_decodes(state.plan_decodes(ids, tokens, 0, named))
+        else:
+            for rid, token in zip(ids, tokens, strict=True):
+                h = named.get(rid)
+                growth = state.plan_growth(rid, 1, [token], None, 0, None if h is None else [h])
+                if not growth.is_held:
+                    state.queue_growth(growth)
+        steps.append((_step(state), {r: state.requests[r].num_tokens for r in ids}))
+    (batched, counts), (single, single_counts) = steps
+    assert counts == single_counts
+    assert batched.growth_columns == single.growth_columns
+    assert _i32(batched.growth_columns.num_page_hashes).count(1) == len(named) > 0
