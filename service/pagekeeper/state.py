@@ -275,8 +275,8 @@ class GrowthColumns:
     num_lookahead_tokens: Int32Array
     defaults_only: bool = False
     packed_page_hashes: bytes = b""
-    """Every growth's page hashes (see :attr:`Growth.page_hashes`) packed end to end, each
-    of the pool's page-hash size, in growth order: ``num_page_hashes[i]`` of them for
+    """Every growth's page hashes (see :attr:`Growth.page_hashes`) packed end to end,
+    ``page_hash_size`` bytes each, in growth order: ``num_page_hashes[i]`` of them for
     growth ``i``."""
     num_page_hashes: Int32Array | None = None
     """None: no growth carries hashes (``packed_page_hashes`` must be empty)."""
@@ -1598,7 +1598,7 @@ class ServiceState:
                 packed = cols.packed_page_hashes[
                     int(hash_offsets[i]) * size : int(hash_offsets[i + 1]) * size
                 ]
-                self._growth_hashes(ids[i], None, packed, size, int(lengths[i]), int(counts[i]))
+                self._growth_hashes(ids[i], None, packed, size, int(counts[i]))
         self._column_rows = rows
         return grown
 
@@ -1766,7 +1766,6 @@ class ServiceState:
                 growth.page_hashes,
                 growth.packed_page_hashes,
                 growth.page_hash_size,
-                len(record.token_ids),
                 len(new_tokens),
             )
             growth.packed_page_hashes = None
@@ -1797,12 +1796,10 @@ class ServiceState:
                 if (num_tokens + 1) % hps == 0 and h != last_page_hash(rid):
                     named[rid] = (h,)
                     continue
-                self._growth_hashes(rid, None, h, size, num_tokens, 1)  # raises
+                self._growth_hashes(rid, None, h, size, 1)  # raises
                 raise InvariantViolation(f"request {rid!r}: a page hash passed both checks")
             num = int(counts[i])
-            checked = self._growth_hashes(
-                rid, None, packed[at : at + num * size], size, num_tokens, 1
-            )
+            checked = self._growth_hashes(rid, None, packed[at : at + num * size], size, 1)
             assert checked is not None
             named[rid] = tuple(checked)
             at += num * size
@@ -1814,13 +1811,12 @@ class ServiceState:
         page_hashes: Sequence[bytes] | None,
         packed: bytes | None,
         size: int,
-        num_tokens: int,
         num_new_token_ids: int,
     ) -> CheckedPageHashes | PackedPageHashes | None:
         """A growth's page hashes, checked: well formed (``packed``: ``size`` bytes each,
-        0: the pool's size), at most one per page its ``num_new_token_ids`` tokens complete
-        after the request's ``num_tokens``, none the request's last page hash
-        (InvalidArgument naming the request otherwise)."""
+        0: the pool's size), and as the core checks them before the growth (at most one
+        per page its ``num_new_token_ids`` tokens complete, none the request's last page
+        hash); InvalidArgument naming the request otherwise."""
         try:
             if packed is not None:
                 hashes: CheckedPageHashes | PackedPageHashes | None = self._packed_hashes(
@@ -1832,25 +1828,8 @@ class ServiceState:
                 hashes = None if page_hashes is None else check_page_hashes(page_hashes)
         except InvalidArgument as exc:
             raise InvalidArgument(f"request {rid!r}: {exc.message}") from None
-        if hashes is None:
-            return None
-        hps = self._hash_page_size
-        num_completed = (num_tokens + num_new_token_ids) // hps - num_tokens // hps
-        if len(hashes) > num_completed:
-            raise InvalidArgument(
-                f"request {rid!r}: {len(hashes)} page hashes for the {num_completed} pages "
-                f"its {num_new_token_ids} new tokens complete"
-            )
-        last = self.manager.last_page_hash(rid)
-        if last is not None and (
-            last == hashes.data
-            if type(hashes) is PackedPageHashes and len(hashes.data) == hashes.width
-            else last in (hashes.split() if type(hashes) is PackedPageHashes else hashes)
-        ):
-            raise InvalidArgument(
-                f"request {rid!r}: page hash {last.hex()} repeats its previous page's "
-                "(each hash covers its whole prefix)"
-            )
+        if hashes is not None:
+            self.manager.check_growth_hashes(rid, hashes, num_new_token_ids)
         return hashes
 
     def _validate_admission(self, admission: Admission, max_len: int) -> None:

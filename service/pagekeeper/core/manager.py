@@ -1348,6 +1348,15 @@ class PageManager:
             )
         return checked
 
+    def check_growth_hashes(
+        self, request_id: str, hashes: Sequence[bytes] | PackedPageHashes, num_new: int
+    ) -> Sequence[bytes]:
+        """What :meth:`allocate` checks of ``new_page_hashes`` for a growth of ``num_new``
+        tokens of this running request, before it changes anything (InvalidArgument: more
+        hashes than pages the tokens complete, or one equal to the previous page's); the
+        hashes as a checked sequence."""
+        return self._check_growth_hashes(self._get(request_id), hashes, num_new)
+
     def last_page_hash(self, request_id: str) -> bytes | None:
         """The hash of the request's last full page (None: no full page, or no caching)."""
         hashes = self._get(request_id).hashes
