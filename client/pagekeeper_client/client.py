@@ -3071,8 +3071,8 @@ class PagekeeperClient(_ClientCore[LocalChannel]):
         first: on a bad id or token nothing is queued.
 
         ``page_hashes``: request id -> the hash of the page its token completes (see
-        ``allocate_slots``), for rows that complete one; such a step is planned row by
-        row."""
+        ``allocate_slots``), for rows that complete one (checked with the rest before
+        anything is queued)."""
         state = self._scheduler()
         if state.must_flush_before_decodes(request_ids):
             self.stats.num_ordering_flushes += 1

@@ -209,11 +209,15 @@ def _encode_step_wire(
     )
 
 
+def _growths_carry_hashes(growths: tuple[Growth, ...]) -> bool:
+    return any(g.page_hashes is not None or g.packed_page_hashes for g in growths)
+
+
 def _carries_growth_hashes(command: StepCommand) -> bool:
     columns = command.growth_columns
     if columns is not None and columns.num_page_hashes is not None:
         return True
-    return any(g.page_hashes is not None or g.packed_page_hashes for g in command.growths)
+    return _growths_carry_hashes(command.growths)
 
 
 def encode_command(command: Command, result: Any = None) -> bytes:
@@ -448,7 +452,7 @@ def _step_to_tree(cmd: StepCommand, result: StepResult | None) -> list[Any]:
             ),
             _column([g.num_lookahead_tokens for g in growths]),
         ]
-        if any(g.page_hashes is not None or g.packed_page_hashes for g in growths):
+        if _growths_carry_hashes(growths):
             # Each growth's page hashes (None: none); the 8th entry says "not columns".
             growths_tree += [False, [_growth_hashes_tree(g) for g in growths]]
     columns = cmd.growth_columns
