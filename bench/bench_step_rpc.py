@@ -22,7 +22,11 @@ Rows:
 * ``decode B=256, 16 fill``: 256 decodes of staggered lengths, 16 of whose tokens fill
   their page each step (hashed and cached by the service); ``same, pages named``: those
   16 carry the client's hash of the page they fill (``GrowthColumns.packed_page_hashes``,
-  what the vLLM plugin sends when the engine hashes unlike the service);
+  what the vLLM plugin sends when the engine hashes unlike the service); ``same, as sent
+  (held)`` and ``same, named, as sent``: the same decode steps planned by the client's own
+  ``SchedulerState`` (what ``PagekeeperClient.allocate_decodes`` + ``step(batch)`` send):
+  the 224 rows that need nothing are held back, the 16 crossing rows and the 16 filling
+  rows travel (the latter with their 14 held tokens), the batch carries every row;
 * ``admit 8x2000``: 8 new 2,000-token prompts (no cache hit: hashing + allocation), freed
   again by an unmeasured step; ``same, hashes sent``: with each prompt's page hashes
   computed before the step (where vLLM computes them: when the request arrives) and sent
@@ -314,6 +318,76 @@ def crossing_step(driver: Driver, ids: list[str], lengths: dict[str, int]):
     return make, refill
 
 
+class ClientPlanned:
+    """Steps planned by the client's own ``SchedulerState`` (the queue, held-back decodes
+    and wire form ``PagekeeperClient`` has), sent through the driver; ``answered`` applies
+    the service's answer to it, as the client does."""
+
+    def __init__(self, driver: Driver, pool: pb.PoolConfig) -> None:
+        from pagekeeper_client.client import SchedulerState, pool_from_pb
+
+        self.driver = driver
+        self.state = SchedulerState(pool_from_pb(pool), hold_decodes=True)
+        self.prepared: object = None
+
+    def request(self, batch: list[str] | None) -> pb.StepRequest:
+        d = self.driver
+        d.step_id += 1
+        self.prepared = self.state.prepare_step(
+            client_id=d.client_id,
+            generation=d.generation,
+            step_id=d.step_id,
+            batch=batch,
+            num_scheduled_tokens=None,
+        )
+        return self.prepared.request  # type: ignore[attr-defined]
+
+    def answered(self, response: pb.StepResponse) -> None:
+        self.state.apply_step(self.prepared, response)  # type: ignore[arg-type]
+        self.prepared = None
+
+    async def step(self, batch: list[str] | None = None) -> None:
+        request = self.request(batch)
+        self.answered(await self.driver.call(request))
+
+    async def admit(self, ids: list[str], length: int) -> None:
+        for start in range(0, len(ids), 64):
+            for r in ids[start : start + 64]:
+                self.state.queue_admission(
+                    self.state.plan_admission(
+                        r,
+                        self.driver.prompt(length),
+                        num_new_tokens=length,
+                        extra_keys=None,
+                        page_hashes=None,
+                        num_lookahead_tokens=0,
+                        enable_cache_read=True,
+                    )
+                )
+            await self.step()
+
+    def decode_step(self, ids: list[str], named: bool):
+        """``allocate_decodes`` for every row (with ``named``, the rows completing a page
+        name it), then the step publishing all of them."""
+        serial = [0]
+        state = self.state
+
+        def make() -> pb.StepRequest:
+            token = int(self.driver.rng.integers(0, 50_000))
+            hashes = None
+            if named:
+                hashes = {}
+                for r in ids:
+                    if (state.view(r).num_computed_tokens + 1) % PAGE_SIZE == 0:
+                        serial[0] += 1
+                        hashes[r] = hashlib.sha256(f"{r}/{serial[0]}".encode()).digest()
+            plan = state.plan_decodes(ids, [token] * len(ids), 0, hashes)
+            state.queue_decodes(plan)
+            return self.request(ids)
+
+        return make
+
+
 def fill_step(driver: Driver, ids: list[str], lengths: dict[str, int], named: bool):
     """A plain decode per row; with ``named``, each row whose token fills its page carries
     a hash for it (the client's, not the service's: an engine hashing otherwise)."""
@@ -398,12 +472,17 @@ its steps, so the work a service does after an answer (and the echo's teardown) 
 lands inside the next call's time; back to back on a 2-core machine it would."""
 
 
-async def timed(call: Callable, request: pb.StepRequest) -> float:
+async def timed(
+    call: Callable, request: pb.StepRequest, answered: Callable | None = None
+) -> float:
     if GAP_S:
         await asyncio.sleep(GAP_S)
     started = time.perf_counter()
-    await call(request)
-    return time.perf_counter() - started
+    response = await call(request)
+    elapsed = time.perf_counter() - started
+    if answered is not None:
+        answered(response)
+    return elapsed
 
 
 def summary(values: list[float]) -> tuple[float, float]:
@@ -470,11 +549,16 @@ async def run(
             make: Callable[[], pb.StepRequest],
             between: Callable[[], object] | None = None,
             count: int = samples,
+            answered: Callable[[pb.StepResponse], None] | None = None,
         ) -> None:
             for k in range(10):  # warm-up every path
                 request = make()
                 mirror.apply(request)
-                await (local_call if local is not None and k % 2 else step_call)(request)
+                response = await (local_call if local is not None and k % 2 else step_call)(
+                    request
+                )
+                if answered is not None:
+                    answered(response)
                 await echo_call(request)
                 if between is not None:
                     await between()
@@ -488,9 +572,9 @@ async def run(
                 call, times = (local_call, local_times) if over_local else (step_call, step_times)
                 if i % 2:
                     echo_times.append(await timed(echo_call, request))
-                    times.append(await timed(call, request))
+                    times.append(await timed(call, request, answered))
                 else:
-                    times.append(await timed(call, request))
+                    times.append(await timed(call, request, answered))
                     echo_times.append(await timed(echo_call, request))
                 if between is not None:
                     await between()
@@ -596,6 +680,15 @@ async def run(
                 make = fill_step(driver, ids, fill_lengths, named)
                 name = "  same, pages named" if named else "decode B=256, 16 fill"
                 await measure(name, make)
+                await driver.step(free_request_ids=ids)
+            # The same steps as the client plans and sends them (held-back decodes).
+            for named in (False, True):
+                planner = ClientPlanned(driver, reg.pool)
+                ids = driver.new_ids(256)
+                for k in range(PAGE_SIZE):
+                    await planner.admit(ids[k::PAGE_SIZE], prompt_len + k)
+                name = "  same, named, as sent" if named else "  same, as sent (held)"
+                await measure(name, planner.decode_step(ids, named), answered=planner.answered)
                 await driver.step(free_request_ids=ids)
 
         if "sched" in only:

@@ -28,6 +28,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from pagekeeper.core import pool as pool_module
 from pagekeeper.core.errors import InvalidArgument, PagekeeperError
 from pagekeeper.core.pool import PagePool
+from pagekeeper.core.types import Allocation
 from tests.core.native_memcheck import call_both
 from tests.helpers.props import examples
 
@@ -666,6 +667,85 @@ def test_a_fill_after_crossings_into_clean_pages_stays_in_c(num_pages, old_pages
     else:
         assert kinds == ["PageStored"], kinds
     assert calls == [0]  # the whole step in one C pass
+
+
+def _cycled_crossing_twins(num_rows: int, *, duplicate: bool = False) -> tuple:
+    """Twins whose free queue's head holds cached pages (a finished request's), then
+    ``num_rows`` requests alternating: even rows' next token crosses into a page (their
+    page full), odd rows' fills theirs. ``duplicate``: one hash held by two pages (the
+    pool no longer evicts plainly)."""
+    native, python = _decode_twins(True, 64, 4 * num_rows + 8, [])
+    old = []
+    while native.pool.num_free_pages > 2:  # every page cached, the queue's head too
+        num_pages = min(16, native.pool.num_free_pages - 2)
+        old.append(f"old{len(old)}")
+        tokens = [1000 * len(old) + j for j in range(4 * num_pages)]
+        _admit_both(native, python, old[-1], tokens)
+    if duplicate:
+        # A second copy of the first old page, cached as a duplicate when filled.
+        _admit_both(native, python, "twin", [1000, 1001, 1002])
+        _decode_both(native, python, ["twin"], [1003])
+    for rid in old:
+        native.free(rid)
+        python.free(rid)
+    assert native.take_events() == python.take_events()
+    for k in range(num_rows):
+        prompt = [10 * k + j for j in range(4 if k % 2 == 0 else 3)]
+        _admit_both(native, python, f"r{k}", prompt)
+    return native, python
+
+
+@needs_native
+@pytest.mark.parametrize("num_rows", [4, 20], ids=["few", "many"])
+def test_crossings_before_fills_take_evicting_pages_in_c(num_rows: int) -> None:
+    """Rows crossing into pages the free queue's head holds cached, each followed by a row
+    filling its page: the C pass takes the crossings' pages itself (each evicted with its
+    own ``removed`` event before the fill's ``stored``), with no Python allocation, and
+    places them after the pass; answers, events and pools are the Python loop's. With
+    ``crossed`` (the service's columns) the many crossings come back there, page for page
+    what the Python loop hands each."""
+    native, python = _cycled_crossing_twins(num_rows)
+    ids = [f"r{k}" for k in range(num_rows)]
+    tokens = [500 + k for k in range(num_rows)]
+    assert native.pool.num_free_cached_pages >= num_rows
+    taken_in_python: list[int] = []
+    real_allocate = native.pool.allocate
+    native.pool.allocate = lambda n: taken_in_python.append(n) or real_allocate(n)
+    calls = _spy_decode_rows(native)
+    want = python.allocate_decodes(ids, tokens)
+    crossed: tuple[list[int], list[int]] = ([], [])
+    got = native.allocate_decodes(ids, tokens, crossed=crossed)
+    assert calls == [0] and taken_in_python == []
+    got.update(
+        (ids[row], Allocation(ids[row], 0, ((page,),)))
+        for row, page in zip(*crossed, strict=True)
+    )
+    assert got == want
+    assert list(want) == ids[::2]  # each crossing, one page, in order
+    if num_rows >= 16:  # 8+ crossings: answered in the columns
+        assert len(crossed[0]) == num_rows // 2
+    events = native.take_events()
+    assert events == python.take_events()
+    kinds = [type(e).__name__ for e in events]
+    assert kinds == ["PageRemoved", "PageStored"] * (num_rows // 2), kinds
+    for rid in python.request_ids():
+        assert native.request_info(rid) == python.request_info(rid)
+    assert native.pool.free_queue() == python.pool.free_queue()
+    assert native.pool.num_evictions == python.pool.num_evictions
+    assert native.pool.num_allocated_total == python.pool.num_allocated_total
+    native.check_invariants()
+    python.check_invariants()
+
+
+@needs_native
+def test_crossings_before_fills_with_a_duplicate_hash_take_pages_in_python() -> None:
+    """A hash held by two pages: taking a cached page may hand its index entry to the
+    other, the Python path's work; the C pass calls back for the crossings' pages (same
+    answers, events and pools)."""
+    native, python = _cycled_crossing_twins(6, duplicate=True)
+    assert not native.pool.evicts_plainly(0)
+    ids = [f"r{k}" for k in range(6)] + ["twin"]
+    _decode_both(native, python, ids, [600 + k for k in range(7)])
 
 
 @needs_native

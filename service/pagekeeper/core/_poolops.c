@@ -77,7 +77,8 @@
  *
  *   decode_rows(reqs, tokens, start, num_free, page_counts, num_cached_pages, page_size,
  *               hash_page_size, max_len, lookahead, caching, crossing, crossing_held,
- *               crossing_rows[, fill[, extras[, named[, take_crossings]]]]) -> (stop, num_free)
+ *               crossing_rows[, fill[, extras[, named[, take_crossings[, pretaken]]]]])
+ *       -> (stop, num_free)
  *       The manager's decode step for one full-attention group, row after row from `start`,
  *       for the rows that need no Python: request reqs[i] (a manager _Request) appends
  *       tokens[i] and counts one more computed token when that fills no page to cache and
@@ -99,7 +100,12 @@
  *       fills its page while crossings wait for pages that are cached: it takes their pages
  *       (evicting, announcing `removed` first, as the manager's loop does before such a
  *       fill) and empties the crossing lists, and the fill stays in C; without it, the C
- *       pass stops at that row.
+ *       pass stops at that row. `pretaken` (a list or None; with `fill`, only where the
+ *       group holds no hash twice and no eviction is deferred): the crossings take those
+ *       pages here instead, in order, as PagePool.allocate(1) would (held, counted, a
+ *       cached one evicted with its own `removed` event), their ids appended to it: the
+ *       first len(pretaken) crossings listed hold theirs, and the caller puts them in the
+ *       rows and page counts after the pass (take_crossings too, when called).
  *
  *   gather_rows(requests, request_ids, owner, lengths, computed)
  *       -> (reqs, max_tokens, max_computed, max_ahead) | None
@@ -1244,11 +1250,12 @@ is_native_int(const Py_buffer *view, Py_ssize_t size)
  *   sha256_page, head, array_head, extra, none_hash
  *                                                 _native.sha256_page and its constant
  *                                                 parts (parents of 32 bytes only)
- *   new_stored, adopt, group_id                   events.new_stored, TokenRun.adopt, group */
+ *   new_stored, adopt, group_id                   events.new_stored, TokenRun.adopt, group
+ *   new_removed                                   events.new_removed (a crossing's eviction) */
 enum {
     F_POOL, F_INDEX, F_HASH_OF, F_STATE, F_CACHED, F_EVENTS, F_TABLE, F_REQUEST_ROWS,
     F_NO_EXTRA_KEYS, F_SHA256_PAGE, F_HEAD, F_ARRAY_HEAD, F_EXTRA, F_NONE_HASH, F_NEW_STORED,
-    F_ADOPT, F_GROUP_ID, F_SIZE
+    F_ADOPT, F_GROUP_ID, F_NEW_REMOVED, F_SIZE
 };
 
 #define DIGEST_SIZE 32
@@ -1258,6 +1265,7 @@ typedef struct {
     PyObject *extras;          /* request id -> its held-back tokens (a list), or NULL */
     PyObject *named;           /* request id -> the client's hash of its filled page, or NULL */
     PyObject *take_crossings;  /* takes the waiting crossings' pages (a callable), or NULL */
+    PyObject *pretaken;        /* pages taken here for the first crossings (a list), or NULL */
     Py_ssize_t ps, hps, max_len, lookahead, num_free;
     int caching;
     PyObject **fill;           /* the fill tuple's items (borrowed), or NULL */
@@ -1266,7 +1274,8 @@ typedef struct {
     long flag;                 /* group_id + 1: the cached-flag value of the group */
 } DecodeStep;
 
-static PyObject *str_extra_keys, *str_event_seq, *str_pop, *str_head, *str_buf, *str_extend;
+static PyObject *str_extra_keys, *str_event_seq, *str_pop, *str_head, *str_buf, *str_extend,
+    *str_num_free, *str_num_free_cached, *str_num_allocated_total, *str_num_evictions, *int_two;
 
 /* The page row i fills, cached as the Python loop would; `k` is the page's index in the
  * request (= its hashes so far = its cached pages), `held` its pages. 1: done (the token
@@ -1475,7 +1484,10 @@ static int
 crossings_take_clean_pages(DecodeStep *d)
 {
     Py_ssize_t k = PyList_GET_SIZE(d->crossing);
-    if (k == 0) {
+    if (d->pretaken != NULL) {
+        k -= PyList_GET_SIZE(d->pretaken); /* those hold their pages already */
+    }
+    if (k <= 0) {
         return 1;
     }
     PyObject *pool = d->fill[F_POOL], *state = d->fill[F_STATE];
@@ -1509,6 +1521,195 @@ crossings_take_clean_pages(DecodeStep *d)
     Py_DECREF(buf);
     PyErr_Clear(); /* small_count leaves none; nothing here is the caller's error */
     return clean;
+}
+
+/* A pool counter (an exact int attribute >= 0) as a C integer; -1 when it is not one. */
+static long long
+pool_counter(PyObject *pool, PyObject *name)
+{
+    PyObject *o = PyObject_GetAttr(pool, name);
+    long long v = -1;
+    if (o != NULL && PyLong_CheckExact(o)) {
+        v = PyLong_AsLongLong(o);
+    }
+    Py_XDECREF(o);
+    if (PyErr_Occurred()) {
+        PyErr_Clear();
+        v = -1;
+    }
+    return v < 0 ? -1 : v;
+}
+
+static int
+set_counter(PyObject *pool, PyObject *name, long long value)
+{
+    PyObject *o = PyLong_FromLongLong(value);
+    int rc = o == NULL ? -1 : PyObject_SetAttr(pool, name, o);
+    Py_XDECREF(o);
+    return rc;
+}
+
+/* The crossings waiting without a page (those after the first len(pretaken)) take theirs
+ * now, from the head of the free queue, as PagePool.allocate(1) does for each in order:
+ * the page held once, the pool's counters moved, a cached page evicted (its index entry,
+ * hash and flag dropped) with its own `removed` event. The pages go to `pretaken`; the
+ * rows and page counts are the caller's, after the pass (nothing in it reads them for
+ * these requests). Only the plain case: every page free (state 0 or 1) and, when cached,
+ * of this group with its hash (the group holds no hash twice: the caller's condition).
+ * 1: taken; 0: not the plain case, nothing changed; -1: an error (after the pages before
+ * it were taken and counted: an invariant already broken, or no memory). */
+static int
+take_waiting(DecodeStep *d)
+{
+    PyObject **f = d->fill;
+    Py_ssize_t done = PyList_GET_SIZE(d->pretaken);
+    Py_ssize_t k = PyList_GET_SIZE(d->crossing) - done;
+    if (k <= 0) {
+        return 1;
+    }
+    PyObject *pool = f[F_POOL], *state = f[F_STATE], *hash_of = f[F_HASH_OF];
+    PyObject *cached = f[F_CACHED], *index = f[F_INDEX];
+    long long head = pool_counter(pool, str_head);
+    long long num_free = pool_counter(pool, str_num_free);
+    long long num_free_cached = pool_counter(pool, str_num_free_cached);
+    long long total = pool_counter(pool, str_num_allocated_total);
+    long long evictions = pool_counter(pool, str_num_evictions);
+    long long seq = pool_counter(pool, str_event_seq);
+    if (head < 0 || num_free < k || num_free_cached < 0 || total < 0 || evictions < 0
+        || seq < 0 || seq > LLONG_MAX - k) {
+        return 0;
+    }
+    PyObject *buf = PyObject_GetAttr(pool, str_buf);
+    Py_buffer view;
+    if (buf == NULL || PyObject_GetBuffer(buf, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        Py_XDECREF(buf);
+        PyErr_Clear();
+        return 0;
+    }
+    int result = 0;
+    Py_ssize_t *pages = NULL;
+    if (!is_native_int(&view, 4)) {
+        goto release;
+    }
+    pages = PyMem_New(Py_ssize_t, k);
+    if (pages == NULL) {
+        PyErr_NoMemory();
+        result = -1;
+        goto release;
+    }
+    /* First the pages and whether each is the plain case; nothing changes yet. */
+    const int32_t *queue = (const int32_t *)view.buf;
+    Py_ssize_t len = view.len / 4, cell = (Py_ssize_t)head, got = 0;
+    Py_ssize_t n = PyList_GET_SIZE(state);
+    unsigned char *flags = (unsigned char *)PyByteArray_AS_STRING(cached);
+    while (got < k && cell < len) {
+        int32_t page = queue[cell++];
+        if (page < 0) {
+            continue; /* a hole: a page taken out of the middle */
+        }
+        if (page >= n || page >= PyList_GET_SIZE(hash_of) || page >= PyByteArray_GET_SIZE(cached)) {
+            goto release;
+        }
+        Py_ssize_t st = small_count(PyList_GET_ITEM(state, page));
+        if (st == 1) {
+            if (flags[page] != d->flag || !PyBytes_CheckExact(PyList_GET_ITEM(hash_of, page))) {
+                goto release;
+            }
+        }
+        else if (st != 0 || flags[page]) {
+            goto release;
+        }
+        pages[got++] = page;
+    }
+    if (got < k) {
+        goto release;
+    }
+    /* Then each in order: held, listed, and evicted with its event. */
+    Py_ssize_t taken = 0, evicted = 0;
+    result = -1;
+    for (; taken < k; taken++) {
+        Py_ssize_t page = pages[taken];
+        PyObject *page_o = PyLong_FromSsize_t(page);
+        if (page_o == NULL || PyList_Append(d->pretaken, page_o) < 0) {
+            Py_XDECREF(page_o);
+            goto count;
+        }
+        PyObject *old_state = PyList_GET_ITEM(state, page);
+        int was_cached = small_count(old_state) == 1;
+        PyList_SET_ITEM(state, page, Py_NewRef(int_two));
+        Py_DECREF(old_state);
+        if (!was_cached) {
+            Py_DECREF(page_o);
+            continue;
+        }
+        /* The eviction: the hash's reference moves from hash_of to the event's tuple. */
+        PyObject *h = PyList_GET_ITEM(hash_of, page);
+        PyList_SET_ITEM(hash_of, page, Py_NewRef(Py_None));
+        flags[page] = 0;
+        evicted++;
+        int rc = PageIndex_Check(index) ? index_delete((PageIndexObject *)index, h)
+                                        : PyDict_DelItem(index, h);
+        PyObject *hash_tuple = rc < 0 ? NULL : PyTuple_Pack(1, h);
+        PyObject *page_tuple = hash_tuple == NULL ? NULL : PyTuple_Pack(1, page_o);
+        Py_DECREF(h);
+        Py_DECREF(page_o);
+        PyObject *seq_o = page_tuple == NULL ? NULL : PyLong_FromLongLong(seq + 1);
+        PyObject *event = NULL;
+        if (seq_o != NULL) {
+            PyObject_GC_UnTrack(hash_tuple); /* bytes and ints only: in no cycle */
+            PyObject_GC_UnTrack(page_tuple);
+            PyObject *args[4] = {seq_o, f[F_GROUP_ID], hash_tuple, page_tuple};
+            event = PyObject_Vectorcall(f[F_NEW_REMOVED], args, 4, NULL);
+        }
+        Py_XDECREF(hash_tuple);
+        Py_XDECREF(page_tuple);
+        Py_XDECREF(seq_o);
+        if (event == NULL) {
+            taken++; /* held and evicted: counted below */
+            goto count;
+        }
+        Py_XDECREF(pool_untrack(NULL, event));
+        seq++;
+        rc = PyList_Append(f[F_EVENTS], event);
+        Py_DECREF(event);
+        if (rc < 0) {
+            taken++;
+            goto count;
+        }
+    }
+    result = 1;
+count:
+    /* The counters as the pages taken so far left them (all of them, unless an error). */
+    {
+        Py_ssize_t seen = 0, last = (Py_ssize_t)head;
+        while (seen < taken) { /* the cell after the last page taken */
+            if (queue[last++] >= 0) {
+                seen++;
+            }
+        }
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        if (set_counter(pool, str_head, last) < 0
+            || set_counter(pool, str_num_free, num_free - taken) < 0
+            || set_counter(pool, str_num_free_cached, num_free_cached - evicted) < 0
+            || set_counter(pool, str_num_allocated_total, total + taken) < 0
+            || set_counter(pool, str_num_evictions, evictions + evicted) < 0
+            || set_counter(pool, str_event_seq, seq) < 0) {
+            result = -1;
+        }
+        if (type != NULL) {
+            PyErr_Clear();
+            PyErr_Restore(type, value, tb);
+        }
+    }
+release:
+    PyMem_Free(pages);
+    PyBuffer_Release(&view);
+    Py_DECREF(buf);
+    if (result == 0) {
+        PyErr_Clear();
+    }
+    return result;
 }
 
 /* Drop the last item of each of the first `k` crossing lists (undoing a row's entries). */
@@ -1619,7 +1820,16 @@ decode_row(DecodeStep *d, PyObject *req, PyObject *token, Py_ssize_t i)
                 || num_full != done + 1 || num_tokens / d->ps != done + 1) {
                 goto leave;
             }
-            if (!crossings_take_clean_pages(d)) {
+            int clean = crossings_take_clean_pages(d);
+            if (!clean && d->pretaken != NULL) {
+                /* The crossings take their pages here (evicting): the fill follows them. */
+                clean = take_waiting(d);
+                if (clean < 0) {
+                    result = -1;
+                    goto done;
+                }
+            }
+            if (!clean) {
                 if (d->take_crossings == NULL) {
                     goto leave;
                 }
@@ -1762,7 +1972,8 @@ set_fill(DecodeStep *d, PyObject *fill)
         || !PyBytes_CheckExact(f[F_HEAD]) || !PyBytes_CheckExact(f[F_ARRAY_HEAD])
         || !PyBytes_CheckExact(f[F_EXTRA]) || !PyBytes_CheckExact(f[F_NONE_HASH])
         || !PyCallable_Check(f[F_SHA256_PAGE]) || !PyCallable_Check(f[F_NEW_STORED])
-        || !PyCallable_Check(f[F_ADOPT]) || !PyLong_CheckExact(f[F_GROUP_ID])) {
+        || !PyCallable_Check(f[F_ADOPT]) || !PyLong_CheckExact(f[F_GROUP_ID])
+        || !PyCallable_Check(f[F_NEW_REMOVED])) {
         PyErr_SetString(PyExc_TypeError, "fill holds an item of the wrong type");
         return -1;
     }
@@ -1792,12 +2003,12 @@ static PyObject *
 pool_decode_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (nargs < 14 || nargs > 18) {
+    if (nargs < 14 || nargs > 19) {
         PyErr_SetString(PyExc_TypeError,
                         "decode_rows(reqs, tokens, start, num_free, page_counts, "
                         "num_cached_pages, page_size, hash_page_size, max_len, lookahead, "
                         "caching, crossing, crossing_held, crossing_rows[, fill[, extras"
-                        "[, named[, take_crossings]]]])");
+                        "[, named[, take_crossings[, pretaken]]]]])");
         return NULL;
     }
     PyObject *reqs = args[0], *tokens = args[1];
@@ -1844,7 +2055,14 @@ pool_decode_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
         d.extras = args[15];
     }
-    if (nargs == 18 && args[17] != Py_None) {
+    if (nargs == 19 && args[18] != Py_None) {
+        if (!PyList_CheckExact(args[18])) {
+            PyErr_SetString(PyExc_TypeError, "pretaken must be a list or None");
+            return NULL;
+        }
+        d.pretaken = args[18];
+    }
+    if (nargs >= 18 && args[17] != Py_None) {
         if (!PyCallable_Check(args[17])) {
             PyErr_SetString(PyExc_TypeError, "take_crossings must be callable or None");
             return NULL;
@@ -1859,6 +2077,15 @@ pool_decode_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         d.named = args[16];
     }
     if (fill != Py_None && set_fill(&d, fill) < 0) {
+        return NULL;
+    }
+    if (d.fill == NULL) {
+        d.pretaken = NULL; /* taking pages here needs the fill's pool */
+    }
+    else if (d.pretaken != NULL
+             && PyList_GET_SIZE(d.pretaken) > PyList_GET_SIZE(d.crossing)) {
+        PyBuffer_Release(&d.table);
+        PyErr_SetString(PyExc_ValueError, "pretaken lists more pages than crossings wait");
         return NULL;
     }
     /* A filled page's hash and event come from Python functions (sha256_page,
@@ -2808,8 +3035,13 @@ PyInit__poolops(void)
         {&str_head, "_head"},
         {&str_buf, "_buf"},
         {&str_extend, "extend"},
+        {&str_num_free, "_num_free"},
+        {&str_num_free_cached, "_num_free_cached"},
+        {&str_num_allocated_total, "num_allocated_total"},
+        {&str_num_evictions, "num_evictions"},
     };
-    if (int_one == NULL && (int_one = PyLong_FromLong(1)) == NULL) {
+    if ((int_one == NULL && (int_one = PyLong_FromLong(1)) == NULL)
+        || (int_two == NULL && (int_two = PyLong_FromLong(2)) == NULL)) {
         return NULL;
     }
     for (size_t k = 0; k < sizeof(names) / sizeof(names[0]); k++) {

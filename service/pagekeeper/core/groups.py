@@ -168,12 +168,19 @@ class GroupManager:
         ``num_pages[i]`` is what request ``i`` holds now, as ``page_counts`` says), in one
         pool call: the same pages and events as ``allocate_new`` for each in order."""
         pages = self.pool.allocate_each(len(request_ids))
+        self.place_next_pages(request_ids, num_pages, pages)
+        return pages
+
+    def place_next_pages(
+        self, request_ids: Sequence[str], num_pages: Sequence[int], pages: Sequence[int]
+    ) -> None:
+        """Put pages the pool handed out (one per request, in order) at the end of each
+        request's table, as :meth:`allocate_next_pages` does with its own."""
         request_rows = self.request_rows
         self.rows.append_page_each([request_rows[r] for r in request_ids], num_pages, pages)
         page_counts = self.page_counts
         for request_id, held in zip(request_ids, num_pages, strict=True):
             page_counts[request_id] = held + 1
-        return pages
 
     def remove_skipped(self, request_id: str, num_computed_tokens: int) -> None:
         """Release pages that fell out of the attention window (they become the null page)."""

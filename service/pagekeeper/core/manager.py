@@ -37,7 +37,7 @@ from pagekeeper.core.errors import (
     InvariantViolation,
     NotFound,
 )
-from pagekeeper.core.events import KVEvent, TokenRun, new_stored
+from pagekeeper.core.events import KVEvent, TokenRun, new_removed, new_stored
 from pagekeeper.core.groups import GroupManager, make_group_manager
 from pagekeeper.core.hashing import PageHasher, hash_pages, join_hashes
 from pagekeeper.core.pool import NULL_PAGE, EventPlace, PagePool, PendingEviction, _ops
@@ -1196,8 +1196,30 @@ class PageManager:
         crossing_held: list[int] = []
         crossing_rows: list[int] = []
 
+        # Pages the C pass took (evicting) for the first crossings, in order, before a fill
+        # (the fill's ``stored`` event follows their ``removed`` ones); placed here.
+        pretaken: list[int] = []
+
         def take_crossing_pages() -> None:
-            if len(crossing) < _MIN_BATCHED_CROSSINGS:
+            if pretaken:
+                num_rest = len(crossing) - len(pretaken)
+                pages = pretaken + pool.allocate_each(num_rest) if num_rest else pretaken
+                if len(crossing) < _MIN_BATCHED_CROSSINGS:
+                    append_page, request_rows = group.rows.append_page, group.request_rows
+                    for rid, held, page in zip(crossing, crossing_held, pages, strict=True):
+                        append_page(request_rows[rid], held, page)
+                        page_counts[rid] = held + 1
+                        out[rid] = Allocation(rid, 0, ((page,),))
+                else:
+                    group.place_next_pages(crossing, crossing_held, pages)
+                    if crossed is not None:
+                        crossed[0].extend(crossing_rows)
+                        crossed[1].extend(pages)
+                    else:
+                        for rid, page in zip(crossing, pages, strict=True):
+                            out[rid] = Allocation(rid, 0, ((page,),))
+                pretaken.clear()
+            elif len(crossing) < _MIN_BATCHED_CROSSINGS:
                 for rid, held in zip(crossing, crossing_held, strict=True):
                     new_pages = group.allocate_new(rid, (held + 1) * ps)
                     out[rid] = Allocation(rid, 0, (tuple(new_pages),))
@@ -1247,8 +1269,10 @@ class PageManager:
                     extras or None,
                     named_first,
                     # A fill after crossings that evict: their pages first, then the fill,
-                    # still in C (as this loop would take them before caching it).
+                    # still in C (as this loop would take them before caching it): taken
+                    # there while the pool evicts plainly, else by this callback.
                     take_crossing_pages,
+                    pretaken if fill is not None and pool.evicts_plainly(group.group_id) else None,
                 )
                 if i == n:
                     break
@@ -1321,6 +1345,7 @@ class PageManager:
             new_stored,
             TokenRun.adopt,
             group.group_id,
+            new_removed,
         )
 
     def _check_growth_hashes(

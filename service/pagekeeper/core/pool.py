@@ -478,6 +478,12 @@ class PagePool:
         self._evict(pending.pages, place=pending.place)
         self._num_pending_evictions -= 1
 
+    def evicts_plainly(self, group_id: int) -> bool:
+        """Whether taking a cached page of ``group_id`` now evicts it at once from an index
+        where its hash is its own (no deferred evictions, no hash held by two pages): what
+        the C decode loop's page taking (``decode_rows``' ``pretaken``) does itself."""
+        return self.evict_later is None and not self._dups[group_id]
+
     @property
     def has_pending_evictions(self) -> bool:
         return self._num_pending_evictions > 0
