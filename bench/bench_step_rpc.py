@@ -472,9 +472,7 @@ its steps, so the work a service does after an answer (and the echo's teardown) 
 lands inside the next call's time; back to back on a 2-core machine it would."""
 
 
-async def timed(
-    call: Callable, request: pb.StepRequest, answered: Callable | None = None
-) -> float:
+async def timed(call: Callable, request: pb.StepRequest, answered: Callable | None = None) -> float:
     if GAP_S:
         await asyncio.sleep(GAP_S)
     started = time.perf_counter()
@@ -554,9 +552,7 @@ async def run(
             for k in range(10):  # warm-up every path
                 request = make()
                 mirror.apply(request)
-                response = await (local_call if local is not None and k % 2 else step_call)(
-                    request
-                )
+                response = await (local_call if local is not None and k % 2 else step_call)(request)
                 if answered is not None:
                     answered(response)
                 await echo_call(request)

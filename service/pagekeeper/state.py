@@ -823,6 +823,9 @@ class ServiceState:
         self._kernel_sets: dict[tuple[int, ...], int] = {}
         # Recent KV events for resumption, oldest first; bounded by count and by bytes.
         self._events: deque[KVEvent] = deque()
+        # Each kept event's event_nbytes, in the same order: a trimmed event's size is
+        # taken from here, not figured again (~0.7 us an event, every event once trimmed).
+        self._event_sizes: deque[int] = deque()
         self._events_nbytes = 0
         self._last_event_seq = 0
         self._listeners: list[Callable[[], None]] = []
@@ -834,6 +837,7 @@ class ServiceState:
         # None outside a step's check and apply).
         self._column_rows: RunningRows | None = None
         self._column_hashes: dict[str, tuple[bytes, ...]] | None = None
+        self._column_tracked: npt.NDArray[np.int64] | None = None
 
     # -- deferred caching --------------------------------------------------------------
     def defer_caching(self, schedule: Callable[[], None]) -> None:
@@ -878,7 +882,9 @@ class ServiceState:
         events = self.manager.take_events()
         if events:
             self._events.extend(events)
-            self._events_nbytes += sum(map(event_nbytes, events))
+            sizes = list(map(event_nbytes, events))
+            self._event_sizes.extend(sizes)
+            self._events_nbytes += sum(sizes)
             self._trim_events()
             self._last_event_seq = events[-1].seq
 
@@ -888,7 +894,8 @@ class ServiceState:
         while len(events) > limits.event_buffer_size or (
             self._events_nbytes > limits.event_buffer_bytes and len(events) > 1
         ):
-            self._events_nbytes -= event_nbytes(events.popleft())
+            events.popleft()
+            self._events_nbytes -= self._event_sizes.popleft()
 
     def _after_mutation(self, command: Command, result: Any = None) -> None:
         """Collect events, check (debug), journal, then wake listeners: a watcher never
@@ -1266,7 +1273,7 @@ class ServiceState:
             )
         except PagekeeperError:
             self.counters.num_steps_rejected += 1
-            self._column_rows = self._column_hashes = None
+            self._column_rows = self._column_hashes = self._column_tracked = None
             raise
 
         # -- mutations: nothing below raises a PagekeeperError for this step as a whole --
@@ -1303,7 +1310,7 @@ class ServiceState:
             )
             if granted[0]:
                 grants = GrowthGrants(columns.request_ids, *granted, len(outcomes))
-        self._column_rows = self._column_hashes = None
+        self._column_rows = self._column_hashes = self._column_tracked = None
         for admission in cmd.admissions:
             client.revoked.discard(admission.request_id)
             outcome = self._apply_admission(client, admission)
@@ -1513,7 +1520,7 @@ class ServiceState:
         messages); returns the grown request ids."""
         ids = cols.request_ids
         n = len(ids)
-        self._column_rows = self._column_hashes = None
+        self._column_rows = self._column_hashes = self._column_tracked = None
         if cols.defaults_only and n and cols.new_token_ids.shape == (n,):
             # Plain decodes (one token each, tracked counts): the checks below reduce to
             # the rows' maxima and the tokens' minimum (computed <= tokens < max_len also
@@ -1600,6 +1607,7 @@ class ServiceState:
                 ]
                 self._growth_hashes(ids[i], None, packed, size, int(counts[i]))
         self._column_rows = rows
+        self._column_tracked = tracked
         return grown
 
     def _apply_growth_columns(
@@ -1633,14 +1641,18 @@ class ServiceState:
             plain, bounds = (True,), [0, n]  # one run of plain decodes
         else:
             one_new = cols.num_new_tokens == 1
-            plain = one_new & (num_ids == 1) & (explicit == -1)
             # A decode with a computed count is a plain one too when the count is the
             # tracked one plus the tokens before its own: a client's held-back decodes
             # riding with it (or a client that always sends its mirror's count).
-            given = np.flatnonzero(one_new & (num_ids >= 1) & (explicit >= 0))
-            for i in given.tolist():
-                tracked = requests[ids[i]].num_computed_tokens  # Python ints: no overflow
-                plain[i] = tracked + int(num_ids[i]) - 1 == int(explicit[i])
+            tracked = self._column_tracked  # the counts the check gathered (int64)
+            if tracked is None or tracked.shape != (n,):
+                tracked = np.fromiter(
+                    (requests[r].num_computed_tokens for r in ids), dtype=np.int64, count=n
+                )
+            plain = one_new & (
+                ((num_ids == 1) & (explicit == -1))
+                | ((num_ids >= 1) & (explicit >= 0) & (explicit == tracked + num_ids - 1))
+            )
             changes = (plain[1:] != plain[:-1]) | (lookahead[1:] != lookahead[:-1])
             bounds = [0, *(np.flatnonzero(changes) + 1).tolist(), n]
         offsets: npt.NDArray[np.int64] | None = None
@@ -1675,13 +1687,15 @@ class ServiceState:
                     # Each growth's own token is its last; any before it are held-back
                     # decodes'.
                     tokens = cols.new_token_ids[offsets[start + 1 : stop + 1] - 1]
-                    carriers = np.flatnonzero(num_ids[start:stop] > 1)
-                    held = {
-                        run[k]: cols.new_token_ids[
-                            int(offsets[start + k]) : int(offsets[start + k + 1]) - 1
-                        ].tolist()
-                        for k in carriers.tolist()
-                    }
+                    carriers = np.flatnonzero(num_ids[start:stop] > 1).tolist()
+                    if carriers:
+                        # Lists of checked ints, as allocate_decodes takes them with rows.
+                        all_tokens = cols.new_token_ids.tolist()
+                        bounds_of = offsets[start : stop + 1].tolist()
+                        held = {
+                            run[k]: all_tokens[bounds_of[k] : bounds_of[k + 1] - 1]
+                            for k in carriers
+                        }
                 crossed: tuple[list[int], list[int]] = ([], [])
                 try:
                     answers = manager.allocate_decodes(
@@ -2176,7 +2190,8 @@ class ServiceState:
         self._requests = manager.requests
         self._kernel_sets = kernel_sets
         self._events = deque(events)
-        self._events_nbytes = sum(map(event_nbytes, events))
+        self._event_sizes = deque(map(event_nbytes, events))
+        self._events_nbytes = sum(self._event_sizes)
         self._trim_events()  # a snapshot from before the byte limit may hold more
         self._last_event_seq = last_event_seq
         self._next_client_number = next_number
@@ -2369,6 +2384,13 @@ class ServiceState:
                         f"client {client.client_id!r} lists request {rid!r}, which "
                         + ("is not running" if listed is None else f"{listed.owner!r} owns")
                     )
+        if list(self._event_sizes) != list(map(event_nbytes, self._events)):
+            problems.append("the KV-event buffer's kept sizes are not its events'")
+        elif sum(self._event_sizes) != self._events_nbytes:
+            problems.append(
+                f"the KV-event buffer counts {self._events_nbytes} bytes, its events "
+                f"{sum(self._event_sizes)}"
+            )
         if problems:
             raise InvariantViolation("; ".join(problems))
 

@@ -717,8 +717,7 @@ def test_crossings_before_fills_take_evicting_pages_in_c(num_rows: int) -> None:
     got = native.allocate_decodes(ids, tokens, crossed=crossed)
     assert calls == [0] and taken_in_python == []
     got.update(
-        (ids[row], Allocation(ids[row], 0, ((page,),)))
-        for row, page in zip(*crossed, strict=True)
+        (ids[row], Allocation(ids[row], 0, ((page,),))) for row, page in zip(*crossed, strict=True)
     )
     assert got == want
     assert list(want) == ids[::2]  # each crossing, one page, in order

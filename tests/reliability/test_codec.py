@@ -294,10 +294,10 @@ KNOWN_ATTRIBUTES = {
         "pool_config", "limits", "manager", "sink", "debug_invariants", "clock", "journal",
         "_fenced_reason", "counters", "_clients", "_requests", "_next_client_number",
         "_last_published_step_seq", "_kernel_sets", "_events", "_last_event_seq",
-        "_events_nbytes",  # derived from _events: recomputed when a snapshot is restored
+        "_events_nbytes", "_event_sizes",  # derived from _events: recomputed on restore
         "_listeners", "_page_sizes",
         "_schedule_settle",  # the running loop's hook (deferred caching), not state
-        "_column_rows", "_column_hashes",  # a step's scratch between its check and apply
+        "_column_rows", "_column_hashes", "_column_tracked",  # a step's check -> its apply
         "_hash_page_size", "page_hash_size",  # derived from the pool config
     },
 }  # fmt: skip

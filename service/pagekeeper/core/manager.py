@@ -1079,8 +1079,9 @@ class PageManager:
 
         ``checked_rows``: what :meth:`running_rows` gave for ``request_ids``, which the
         caller checked are unique, with nothing changed since, and whose ``page_hashes``
-        it checked as this method would (the service's step checks its decode columns so,
-        then applies them): neither gathered nor checked again.
+        it checked as this method would, with ``held_token_ids`` (a dict) holding lists
+        of non-negative ints for requests among them (the service's step checks its
+        decode columns so, then applies them): neither gathered nor checked again.
         """
         if self._deferred:
             self.settle()
@@ -1109,7 +1110,9 @@ class PageManager:
         if len(request_ids) > 8 and (held_token_ids or page_hashes):
             decoding = set(request_ids)
         extras: dict[str, list[int]] = {}
-        if held_token_ids:
+        if held_token_ids and checked_rows is not None and type(held_token_ids) is dict:
+            extras = held_token_ids  # type: ignore[assignment]  # lists of checked ints
+        elif held_token_ids:
             for rid, given in held_token_ids.items():
                 if rid not in decoding:
                     raise InvalidArgument(f"held tokens for {rid!r}, which does not decode here")
