@@ -1462,8 +1462,12 @@ class ServiceState:
             raise InvalidArgument(f"request {min(freed_listed)!r} is freed and in the batch")
         # Grown and admitted requests were checked above (owned, not freed); the rest must be
         # the client's and stay (set operations; the loop only names the first problem).
-        rest = in_batch - grown - admitted - revoked
-        if rest & freed or not rest <= client.request_ids:
+        if freed or admitted or revoked:
+            rest = in_batch - grown - admitted - revoked
+            fine = not rest & freed and rest <= client.request_ids
+        else:
+            fine = in_batch <= client.request_ids  # (grown requests are the client's)
+        if not fine:
             for request_id in batch_ids:
                 if request_id in grown or request_id in admitted or request_id in revoked:
                     continue

@@ -157,6 +157,8 @@ def test_ownership_roles_generations():
     step(state, owner, 1, admissions=(Admission("a", tokens(0, 40)),))
     with pytest.raises(PermissionDenied):
         step(state, other, 1, frees=("a",))
+    with pytest.raises(PermissionDenied):  # nor publish it
+        step(state, other, 1, batch=Batch(("a",)))
     worker = state.register(RegisterCommand(now=0.0, role=ClientRole.WORKER))
     with pytest.raises(PermissionDenied, match="only schedulers"):
         step(state, (worker.client_id, worker.generation), 1)

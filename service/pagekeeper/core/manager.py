@@ -1111,7 +1111,7 @@ class PageManager:
             decoding = set(request_ids)
         extras: dict[str, list[int]] = {}
         if held_token_ids and checked_rows is not None and type(held_token_ids) is dict:
-            extras = held_token_ids  # type: ignore[assignment]  # lists of checked ints
+            extras = held_token_ids  # lists of checked ints (the caller vouches)
         elif held_token_ids:
             for rid, given in held_token_ids.items():
                 if rid not in decoding:
