@@ -455,7 +455,24 @@ def test_openapi_documents_every_model(pagekeeper_server):
         for field, spec in model.get("properties", {}).items():
             described = "description" in spec or "$ref" in spec or "allOf" in spec
             assert described, f"{name}.{field} is undocumented"
-    assert pagekeeper_server.http().get("/docs").status_code == 200
+
+
+def test_api_docs_pages_load_nothing_from_elsewhere(pagekeeper_server):
+    """/docs (Swagger UI) and /redoc name only the service's own scripts and styles (a
+    host without internet access shows them), and the service serves each one."""
+    http = pagekeeper_server.http()
+    for page, kinds in (("/docs", ("js", "css")), ("/redoc", ("js",))):
+        reply = http.get(page)
+        assert reply.status_code == 200
+        html = reply.text
+        assert "http://" not in html and "https://" not in html, html
+        assets = re.findall(r'(?:src|href)="(/docs/static/[^"]+)"', html)
+        assert {a.rsplit(".", 1)[-1] for a in assets} >= set(kinds), assets
+        for asset in assets:
+            served = http.get(asset)
+            assert served.status_code == 200, asset
+            assert len(served.content) > 1000, asset
+    assert "openapi" in http.get("/docs").text
 
 
 def test_grpc_and_rest_agree(pagekeeper_server, running):

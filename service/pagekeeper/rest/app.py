@@ -15,6 +15,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from fastapi_offline import FastAPIOffline
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagekeeper import __version__
@@ -72,9 +73,16 @@ def _problem_response(
     return JSONResponse(body, status_code=status, media_type=PROBLEM_CONTENT_TYPE, headers=headers)
 
 
+DOCS_STATIC_URL = "/docs/static"
+"""Where the API docs pages' own scripts and styles are served (fastapi-offline's copies)."""
+
+
 def create_app(runtime: Runtime) -> FastAPI:
     """Build the REST app over one runtime (state, settings, metrics)."""
-    app = FastAPI(
+    # /docs (Swagger UI) and /redoc with their scripts and styles served from here
+    # (DOCS_STATIC_URL), not a public CDN: they work on a host without internet access.
+    app = FastAPIOffline(
+        static_url=DOCS_STATIC_URL,
         title="pagekeeper",
         version=__version__,
         description=DESCRIPTION,
