@@ -408,6 +408,19 @@ def decode_cases(cases: int, seed: int) -> int:
         )
         steps = [(rng.choice(ops), rng.randrange(2**16)) for _ in range(40)]
         checked += decode_workload(native, python, steps, 64)
+    # Crossings taking cached pages in C before fills (rare in the random workloads).
+    from tests.core.test_pool_native import (
+        test_crossings_before_fills_take_evicting_pages_in_c as crossings_in_c,
+    )
+    from tests.core.test_pool_native import (
+        test_crossings_before_fills_with_a_duplicate_hash_take_pages_in_python as duplicate,
+    )
+
+    for num_rows in (4, 20):
+        crossings_in_c(num_rows)
+        checked += 1
+    duplicate()
+    checked += 1
     print(f"memcheck: {checked} decode steps with pagekeeper.core._poolops.decode_rows passed")
     return 0
 
