@@ -72,7 +72,7 @@ back, ``--gap-ms 0``, on a 2-core machine it lands in the echo after the step). 
                                              [--gap-ms 3] [--young]
                                              [--only decode,admit,fill,sched]
 
-``--only`` runs some of the rows' families (the decode rows, the admission rows, the two
+``--only`` runs some of the rows' families (the decode rows, the admission rows, the four
 page-filling decode rows, the scheduling step), e.g. ``--only admit`` to repeat the
 admission rows alone. The fill rows run after the admission rows, on a service whose event
 buffer is full (see below), each on fresh requests of the same lengths.
