@@ -71,6 +71,7 @@ from pagekeeper.core.manager import (
     check_packed_page_hashes,
     check_page_hashes,
     check_token_ids,
+    decode_columns,
     first_repeat,
     non_negative_token_ids,
 )
@@ -838,6 +839,8 @@ class ServiceState:
         self._column_rows: RunningRows | None = None
         self._column_hashes: dict[str, tuple[bytes, ...]] | None = None
         self._column_tracked: npt.NDArray[np.int64] | None = None
+        # decode_columns' split of columns that are all decodes (tokens, held, lookahead).
+        self._column_plan: tuple[list[int], dict[str, list[int]], int] | None = None
 
     # -- deferred caching --------------------------------------------------------------
     def defer_caching(self, schedule: Callable[[], None]) -> None:
@@ -1274,6 +1277,7 @@ class ServiceState:
         except PagekeeperError:
             self.counters.num_steps_rejected += 1
             self._column_rows = self._column_hashes = self._column_tracked = None
+            self._column_plan = None
             raise
 
         # -- mutations: nothing below raises a PagekeeperError for this step as a whole --
@@ -1311,6 +1315,7 @@ class ServiceState:
             if granted[0]:
                 grants = GrowthGrants(columns.request_ids, *granted, len(outcomes))
         self._column_rows = self._column_hashes = self._column_tracked = None
+        self._column_plan = None
         for admission in cmd.admissions:
             client.revoked.discard(admission.request_id)
             outcome = self._apply_admission(client, admission)
@@ -1525,6 +1530,7 @@ class ServiceState:
         ids = cols.request_ids
         n = len(ids)
         self._column_rows = self._column_hashes = self._column_tracked = None
+        self._column_plan = None
         if cols.defaults_only and n and cols.new_token_ids.shape == (n,):
             # Plain decodes (one token each, tracked counts): the checks below reduce to
             # the rows' maxima and the tokens' minimum (computed <= tokens < max_len also
@@ -1542,15 +1548,43 @@ class ServiceState:
                         self._column_hashes = self._check_decode_hashes(cols, rows)
                     self._column_rows = rows
                     return grown
-        cols.check_shape(self.page_hash_size)
         if n == 0:
+            cols.check_shape(self.page_hash_size)
             return set()
-        counts = cols.num_new_token_ids
         # One pass for the common case (each row's counts gathered as it goes); any
-        # unknown or foreign request: row by row, so the first bad row names the error.
+        # unknown or foreign request: row by row (below), so the first bad row names the
+        # error.
         lengths = np.empty(n, dtype=np.int64)
         tracked = np.empty(n, dtype=np.int64)
         rows = self.manager.running_rows(ids, owner, lengths, tracked)
+        if (
+            rows is not None
+            and decode_columns is not None
+            and cols.num_page_hashes is None
+            and not cols.packed_page_hashes
+        ):
+            # Every growth a decode, held-back tokens riding with some (what a client
+            # holding back decodes sends): every check below and the split for the core
+            # in one C pass. Any doubt, and the checks run in full.
+            plan = decode_columns(
+                ids,
+                cols.num_new_tokens,
+                cols.num_new_token_ids,
+                cols.num_computed_tokens,
+                cols.num_lookahead_tokens,
+                cols.new_token_ids,
+                lengths,
+                tracked,
+                max_len,
+            )
+            if plan is not None:
+                grown = set(ids)
+                if len(grown) == n and not grown & freed:
+                    self._column_rows = rows
+                    self._column_plan = plan
+                    return grown
+        cols.check_shape(self.page_hash_size)
+        counts = cols.num_new_token_ids
         if rows is None:
             recs = [self._check_owned(rid, owner) for rid in ids]
             lengths[:] = list(map(len, map(_TOKEN_IDS, recs)))
@@ -1641,7 +1675,8 @@ class ServiceState:
         # (Plain decodes' hashes come checked, by request: no offsets needed for them.)
         hash_offsets = cols.hash_offsets() if checked_hashes is None else None
         hash_size = cols.page_hash_size or self.page_hash_size
-        if cols.defaults_only:
+        plan = self._column_plan  # all decodes, split by their check
+        if cols.defaults_only or plan is not None:
             plain, bounds = (True,), [0, n]  # one run of plain decodes
         else:
             one_new = cols.num_new_tokens == 1
@@ -1684,7 +1719,10 @@ class ServiceState:
                         )
                         for k in np.flatnonzero(np.diff(hash_offsets[start : stop + 1])).tolist()
                     }
-                if cols.defaults_only:
+                ahead = int(lookahead[start])
+                if plan is not None:
+                    tokens, held, ahead = plan
+                elif cols.defaults_only:
                     tokens = cols.new_token_ids
                 else:
                     offsets = cols.token_offsets() if offsets is None else offsets
@@ -1705,7 +1743,7 @@ class ServiceState:
                     answers = manager.allocate_decodes(
                         run,
                         tokens,
-                        num_lookahead_tokens=int(lookahead[start]),
+                        num_lookahead_tokens=ahead,
                         held_token_ids=held,
                         crossed=crossed,
                         page_hashes=named,

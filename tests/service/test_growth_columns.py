@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import hypothesis.strategies as st
 import numpy as np
 import pytest
+from hypothesis import given, settings
 
 from pagekeeper.core.config import GroupConfig, GroupKind, PoolConfig
-from pagekeeper.core.errors import InvalidArgument, NotFound, PermissionDenied
+from pagekeeper.core.errors import InvalidArgument, NotFound, PagekeeperError, PermissionDenied
+from pagekeeper.core.manager import decode_columns
 from pagekeeper.durability.commands import decode_command, encode_command
 from pagekeeper.state import (
     Admission,
@@ -21,7 +24,12 @@ from pagekeeper.state import (
     StepCommand,
     StepResult,
 )
+from tests.helpers.props import examples
 from tests.service.test_state import scheduler, tokens
+
+needs_native_columns = pytest.mark.skipif(
+    decode_columns is None, reason="the C pool loops (decode_columns) are not built"
+)
 
 FULL = PoolConfig(num_pages=48, groups=(GroupConfig(GroupKind.FULL, 4),), max_model_len=96)
 HYBRID = PoolConfig(
@@ -590,3 +598,120 @@ def test_plain_decodes_become_the_same_growths_without_the_arrays():
     assert fields(cols.checked_growths())[1] == ("b", 1, np.dtype(np.int32), [6], None, 0)
     varied = replace_column(cols, num_lookahead_tokens=np.array([0, 2, 0], dtype=np.int32))
     assert fields(varied.checked_growths()) == fields(varied.growths())
+
+
+def _decode_twins() -> tuple[list[ServiceState], list[tuple[str, int]]]:
+    """Two states running the same requests (r0..r11 of 5..38 tokens; r11 computed two
+    short of its tokens), one checking decode columns in C and one in full."""
+    config = PoolConfig(num_pages=128, groups=(GroupConfig(GroupKind.FULL, 4),), max_model_len=48)
+    states = [ServiceState(config, Limits(), debug_invariants=True) for _ in range(2)]
+    clients = [scheduler(s) for s in states]
+    for state, me in zip(states, clients, strict=True):
+        admissions = tuple(Admission(f"r{k}", tokens(k, 5 + 3 * k)) for k in range(12))
+        state.step(StepCommand(1.0, *me, 1, admissions=admissions))
+        state.step(StepCommand(1.0, *me, 2, frees=("r11",)))
+        state.step(StepCommand(1.0, *me, 3, admissions=(Admission("r11", tokens(7, 38), 36),)))
+    return states, clients
+
+
+@needs_native_columns
+@settings(max_examples=examples(150), deadline=None)
+@given(data=st.data())
+def test_decode_columns_checked_in_c_match_the_full_check(data) -> None:
+    """Growth columns that are (nearly) all decodes, some carrying held-back tokens, some
+    rows broken (counts, tokens, computed counts, lookahead, lengths, sizes): the C pass
+    (``decode_columns``) and the full check give the same refusal, word for word, or the
+    same answers, requests, pools and events."""
+    import pagekeeper.state as state_module
+
+    states, clients = _decode_twins()
+    ids = data.draw(st.permutations([f"r{k}" for k in range(12)]))
+    ids = ids[: data.draw(st.integers(8, 12))]  # (fewer take the per-growth path)
+    info = {r: states[0].request_info(r) for r in ids}
+    num_new, counts, computed, ahead, toks = [], [], [], [], []
+    for rid in ids:
+        held = data.draw(st.integers(0, 3))
+        tracked = info[rid].num_computed_tokens
+        num_new.append(1)
+        counts.append(held + 1)
+        computed.append(-1 if held == 0 and data.draw(st.booleans()) else tracked + held)
+        ahead.append(0)
+        toks.extend(data.draw(st.integers(0, 99)) for _ in range(held + 1))
+    columns = {
+        "num_new_tokens": num_new,
+        "num_new_token_ids": counts,
+        "num_computed_tokens": computed,
+        "num_lookahead_tokens": ahead,
+    }
+    for _ in range(data.draw(st.integers(0, 2))):  # break a row (or make it no decode)
+        name = data.draw(st.sampled_from([*columns, "new_token_ids"]))
+        target = toks if name == "new_token_ids" else columns[name]
+        if target:
+            at = data.draw(st.integers(0, len(target) - 1))
+            target[at] = data.draw(st.integers(-3, 60))
+    if data.draw(st.integers(0, 9)) == 0:
+        toks.append(1)  # one token too many for the counts
+    if data.draw(st.integers(0, 9)) == 0:
+        columns["num_lookahead_tokens"] = [1] * len(ids)  # one lookahead for all
+    cols = GrowthColumns(
+        request_ids=tuple(ids),
+        new_token_ids=np.array(toks, dtype=np.int32),
+        **{k: np.array(v, dtype=np.int32) for k, v in columns.items()},
+    )
+    outcomes = []
+    for state, me, native in zip(states, clients, (True, False), strict=True):
+        saved = state_module.decode_columns
+        state_module.decode_columns = saved if native else None
+        try:
+            result = state.step(StepCommand(2.0, *me, 4, growth_columns=cols))
+            outcomes.append(("ok", result.results, result.grants))
+        except PagekeeperError as exc:
+            outcomes.append((type(exc).__name__, str(exc)))
+        finally:
+            state_module.decode_columns = saved
+    assert outcomes[0] == outcomes[1]
+    for rid in (f"r{k}" for k in range(12)):
+        assert states[0].request_info(rid) == states[1].request_info(rid)
+    assert states[0].manager.pool.free_queue() == states[1].manager.pool.free_queue()
+    assert list(states[0]._events) == list(states[1]._events)
+
+
+@needs_native_columns
+def test_held_decode_columns_take_the_c_pass() -> None:
+    """What a client holding back decodes sends (every row a decode, some carrying held
+    tokens with their computed count) is checked by ``decode_columns`` alone and applied
+    as one run."""
+    import pagekeeper.state as state_module
+
+    states, clients = _decode_twins()
+    state, me = states[0], clients[0]
+    calls: list[object] = []
+    real = state_module.decode_columns
+
+    def spy(*args):
+        calls.append(real(*args))
+        return calls[-1]
+
+    ids = [f"r{k}" for k in range(12)]
+    info = {r: state.request_info(r) for r in ids}
+    # r2 carries two held-back tokens, r11 names its count, the rest are plain.
+    counts = [3 if r == "r2" else 1 for r in ids]
+    computed = [-1] * 12
+    computed[2] = info["r2"].num_computed_tokens + 2
+    computed[11] = info["r11"].num_computed_tokens
+    cols = GrowthColumns(
+        request_ids=tuple(ids),
+        num_new_tokens=np.ones(12, dtype=np.int32),
+        new_token_ids=np.arange(14, dtype=np.int32),
+        num_new_token_ids=np.array(counts, dtype=np.int32),
+        num_computed_tokens=np.array(computed, dtype=np.int32),
+        num_lookahead_tokens=np.zeros(12, dtype=np.int32),
+    )
+    state_module.decode_columns = spy
+    try:
+        state.step(StepCommand(2.0, *me, 4, growth_columns=cols))
+    finally:
+        state_module.decode_columns = real
+    assert calls == [([0, 1, 4, *range(5, 14)], {"r2": [2, 3]}, 0)]
+    assert state.request_info("r2").num_tokens == info["r2"].num_tokens + 3
+    assert state.request_info("r11").num_computed_tokens == info["r11"].num_computed_tokens + 1

@@ -107,6 +107,19 @@
  *       first len(pretaken) crossings listed hold theirs, and the caller puts them in the
  *       rows and page counts after the pass (take_crossings too, when called).
  *
+ *   decode_columns(request_ids, num_new_tokens, num_new_token_ids, num_computed_tokens,
+ *                  num_lookahead_tokens, new_token_ids, lengths, tracked, max_len)
+ *       -> (tokens, held, lookahead) | None
+ *       A step's growth columns (int32; `lengths` and `tracked`, the rows' token and
+ *       computed counts as gathered, int64) when every growth is a decode: one new token,
+ *       its own last in new_token_ids after any held-back ones, a computed count that is
+ *       the tracked one (-1 with one token) or the tracked one plus the held tokens, one
+ *       lookahead for all. Checked in one pass as the service's column validation checks
+ *       them (counts adding up, tokens >= 0, within max_len and the request's tokens);
+ *       returns each row's own token, {request id: its held tokens} for the rows that
+ *       carry some (lists of ints) and the lookahead. None when any row is not such a
+ *       decode or fails a check (the caller's general path then says which).
+ *
  *   gather_rows(requests, request_ids, owner, lengths, computed)
  *       -> (reqs, max_tokens, max_computed, max_ahead) | None
  *       PageManager.running_rows in one pass: each id's request, None when one is unknown
@@ -2957,6 +2970,143 @@ digest_keys_init(void)
     return 0;
 }
 
+/* -- decode_columns: a step's growth columns that are all decodes, checked in one pass -- */
+
+/* A 1-D C-contiguous buffer of native ints of `size` bytes and `n` items (n < 0: any). */
+static int
+int_column(PyObject *obj, Py_buffer *view, Py_ssize_t size, Py_ssize_t n)
+{
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        return -1;
+    }
+    if (!is_native_int(view, size) || view->ndim != 1 || (n >= 0 && view->len != n * size)) {
+        PyBuffer_Release(view);
+        return 0;
+    }
+    return 1;
+}
+
+static PyObject *
+pool_decode_columns(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 9) {
+        PyErr_SetString(PyExc_TypeError,
+                        "decode_columns(request_ids, num_new_tokens, num_new_token_ids, "
+                        "num_computed_tokens, num_lookahead_tokens, new_token_ids, lengths, "
+                        "tracked, max_len)");
+        return NULL;
+    }
+    PyObject *ids = args[0];
+    Py_ssize_t max_len = PyLong_AsSsize_t(args[8]);
+    if (max_len == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (!PyTuple_CheckExact(ids) || max_len < 0) {
+        Py_RETURN_NONE;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(ids);
+    Py_buffer views[7];
+    const Py_ssize_t sizes[7] = {4, 4, 4, 4, 4, 8, 8};
+    int got = 0, ok = 1;
+    for (; got < 7 && ok; got++) {
+        /* The token column's length is the counts' sum (checked below). */
+        int r = int_column(args[1 + got], &views[got], sizes[got], got == 4 ? -1 : n);
+        if (r < 0) {
+            for (int k = 0; k < got; k++) {
+                PyBuffer_Release(&views[k]);
+            }
+            return NULL;
+        }
+        ok = r;
+    }
+    if (!ok) {
+        got--; /* the last one was not taken */
+    }
+    PyObject *result = NULL, *tokens = NULL, *held = NULL;
+    if (!ok) {
+        result = Py_NewRef(Py_None);
+        goto done;
+    }
+    const int32_t *num_new = views[0].buf, *num_ids = views[1].buf, *explicit_ = views[2].buf;
+    const int32_t *ahead = views[3].buf, *toks = views[4].buf;
+    const int64_t *lengths = views[5].buf, *tracked = views[6].buf;
+    Py_ssize_t num_tokens_total = views[4].len / 4, at = 0;
+    int32_t lookahead = n ? ahead[0] : 0;
+    /* Every check of the state's column validation, and the plain-decode test, first. */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t count = num_ids[i], comp = explicit_[i];
+        int64_t num_tokens = lengths[i] + count;
+        if (num_new[i] != 1 || ahead[i] != lookahead || lookahead < 0 || count < 1
+            || count > num_tokens_total - at || num_tokens > max_len || comp < -1
+            || comp > num_tokens
+            || !(comp == -1 ? count == 1 : comp == tracked[i] + count - 1)
+            || tracked[i] < 0 || tracked[i] > lengths[i]) {
+            result = Py_NewRef(Py_None);
+            goto done;
+        }
+        int64_t computed = comp < 0 ? tracked[i] : comp;
+        if (computed + 1 > max_len) {
+            result = Py_NewRef(Py_None);
+            goto done;
+        }
+        for (int64_t k = 0; k < count; k++) {
+            if (toks[at + k] < 0) {
+                result = Py_NewRef(Py_None);
+                goto done;
+            }
+        }
+        at += count;
+    }
+    if (at != num_tokens_total) {
+        result = Py_NewRef(Py_None);
+        goto done;
+    }
+    /* Each row's own token (its last), and the held-back tokens before it by request. */
+    tokens = PyList_New(n);
+    held = PyDict_New();
+    if (tokens == NULL || held == NULL) {
+        goto done;
+    }
+    at = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t count = num_ids[i];
+        PyObject *last = PyLong_FromLong(toks[at + count - 1]);
+        if (last == NULL) {
+            goto done;
+        }
+        PyList_SET_ITEM(tokens, i, last);
+        if (count > 1) {
+            PyObject *before = PyList_New(count - 1);
+            if (before == NULL) {
+                goto done;
+            }
+            for (Py_ssize_t k = 0; k < count - 1; k++) {
+                PyObject *t = PyLong_FromLong(toks[at + k]);
+                if (t == NULL) {
+                    Py_DECREF(before);
+                    goto done;
+                }
+                PyList_SET_ITEM(before, k, t);
+            }
+            int rc = PyDict_SetItem(held, PyTuple_GET_ITEM(ids, i), before);
+            Py_DECREF(before);
+            if (rc < 0) {
+                goto done;
+            }
+        }
+        at += count;
+    }
+    result = Py_BuildValue("(OOi)", tokens, held, (int)lookahead);
+done:
+    Py_XDECREF(tokens);
+    Py_XDECREF(held);
+    for (int k = 0; k < got; k++) {
+        PyBuffer_Release(&views[k]);
+    }
+    return result;
+}
+
 static PyMethodDef poolops_methods[] = {
     {"untrack", (PyCFunction)pool_untrack, METH_O,
      "untrack(obj) -> bool: stop the GC tracking obj when nothing it references is "
@@ -2987,6 +3137,10 @@ static PyMethodDef poolops_methods[] = {
      "cache(index, hash_of, state, cached, pages, hashes, flag) -> bool: a fresh run."},
     {"release", (PyCFunction)(void (*)(void))pool_release, METH_FASTCALL,
      "release(state, pages, same, now) -> bool: a free of pages in one state."},
+    {"decode_columns", (PyCFunction)(void (*)(void))pool_decode_columns, METH_FASTCALL,
+     "decode_columns(request_ids, num_new_tokens, num_new_token_ids, num_computed_tokens, "
+     "num_lookahead_tokens, new_token_ids, lengths, tracked, max_len) -> (tokens, held, "
+     "lookahead) | None: growth columns that are all decodes, checked."},
     {"decode_rows", (PyCFunction)(void (*)(void))pool_decode_rows, METH_FASTCALL,
      "decode_rows(reqs, tokens, start, num_free, page_counts, num_cached_pages, page_size, "
      "hash_page_size, max_len, lookahead, caching, crossing, crossing_held, crossing_rows"

@@ -115,6 +115,11 @@ def _event_keys(extra_keys: ExtraKeys) -> ExtraKeys | None:
 
 
 _widen_tokens: Callable[[Any, Any], bool] | None = None if _ops is None else _ops.widen_tokens
+# Growth columns that are all decodes, checked and split in one C pass (None: not built);
+# see ``_poolops.decode_columns``.
+decode_columns: Callable[..., tuple[list[int], dict[str, list[int]], int] | None] | None = (
+    None if _ops is None else _ops.decode_columns
+)
 _ZERO_Q = array("Q", [0])
 # What :meth:`PageManager._admit_fresh` returns for an admission it leaves to the general path.
 _NOT_FRESH: Final = object()
