@@ -297,7 +297,7 @@ KNOWN_ATTRIBUTES = {
         "_events_nbytes", "_event_sizes",  # derived from _events: recomputed on restore
         "_listeners", "_page_sizes",
         "_schedule_settle",  # the running loop's hook (deferred caching), not state
-        "_column_rows", "_column_hashes", "_column_tracked",  # a step's check -> its apply
+        "_column_rows", "_column_hashes", "_column_tracked", "_column_plan",  # check -> apply
         "_hash_page_size", "page_hash_size",  # derived from the pool config
     },
 }  # fmt: skip
