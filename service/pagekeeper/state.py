@@ -1560,12 +1560,11 @@ class ServiceState:
         if (
             rows is not None
             and decode_columns is not None
-            and cols.num_page_hashes is None
-            and not cols.packed_page_hashes
+            and (cols.num_page_hashes is not None or not cols.packed_page_hashes)
         ):
             # Every growth a decode, held-back tokens riding with some (what a client
-            # holding back decodes sends): every check below and the split for the core
-            # in one C pass. Any doubt, and the checks run in full.
+            # holding back decodes sends): every check below but the page hashes' and the
+            # split for the core in one C pass. Any doubt, and the checks run in full.
             plan = decode_columns(
                 ids,
                 cols.num_new_tokens,
@@ -1580,6 +1579,12 @@ class ServiceState:
             if plan is not None:
                 grown = set(ids)
                 if len(grown) == n and not grown & freed:
+                    if cols.num_page_hashes is not None:
+                        # (The count columns passed: the shape check's only other errors
+                        # are the hashes', which this checks first.)
+                        self._column_hashes = self._check_decode_hashes(
+                            cols, rows, cols.num_new_token_ids
+                        )
                     self._column_rows = rows
                     self._column_plan = plan
                     return grown
@@ -1636,17 +1641,24 @@ class ServiceState:
                 f"request {ids[i]!r}: {int(computed[i])} computed + {int(num_new[i])} new "
                 f"tokens exceed max_model_len {max_len}"
             )
-        hash_offsets = cols.hash_offsets()
-        if hash_offsets is not None:
-            size = cols.page_hash_size or self.page_hash_size  # (checked with the shape)
-            for i in np.flatnonzero(np.diff(hash_offsets)).tolist():
-                packed = cols.packed_page_hashes[
-                    int(hash_offsets[i]) * size : int(hash_offsets[i + 1]) * size
-                ]
-                self._growth_hashes(ids[i], None, packed, size, int(counts[i]))
+        self._check_column_hashes(cols)
         self._column_rows = rows
         self._column_tracked = tracked
         return grown
+
+    def _check_column_hashes(self, cols: GrowthColumns) -> None:
+        """Each growth's page hashes in columns whose shape is checked: the rules of
+        ``_growth_hashes`` (count, repeats, the previous page's hash)."""
+        hash_offsets = cols.hash_offsets()
+        if hash_offsets is None:
+            return
+        size = cols.page_hash_size or self.page_hash_size  # (checked with the shape)
+        counts = cols.num_new_token_ids
+        for i in np.flatnonzero(np.diff(hash_offsets)).tolist():
+            packed = cols.packed_page_hashes[
+                int(hash_offsets[i]) * size : int(hash_offsets[i + 1]) * size
+            ]
+            self._growth_hashes(cols.request_ids[i], None, packed, size, int(counts[i]))
 
     def _apply_growth_columns(
         self,
@@ -1827,12 +1839,13 @@ class ServiceState:
             growth.packed_page_hashes = None
 
     def _check_decode_hashes(
-        self, cols: GrowthColumns, rows: RunningRows
+        self, cols: GrowthColumns, rows: RunningRows, token_counts: Int32Array | None = None
     ) -> dict[str, tuple[bytes, ...]]:
-        """The page hashes of plain decodes in column form (one token each), checked as
-        :meth:`_growth_hashes` checks a growth's, by request: the common case (one hash for
-        the page a row's token fills, not its previous page's) in one cheap pass; any other
-        row through :meth:`_growth_hashes`, which says what is wrong."""
+        """The page hashes of decodes in column form (one token each, or ``token_counts``:
+        with held-back ones), checked as :meth:`_growth_hashes` checks a growth's, by
+        request: the common case (one hash for a page the row's tokens fill, not its
+        previous page's) in one cheap pass; any other row through :meth:`_growth_hashes`,
+        which says what is wrong."""
         size = cols.check_hash_shape(self.page_hash_size)
         counts = cols.num_page_hashes
         assert counts is not None
@@ -1847,15 +1860,16 @@ class ServiceState:
         for k, i in enumerate(hashed):
             rid = ids[i]
             num_tokens = len(rows.requests[i].token_ids)
+            count = 1 if token_counts is None else int(token_counts[i])
             if single:
                 h = packed[k * size : (k + 1) * size]
-                if (num_tokens + 1) % hps == 0 and h != last_page_hash(rid):
+                if (num_tokens + count) // hps > num_tokens // hps and h != last_page_hash(rid):
                     named[rid] = (h,)
                     continue
-                self._growth_hashes(rid, None, h, size, 1)  # raises
+                self._growth_hashes(rid, None, h, size, count)  # raises
                 raise InvariantViolation(f"request {rid!r}: a page hash passed both checks")
             num = int(counts[i])
-            checked = self._growth_hashes(rid, None, packed[at : at + num * size], size, 1)
+            checked = self._growth_hashes(rid, None, packed[at : at + num * size], size, count)
             assert checked is not None
             named[rid] = tuple(checked)
             at += num * size

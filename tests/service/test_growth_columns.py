@@ -615,11 +615,12 @@ def _decode_twins() -> tuple[list[ServiceState], list[tuple[str, int]]]:
 
 
 @needs_native_columns
-@settings(max_examples=examples(150), deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(data=st.data())
 def test_decode_columns_checked_in_c_match_the_full_check(data) -> None:
     """Growth columns that are (nearly) all decodes, some carrying held-back tokens, some
-    rows broken (counts, tokens, computed counts, lookahead, lengths, sizes): the C pass
+    naming the pages they fill, some rows broken (counts, tokens, computed counts,
+    lookahead, lengths, sizes, page hashes): the C pass
     (``decode_columns``) and the full check give the same refusal, word for word, or the
     same answers, requests, pools and events."""
     import pagekeeper.state as state_module
@@ -653,10 +654,31 @@ def test_decode_columns_checked_in_c_match_the_full_check(data) -> None:
         toks.append(1)  # one token too many for the counts
     if data.draw(st.integers(0, 9)) == 0:
         columns["num_lookahead_tokens"] = [1] * len(ids)  # one lookahead for all
+    hashes: dict[str, object] = {}
+    if data.draw(st.booleans()):
+        # Page hashes: mostly one for a row whose tokens complete a page, sometimes none,
+        # two, one for a row completing none, or the request's previous page's.
+        size = states[0].page_hash_size
+        num_hashes, packed = [], b""
+        for k, rid in enumerate(ids):
+            count = max(0, columns["num_new_token_ids"][k])
+            completes = (info[rid].num_tokens + count) // 4 > info[rid].num_tokens // 4
+            num = data.draw(st.sampled_from([1, 1, 1, 0, 2]) if completes else st.just(0))
+            if data.draw(st.integers(0, 19)) == 0:
+                num = 1
+            for j in range(num):
+                h = bytes([k, j, data.draw(st.integers(0, 2))]) * (size // 3) + bytes(size % 3)
+                if data.draw(st.integers(0, 19)) == 0:
+                    h = states[0].manager.last_page_hash(rid) or h
+                packed += h
+            num_hashes.append(num)
+        hashes = {"num_page_hashes": np.array(num_hashes, dtype=np.int32)}
+        hashes["packed_page_hashes"] = packed
     cols = GrowthColumns(
         request_ids=tuple(ids),
         new_token_ids=np.array(toks, dtype=np.int32),
         **{k: np.array(v, dtype=np.int32) for k, v in columns.items()},
+        **hashes,  # type: ignore[arg-type]
     )
     outcomes = []
     for state, me, native in zip(states, clients, (True, False), strict=True):
