@@ -1209,36 +1209,32 @@ class PageManager:
         pretaken: list[int] = []
 
         def take_crossing_pages() -> None:
-            if pretaken:
-                num_rest = len(crossing) - len(pretaken)
-                pages = pretaken + pool.allocate_each(num_rest) if num_rest else pretaken
-                if len(crossing) < _MIN_BATCHED_CROSSINGS:
+            num_rest = len(crossing) - len(pretaken)
+            if len(crossing) < _MIN_BATCHED_CROSSINGS:
+                if pretaken:
+                    pages = pretaken + pool.allocate_each(num_rest) if num_rest else pretaken
                     append_page, request_rows = group.rows.append_page, group.request_rows
                     for rid, held, page in zip(crossing, crossing_held, pages, strict=True):
                         append_page(request_rows[rid], held, page)
                         page_counts[rid] = held + 1
                         out[rid] = Allocation(rid, 0, ((page,),))
                 else:
-                    group.place_next_pages(crossing, crossing_held, pages)
-                    if crossed is not None:
-                        crossed[0].extend(crossing_rows)
-                        crossed[1].extend(pages)
-                    else:
-                        for rid, page in zip(crossing, pages, strict=True):
-                            out[rid] = Allocation(rid, 0, ((page,),))
-                pretaken.clear()
-            elif len(crossing) < _MIN_BATCHED_CROSSINGS:
-                for rid, held in zip(crossing, crossing_held, strict=True):
-                    new_pages = group.allocate_new(rid, (held + 1) * ps)
-                    out[rid] = Allocation(rid, 0, (tuple(new_pages),))
+                    for rid, held in zip(crossing, crossing_held, strict=True):
+                        new_pages = group.allocate_new(rid, (held + 1) * ps)
+                        out[rid] = Allocation(rid, 0, (tuple(new_pages),))
             else:
-                pages = group.allocate_next_pages(crossing, crossing_held)
+                if pretaken:
+                    pages = pretaken + pool.allocate_each(num_rest) if num_rest else pretaken
+                    group.place_next_pages(crossing, crossing_held, pages)
+                else:
+                    pages = group.allocate_next_pages(crossing, crossing_held)
                 if crossed is not None:
                     crossed[0].extend(crossing_rows)
                     crossed[1].extend(pages)
                 else:
                     for rid, page in zip(crossing, pages, strict=True):
                         out[rid] = Allocation(rid, 0, ((page,),))
+            pretaken.clear()
             crossing.clear()
             crossing_held.clear()
             crossing_rows.clear()
