@@ -3,6 +3,8 @@
  *
  * check_decodes: the step's up-front check (see below).
  *
+ * held_ends: a published batch's computed counts for rows holding back decodes (below).
+ *
  * hold_decodes(tracked, token_bytes, start, page_size, max_len, lookahead, alignment,
  *              held_back) -> stop
  *
@@ -20,6 +22,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stdint.h>
 #include <string.h>
 
 static PyObject *str_num_tokens, *str_num_computed_tokens, *str_pages, *str_held;
@@ -246,10 +249,87 @@ clientops_check_decodes(PyObject *module, PyObject *const *args, Py_ssize_t narg
     return out;
 }
 
+/* held_ends(requests, batch) -> bytes | None | NotImplemented
+ *
+ * Batch.num_computed_tokens as the mirror has it: for each id of ``batch`` (a list or
+ * tuple), the request's num_computed_tokens when it holds back decodes (a non-empty
+ * ``held`` bytes), else -1, as little-endian int32. None when no row holds any;
+ * NotImplemented when a row is not as expected (an unhashable id, a count that is not an
+ * exact int below 2**31, ``held`` not bytes): the caller's Python loop then decides. */
+static PyObject *
+clientops_held_ends(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "held_ends takes 2 arguments");
+        return NULL;
+    }
+    PyObject *requests = args[0], *batch = args[1];
+    if (!PyDict_CheckExact(requests) || !(PyList_CheckExact(batch) || PyTuple_CheckExact(batch)))
+        Py_RETURN_NOTIMPLEMENTED;
+    PyObject *fast = PySequence_Fast(batch, "batch must be a sequence");
+    if (fast == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, 4 * n);
+    if (out == NULL) {
+        Py_DECREF(fast);
+        return NULL;
+    }
+    unsigned char *dst = (unsigned char *)PyBytes_AS_STRING(out);
+    int any = 0, unknown = 0;
+    for (Py_ssize_t i = 0; i < n && !unknown; i++) {
+        PyObject *t = PyDict_GetItemWithError(requests, PySequence_Fast_GET_ITEM(fast, i));
+        long long end = -1;
+        if (t == NULL) {
+            if (PyErr_Occurred()) {
+                PyErr_Clear(); /* an unhashable id: the caller's loop says so */
+                unknown = 1;
+                break;
+            }
+        }
+        else {
+            Py_INCREF(t);
+            PyObject *held = PyObject_GetAttr(t, str_held);
+            if (held == NULL || !PyBytes_CheckExact(held)) {
+                unknown = 1;
+            }
+            else if (PyBytes_GET_SIZE(held) > 0) {
+                int ok = int_attr(t, str_num_computed_tokens, &end);
+                if (ok <= 0 || end >= (1LL << 31)) {
+                    unknown = 1;
+                }
+                any = 1;
+            }
+            Py_XDECREF(held);
+            Py_DECREF(t);
+            if (unknown) {
+                PyErr_Clear();
+                break;
+            }
+        }
+        uint32_t v = (uint32_t)(int32_t)end;
+        dst[4 * i] = (unsigned char)(v & 0xff);
+        dst[4 * i + 1] = (unsigned char)((v >> 8) & 0xff);
+        dst[4 * i + 2] = (unsigned char)((v >> 16) & 0xff);
+        dst[4 * i + 3] = (unsigned char)(v >> 24);
+    }
+    Py_DECREF(fast);
+    if (unknown || !any) {
+        Py_DECREF(out);
+        if (unknown)
+            Py_RETURN_NOTIMPLEMENTED;
+        Py_RETURN_NONE;
+    }
+    return out;
+}
+
 static PyMethodDef clientops_methods[] = {
     {"check_decodes", (PyCFunction)(void (*)(void))clientops_check_decodes, METH_FASTCALL,
      "The requests of a decode step when every row passes the up-front check, else the "
      "index of the first row the caller must judge."},
+    {"held_ends", (PyCFunction)(void (*)(void))clientops_held_ends, METH_FASTCALL,
+     "Batch.num_computed_tokens (little-endian int32) for rows holding back decodes, -1 "
+     "for the others; None when none holds any; NotImplemented: the caller's loop decides."},
     {"hold_decodes", (PyCFunction)(void (*)(void))clientops_hold_decodes, METH_FASTCALL,
      "Hold back decode rows that need nothing from the service, from `start` on, in order; "
      "returns the index of the first row that needs planning (len(tracked): none)."},

@@ -1637,12 +1637,20 @@ class SchedulerState:
                 # Rows with held-back decodes run ahead of the service's counts: their slot
                 # mapping ends at the client's count (-1: the service's own).
                 requests = self.requests
-                ends = [
-                    t.num_computed_tokens if t is not None and t.held else -1
-                    for t in map(requests.get, batch)
-                ]
-                if ends.count(-1) != len(ends):
-                    b.num_computed_tokens = encode_i32(ends)
+                packed = (
+                    _clientops.held_ends(requests, batch)
+                    if _clientops is not None
+                    else NotImplemented
+                )
+                if packed is NotImplemented:
+                    ends = [
+                        t.num_computed_tokens if t is not None and t.held else -1
+                        for t in map(requests.get, batch)
+                    ]
+                    if ends.count(-1) != len(ends):
+                        b.num_computed_tokens = encode_i32(ends)
+                elif packed is not None:
+                    b.num_computed_tokens = packed  # (the same bytes, in one C pass)
         return PreparedStep(
             request, list(self._frees), list(growths), list(self._admissions), explicit
         )

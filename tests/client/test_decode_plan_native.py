@@ -271,3 +271,56 @@ def test_rows_that_change_the_lists_while_read_do_not_crash_it() -> None:
     assert len(held) == 1 and held[0].num_tokens == 6 and rows == []
     requests.update(a=Meddler(), b=Meddler())
     assert clientops.check_decodes(["a", "b"], requests, 64, 0) == 1
+
+
+def prepared_batch(state: SchedulerState, batch: Any, native: bool) -> Any:
+    """``prepare_step``'s batch for ``batch`` (the C loops on or off)."""
+    saved = client_module._clientops
+    client_module._clientops = saved if native else None
+    try:
+        prepared = state.prepare_step(
+            client_id="c", generation=1, step_id=1, batch=batch, num_scheduled_tokens=None
+        )
+    finally:
+        client_module._clientops = saved
+    return prepared.request.batch
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_batch_counts_of_held_rows_in_c_match_the_python_loop(seed: int) -> None:
+    """A published batch's ``num_computed_tokens`` (the client's counts for rows holding
+    back decodes, -1 for the rest; left out when no row holds any) from ``held_ends``
+    equals the Python loop's, byte for byte: rows held or not, ids the mirror does not
+    know, lists and tuples, an odd ``held`` (the C pass defers to the loop)."""
+    rng = random.Random(seed)
+    state, _ = twins(rng, True, rng.randrange(0, 12))
+    batch: Any = [rid for rid in state.requests if rng.random() < 0.8]
+    if rng.random() < 0.3:
+        batch.append("unknown")
+    rng.shuffle(batch)
+    if rng.random() < 0.5:
+        batch = tuple(batch)
+    if state.requests and rng.random() < 0.1:
+        next(iter(state.requests.values())).held = bytearray(b"\x01\x00\x00\x00")
+    native = prepared_batch(state, batch, True)
+    python = prepared_batch(state, batch, False)
+    assert native.num_computed_tokens == python.num_computed_tokens
+    assert list(native.request_ids) == list(python.request_ids) == list(batch)
+    if any(state.requests[r].held for r in batch if r in state.requests):
+        assert native.num_computed_tokens  # some row holds decodes: the counts travel
+
+
+def test_held_ends_defers_to_the_python_loop_when_unsure() -> None:
+    """Counts past int32, an ``held`` that is not bytes, an unhashable id: NotImplemented."""
+    big = _Tracked(2**31, 2**31, [[1]], held=b"\x00\x00\x00\x00")
+    odd = _Tracked(5, 5, [[1]], held=bytearray(b"\x00\x00\x00\x00"))
+    plain = _Tracked(5, 5, [[1]], held=b"")
+    assert clientops.held_ends({"a": big}, ["a"]) is NotImplemented
+    assert clientops.held_ends({"a": odd}, ["a"]) is NotImplemented
+    assert clientops.held_ends({"a": plain}, [["unhashable"]]) is NotImplemented
+    assert clientops.held_ends({"a": plain}, ["a", "b"]) is None
+    held = _Tracked(7, 6, [[1, 2]], held=b"\x05\x00\x00\x00")
+    assert (
+        clientops.held_ends({"a": plain, "h": held}, ("a", "h", "zz"))
+        == np.array([-1, 6, -1], dtype="<i4").tobytes()
+    )
