@@ -5,6 +5,8 @@
  *
  * held_ends: a published batch's computed counts for rows holding back decodes (below).
  *
+ * plan_decodes: hold_decodes, and the rows it stops at planned as growths too (below).
+ *
  * hold_decodes(tracked, token_bytes, start, page_size, max_len, lookahead, alignment,
  *              held_back) -> stop
  *
@@ -186,6 +188,166 @@ clientops_hold_decodes(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     return PyLong_FromSsize_t(i);
 }
 
+/* plan_decodes(tracked, ids, token_bytes, start, page_size, max_len, lookahead, alignment,
+ *              held_back, growths, growth_type, hold) -> stop
+ *
+ * hold_decodes, and the rows it would stop at planned too when they are plain decodes of a
+ * request whose fields are as expected: a row that needs a page or completes one to
+ * cache (or any row, without ``hold``) becomes ``growth_type(request_id, token_bytes,
+ * computed, 1, lookahead, needs, num_needed, False, num_tokens, computed, [], t,
+ * not needs, False, False, None, bool(held), lookahead == 0 and not held, False, held)``
+ * (the mirror's _PendingGrowth, positionally; token_bytes is the held tokens then its
+ * own), appended to ``growths``, the request's counts one up, ``pending`` set and
+ * ``held`` emptied: SchedulerState.plan_decodes' loop body. Returns the index of the
+ * first row it leaves to the caller (len(tracked): none). */
+static PyObject *str_pending, *empty_bytes;
+
+static int
+plan_row(PyObject *t, PyObject *rid, const char *token, long long page_size, long long max_len,
+         long long lookahead, PyObject *growths, PyObject *growth_type)
+{
+    long long num_tokens, computed;
+    int ok = int_attr(t, str_num_tokens, &num_tokens);
+    if (ok == 1)
+        ok = int_attr(t, str_num_computed_tokens, &computed);
+    if (ok <= 0)
+        return ok;
+    if (!PyUnicode_CheckExact(rid))
+        return 0;
+    long long num_slots = computed + 1 + lookahead;
+    if (num_slots > max_len)
+        num_slots = max_len;
+    PyObject *pages = PyObject_GetAttr(t, str_pages);
+    if (pages == NULL)
+        return -1;
+    Py_ssize_t held_pages = -1;
+    if (PyList_CheckExact(pages) && PyList_GET_SIZE(pages) >= 1
+        && PyList_CheckExact(PyList_GET_ITEM(pages, 0)))
+        held_pages = PyList_GET_SIZE(PyList_GET_ITEM(pages, 0));
+    Py_DECREF(pages);
+    if (held_pages < 0 || num_slots < 0)
+        return 0;
+    /* -(-num_slots // page_size) - held: Python's floor division, num_slots >= 0 here. */
+    long long num_needed = (num_slots + page_size - 1) / page_size - held_pages;
+    int needs = num_needed > 0;
+    PyObject *held = PyObject_GetAttr(t, str_held);
+    if (held == NULL)
+        return -1;
+    if (!PyBytes_CheckExact(held)) {
+        Py_DECREF(held);
+        return 0;
+    }
+    Py_ssize_t k = PyBytes_GET_SIZE(held);
+    int result = -1;
+    PyObject *token_bytes = PyBytes_FromStringAndSize(NULL, k + 4);
+    PyObject *nulled = PyList_New(0);
+    PyObject *args[20] = {NULL};
+    PyObject *growth = NULL;
+    if (token_bytes == NULL || nulled == NULL)
+        goto done;
+    memcpy(PyBytes_AS_STRING(token_bytes), PyBytes_AS_STRING(held), (size_t)k);
+    memcpy(PyBytes_AS_STRING(token_bytes) + k, token, 4);
+    PyObject *computed_o = PyLong_FromLongLong(computed);
+    PyObject *lookahead_o = PyLong_FromLongLong(lookahead);
+    PyObject *needed_o = PyLong_FromLongLong(needs ? num_needed : 0);
+    PyObject *tokens_o = PyLong_FromLongLong(num_tokens);
+    PyObject *one = PyLong_FromLong(1);
+    PyObject *new_tokens = PyLong_FromLongLong(num_tokens + 1);
+    PyObject *new_computed = PyLong_FromLongLong(computed + 1);
+    PyObject *owned[7] = {computed_o, lookahead_o, needed_o, tokens_o, one, new_tokens,
+                          new_computed};
+    int built = 1;
+    for (int j = 0; j < 7; j++)
+        built = built && owned[j] != NULL;
+    if (built) {
+        PyObject *a[20] = {
+            rid, token_bytes, computed_o, one, lookahead_o, needs ? Py_True : Py_False,
+            needed_o, Py_False, tokens_o, computed_o, nulled, t, needs ? Py_False : Py_True,
+            Py_False, Py_False, Py_None, k ? Py_True : Py_False,
+            (lookahead == 0 && k == 0) ? Py_True : Py_False, Py_False, held,
+        };
+        memcpy(args, a, sizeof(a));
+        growth = PyObject_Vectorcall(growth_type, args, 20, NULL);
+        /* The request's new values: counts one up, the growth pending, nothing held. */
+        if (growth != NULL
+            && (PyObject_SetAttr(t, str_num_tokens, new_tokens) < 0
+                || PyObject_SetAttr(t, str_num_computed_tokens, new_computed) < 0
+                || PyObject_SetAttr(t, str_pending, growth) < 0
+                || PyObject_SetAttr(t, str_held, empty_bytes) < 0
+                || PyList_Append(growths, growth) < 0)) {
+            Py_CLEAR(growth);
+        }
+        result = growth != NULL ? 1 : -1;
+    }
+    for (int j = 0; j < 7; j++)
+        Py_XDECREF(owned[j]);
+done:
+    Py_XDECREF(growth);
+    Py_XDECREF(token_bytes);
+    Py_XDECREF(nulled);
+    Py_DECREF(held);
+    return result;
+}
+
+static PyObject *
+clientops_plan_decodes(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 12) {
+        PyErr_SetString(PyExc_TypeError, "plan_decodes takes 12 arguments");
+        return NULL;
+    }
+    PyObject *tracked = args[0], *ids = args[1], *tokens = args[2], *held_back = args[8];
+    PyObject *growths = args[9], *growth_type = args[10];
+    int hold = PyObject_IsTrue(args[11]);
+    if (hold < 0)
+        return NULL;
+    if (!PyList_CheckExact(tracked) || !PyList_CheckExact(ids) || !PyBytes_CheckExact(tokens)
+        || !PyList_CheckExact(held_back) || !PyList_CheckExact(growths)
+        || !PyCallable_Check(growth_type)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "plan_decodes needs lists of requests and ids, token bytes, two lists "
+                        "and the growth type");
+        return NULL;
+    }
+    long long start, page_size, max_len, lookahead, alignment;
+    if (arg_ll(args[3], "start", 0, &start) < 0 || arg_ll(args[4], "page_size", 1, &page_size) < 0
+        || arg_ll(args[5], "max_len", 1, &max_len) < 0
+        || arg_ll(args[6], "lookahead", 0, &lookahead) < 0
+        || arg_ll(args[7], "alignment", 0, &alignment) < 0)
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(tracked);
+    if (PyBytes_GET_SIZE(tokens) != 4 * n || PyList_GET_SIZE(ids) != n) {
+        PyErr_Format(PyExc_ValueError, "%zd token bytes and %zd ids for %zd rows",
+                     PyBytes_GET_SIZE(tokens), PyList_GET_SIZE(ids), n);
+        return NULL;
+    }
+    if (start > n) {
+        PyErr_SetString(PyExc_ValueError, "start past the last row");
+        return NULL;
+    }
+    const char *token = PyBytes_AS_STRING(tokens);
+    Py_ssize_t i = (Py_ssize_t)start;
+    for (; i < n && i < PyList_GET_SIZE(tracked) && i < PyList_GET_SIZE(ids); i++) {
+        PyObject *t = PyList_GET_ITEM(tracked, i);
+        PyObject *rid = PyList_GET_ITEM(ids, i);
+        Py_INCREF(t);
+        Py_INCREF(rid);
+        int done = hold ? hold_row(t, token + 4 * i, page_size, max_len, lookahead, alignment,
+                                   held_back)
+                        : 0;
+        if (done == 0)
+            done = plan_row(t, rid, token + 4 * i, page_size, max_len, lookahead, growths,
+                            growth_type);
+        Py_DECREF(t);
+        Py_DECREF(rid);
+        if (done < 0)
+            return NULL;
+        if (!done)
+            break;
+    }
+    return PyLong_FromSsize_t(i);
+}
+
 /* check_decodes(request_ids, requests, max_len, lookahead) -> list | int
  *
  * The up-front check of a decode step: every id names a request of ``requests`` whose
@@ -330,6 +492,9 @@ static PyMethodDef clientops_methods[] = {
     {"held_ends", (PyCFunction)(void (*)(void))clientops_held_ends, METH_FASTCALL,
      "Batch.num_computed_tokens (little-endian int32) for rows holding back decodes, -1 "
      "for the others; None when none holds any; NotImplemented: the caller's loop decides."},
+    {"plan_decodes", (PyCFunction)(void (*)(void))clientops_plan_decodes, METH_FASTCALL,
+     "hold_decodes, the other plain decode rows planned as growths too; returns the index "
+     "of the first row the caller must plan (len(tracked): none)."},
     {"hold_decodes", (PyCFunction)(void (*)(void))clientops_hold_decodes, METH_FASTCALL,
      "Hold back decode rows that need nothing from the service, from `start` on, in order; "
      "returns the index of the first row that needs planning (len(tracked): none)."},
@@ -349,7 +514,10 @@ PyInit__clientops(void)
     str_num_computed_tokens = PyUnicode_InternFromString("num_computed_tokens");
     str_pages = PyUnicode_InternFromString("pages");
     str_held = PyUnicode_InternFromString("held");
-    if (!str_num_tokens || !str_num_computed_tokens || !str_pages || !str_held)
+    str_pending = PyUnicode_InternFromString("pending");
+    empty_bytes = PyBytes_FromStringAndSize(NULL, 0);
+    if (!str_num_tokens || !str_num_computed_tokens || !str_pages || !str_held || !str_pending
+        || !empty_bytes)
         return NULL;
     return PyModule_Create(&clientops_module);
 }

@@ -1399,13 +1399,22 @@ class SchedulerState:
         growths = []
         append = growths.append
         held_back = []
-        # The C loop holds back rows in order up to the first one that needs planning here.
+        # The C loop holds back rows in order and plans the others as this loop body does,
+        # up to the first row it leaves here (rows naming a page: the C loop holds back).
+        plan_rows = _clientops.plan_decodes if _clientops is not None and not named else None
         hold_rows = _clientops.hold_decodes if hold and _clientops is not None else None
         aligned = alignment if caching else 0
         ids = request_ids if type(request_ids) is list else list(request_ids)
         i = 0
         while i < n:
-            if hold_rows is not None:
+            if plan_rows is not None:
+                i = plan_rows(
+                    tracked, ids, token_bytes, i, page_size, max_len, num_lookahead_tokens,
+                    aligned, held_back, growths, _PendingGrowth, hold,
+                )  # fmt: skip
+                if i == n:
+                    break
+            elif hold_rows is not None:
                 i = hold_rows(
                     tracked, token_bytes, i, page_size, max_len, num_lookahead_tokens, aligned,
                     held_back,

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import pagekeeper_client.client as client_module
-from pagekeeper_client.client import SchedulerState, _DecodePlan, _Tracked
+from pagekeeper_client.client import SchedulerState, _DecodePlan, _PendingGrowth, _Tracked
 from pagekeeper_client.types import GroupInfo, GroupKind, PoolConfig
 
 clientops = pytest.importorskip("pagekeeper_client._clientops")
@@ -195,6 +195,66 @@ def test_hold_decodes_contract() -> None:
         clientops.hold_decodes(tuple(rows), tokens, 0, 4, 64, 0, 0, held)
     with pytest.raises(TypeError):
         clientops.hold_decodes(rows, tokens, 0, 4, 64, 0, 0)
+
+
+def test_plan_decodes_contract() -> None:
+    """``plan_decodes`` holds back what ``hold_decodes`` would and plans the other rows as
+    the mirror's loop body does: a growth carrying the held tokens, counts one up, the
+    growth pending, nothing held; it stops at a row it does not expect."""
+    rows = [
+        _Tracked(5, 5, [[1, 2]]),
+        _Tracked(8, 8, [[1, 2]], held=(9).to_bytes(4, "little")),
+        _Tracked(3, 3, [[1]]),
+        _Tracked(4, 4, ([1],)),  # type: ignore[arg-type]  # pages not in a list
+    ]
+    ids = ["a", "b", "c", "d"]
+    held: list[_Tracked] = []
+    growths: list[_PendingGrowth] = []
+    tokens = b"".join(k.to_bytes(4, "little") for k in (11, 12, 13, 14))
+    # Row 0 held; row 1 needs a third page: planned, its held token first; row 2 completes
+    # its page (alignment 4): planned; row 3 is not a layout it knows.
+    assert (
+        clientops.plan_decodes(
+            rows, ids, tokens, 0, 4, 64, 0, 4, held, growths, _PendingGrowth, True
+        )
+        == 3
+    )
+    assert held == [rows[0]]
+    b, c = growths
+    assert (b.request_id, b.token_bytes, b.prev_held) == (
+        "b",
+        (9).to_bytes(4, "little") + (12).to_bytes(4, "little"),
+        (9).to_bytes(4, "little"),
+    )
+    assert (b.num_computed_tokens, b.prev_num_tokens, b.needs_pages, b.num_pages_needed) == (
+        8,
+        8,
+        True,
+        1,
+    )
+    assert (b.is_local, b.is_computed_given, b.is_plain, b.tracked) == (
+        False,
+        True,
+        False,
+        rows[1],
+    )
+    assert (c.needs_pages, c.num_pages_needed, c.is_local, c.is_plain) == (False, 0, True, True)
+    assert rows[1].pending is b and rows[1].held == b"" and rows[1].num_computed_tokens == 9
+    assert rows[2].pending is c and (rows[2].num_tokens, rows[2].num_computed_tokens) == (4, 4)
+    # Without holding, row 0 is a growth too.
+    more: list[_PendingGrowth] = []
+    fresh = [_Tracked(5, 5, [[1, 2]])]
+    assert (
+        clientops.plan_decodes(
+            fresh, ["e"], tokens[:4], 0, 4, 64, 0, 0, [], more, _PendingGrowth, False
+        )
+        == 1
+    )
+    assert more[0].request_id == "e" and more[0].is_local and fresh[0].pending is more[0]
+    with pytest.raises(ValueError, match="ids"):
+        clientops.plan_decodes(rows, ids[:2], tokens, 0, 4, 64, 0, 0, [], [], _PendingGrowth, True)
+    with pytest.raises(TypeError):
+        clientops.plan_decodes(rows, ids, tokens, 0, 4, 64, 0, 0, [], [], _PendingGrowth)
 
 
 def test_check_decodes_contract() -> None:
