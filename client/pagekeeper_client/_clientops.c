@@ -78,133 +78,24 @@ arg_ll(PyObject *arg, const char *what, long long low, long long *out)
     return 0;
 }
 
-/* One row of hold_decodes: 1 when held back, 0 when it needs planning by the caller
- * (nothing changed), -1 with an exception set. */
-static int
-hold_row(PyObject *t, const char *token, long long page_size, long long max_len,
-         long long lookahead, long long alignment, PyObject *held_back)
-{
-    long long num_tokens, computed;
-    int ok = int_attr(t, str_num_tokens, &num_tokens);
-    if (ok == 1)
-        ok = int_attr(t, str_num_computed_tokens, &computed);
-    if (ok <= 0)
-        return ok;
-    long long num_slots = computed + 1 + lookahead;
-    if (num_slots > max_len)
-        num_slots = max_len;
-    if (num_slots <= 0)
-        return 0;
-    if (alignment && (computed + 1) % alignment == 0)
-        return 0; /* completes a page to cache */
-    PyObject *pages = PyObject_GetAttr(t, str_pages);
-    if (pages == NULL)
-        return -1;
-    Py_ssize_t held_pages = -1;
-    if (PyList_CheckExact(pages) && PyList_GET_SIZE(pages) >= 1
-        && PyList_CheckExact(PyList_GET_ITEM(pages, 0)))
-        held_pages = PyList_GET_SIZE(PyList_GET_ITEM(pages, 0));
-    Py_DECREF(pages);
-    if (held_pages < 0 || (num_slots + page_size - 1) / page_size > held_pages)
-        return 0; /* needs a page (or not a layout this loop knows) */
-    PyObject *held = PyObject_GetAttr(t, str_held);
-    if (held == NULL)
-        return -1;
-    if (!PyBytes_CheckExact(held)) {
-        Py_DECREF(held);
-        return 0;
-    }
-    /* Every new value is built before any is stored. */
-    Py_ssize_t k = PyBytes_GET_SIZE(held);
-    PyObject *new_held = PyBytes_FromStringAndSize(NULL, k + 4);
-    PyObject *new_tokens = PyLong_FromLongLong(num_tokens + 1);
-    PyObject *new_computed = PyLong_FromLongLong(computed + 1);
-    if (new_held == NULL || new_tokens == NULL || new_computed == NULL) {
-        Py_DECREF(held);
-        Py_XDECREF(new_held);
-        Py_XDECREF(new_tokens);
-        Py_XDECREF(new_computed);
-        return -1;
-    }
-    char *dst = PyBytes_AS_STRING(new_held);
-    memcpy(dst, PyBytes_AS_STRING(held), (size_t)k);
-    memcpy(dst + k, token, 4);
-    Py_DECREF(held);
-    int failed = PyObject_SetAttr(t, str_held, new_held) < 0
-                 || PyObject_SetAttr(t, str_num_tokens, new_tokens) < 0
-                 || PyObject_SetAttr(t, str_num_computed_tokens, new_computed) < 0
-                 || PyList_Append(held_back, t) < 0;
-    Py_DECREF(new_held);
-    Py_DECREF(new_tokens);
-    Py_DECREF(new_computed);
-    return failed ? -1 : 1;
-}
-
-static PyObject *
-clientops_hold_decodes(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
-{
-    if (nargs != 8) {
-        PyErr_SetString(PyExc_TypeError, "hold_decodes takes 8 arguments");
-        return NULL;
-    }
-    PyObject *tracked = args[0], *tokens = args[1], *held_back = args[7];
-    if (!PyList_CheckExact(tracked) || !PyBytes_CheckExact(tokens)
-        || !PyList_CheckExact(held_back)) {
-        PyErr_SetString(PyExc_TypeError,
-                        "hold_decodes needs a list of requests, token bytes and a list");
-        return NULL;
-    }
-    long long start, page_size, max_len, lookahead, alignment;
-    if (arg_ll(args[2], "start", 0, &start) < 0 || arg_ll(args[3], "page_size", 1, &page_size) < 0
-        || arg_ll(args[4], "max_len", 1, &max_len) < 0
-        || arg_ll(args[5], "lookahead", 0, &lookahead) < 0
-        || arg_ll(args[6], "alignment", 0, &alignment) < 0)
-        return NULL;
-    Py_ssize_t n = PyList_GET_SIZE(tracked);
-    if (PyBytes_GET_SIZE(tokens) != 4 * n) {
-        PyErr_Format(PyExc_ValueError, "%zd token bytes for %zd rows",
-                     PyBytes_GET_SIZE(tokens), n);
-        return NULL;
-    }
-    if (start > n) {
-        PyErr_SetString(PyExc_ValueError, "start past the last row");
-        return NULL;
-    }
-    const char *token = PyBytes_AS_STRING(tokens);
-    Py_ssize_t i = (Py_ssize_t)start;
-    /* A row is held (a strong reference) while its attributes are read and set: a
-     * descriptor could run code that changes the list. */
-    for (; i < n && i < PyList_GET_SIZE(tracked); i++) {
-        PyObject *t = PyList_GET_ITEM(tracked, i);
-        Py_INCREF(t);
-        int done = hold_row(t, token + 4 * i, page_size, max_len, lookahead, alignment,
-                            held_back);
-        Py_DECREF(t);
-        if (done < 0)
-            return NULL;
-        if (!done)
-            break;
-    }
-    return PyLong_FromSsize_t(i);
-}
-
-/* plan_decodes(tracked, ids, token_bytes, start, page_size, max_len, lookahead, alignment,
- *              held_back, growths, growth_type, hold) -> stop
- *
- * hold_decodes, and the rows it would stop at planned too when they are plain decodes of a
- * request whose fields are as expected: a row that needs a page or completes one to
- * cache (or any row, without ``hold``) becomes ``growth_type(request_id, token_bytes,
- * computed, 1, lookahead, needs, num_needed, False, num_tokens, computed, [], t,
- * not needs, False, False, None, bool(held), lookahead == 0 and not held, False, held)``
- * (the mirror's _PendingGrowth, positionally; token_bytes is the held tokens then its
- * own), appended to ``growths``, the request's counts one up, ``pending`` set and
- * ``held`` emptied: SchedulerState.plan_decodes' loop body. Returns the index of the
- * first row it leaves to the caller (len(tracked): none). */
 static PyObject *str_pending, *empty_bytes;
 
+/* What a decode step's rows share (hold_decodes' and plan_decodes' arguments). */
+typedef struct {
+    PyObject *tracked, *ids, *tokens, *held_back, *growths, *growth_type;
+    long long start, page_size, max_len, lookahead, alignment;
+    int hold;
+} DecodeRows;
+
+/* One row: 1 when held back or planned, 0 when it is left to the caller (nothing
+ * changed), -1 with an exception set. Held back (with ``hold``): a decode that needs no
+ * page and completes none to cache -- its token appended to ``held``, its counts one up,
+ * the request appended to ``held_back``. Planned (with ``growths``, for any other row of a
+ * request whose fields are as expected): ``growth_type(...)`` (see plan_decodes) appended,
+ * the counts one up, ``pending`` set, ``held`` emptied. Every new value is built before
+ * any is stored. */
 static int
-plan_row(PyObject *t, PyObject *rid, const char *token, long long page_size, long long max_len,
-         long long lookahead, PyObject *growths, PyObject *growth_type)
+decode_row(const DecodeRows *d, PyObject *t, PyObject *rid, const char *token)
 {
     long long num_tokens, computed;
     int ok = int_attr(t, str_num_tokens, &num_tokens);
@@ -212,11 +103,11 @@ plan_row(PyObject *t, PyObject *rid, const char *token, long long page_size, lon
         ok = int_attr(t, str_num_computed_tokens, &computed);
     if (ok <= 0)
         return ok;
-    if (!PyUnicode_CheckExact(rid))
+    long long num_slots = computed + 1 + d->lookahead;
+    if (num_slots > d->max_len)
+        num_slots = d->max_len;
+    if (num_slots <= 0)
         return 0;
-    long long num_slots = computed + 1 + lookahead;
-    if (num_slots > max_len)
-        num_slots = max_len;
     PyObject *pages = PyObject_GetAttr(t, str_pages);
     if (pages == NULL)
         return -1;
@@ -225,11 +116,15 @@ plan_row(PyObject *t, PyObject *rid, const char *token, long long page_size, lon
         && PyList_CheckExact(PyList_GET_ITEM(pages, 0)))
         held_pages = PyList_GET_SIZE(PyList_GET_ITEM(pages, 0));
     Py_DECREF(pages);
-    if (held_pages < 0 || num_slots < 0)
-        return 0;
-    /* -(-num_slots // page_size) - held: Python's floor division, num_slots >= 0 here. */
-    long long num_needed = (num_slots + page_size - 1) / page_size - held_pages;
+    if (held_pages < 0)
+        return 0; /* not a layout this loop knows */
+    /* -(-num_slots // page_size) - held (num_slots > 0). */
+    long long num_needed = (num_slots + d->page_size - 1) / d->page_size - held_pages;
     int needs = num_needed > 0;
+    int completes = d->alignment && (computed + 1) % d->alignment == 0; /* a page to cache */
+    int holds = d->hold && !needs && !completes;
+    if (!holds && (d->growths == NULL || rid == NULL || !PyUnicode_CheckExact(rid)))
+        return 0;
     PyObject *held = PyObject_GetAttr(t, str_held);
     if (held == NULL)
         return -1;
@@ -239,56 +134,137 @@ plan_row(PyObject *t, PyObject *rid, const char *token, long long page_size, lon
     }
     Py_ssize_t k = PyBytes_GET_SIZE(held);
     int result = -1;
+    PyObject *growth = NULL, *nulled = NULL, *computed_o = NULL, *lookahead_o = NULL;
+    PyObject *needed_o = NULL, *tokens_o = NULL, *one = NULL;
+    /* The held tokens then this one: the new ``held`` when held back, else the growth's. */
     PyObject *token_bytes = PyBytes_FromStringAndSize(NULL, k + 4);
-    PyObject *nulled = PyList_New(0);
-    PyObject *args[20] = {NULL};
-    PyObject *growth = NULL;
-    if (token_bytes == NULL || nulled == NULL)
+    PyObject *new_tokens = PyLong_FromLongLong(num_tokens + 1);
+    PyObject *new_computed = PyLong_FromLongLong(computed + 1);
+    if (token_bytes == NULL || new_tokens == NULL || new_computed == NULL)
         goto done;
     memcpy(PyBytes_AS_STRING(token_bytes), PyBytes_AS_STRING(held), (size_t)k);
     memcpy(PyBytes_AS_STRING(token_bytes) + k, token, 4);
-    PyObject *computed_o = PyLong_FromLongLong(computed);
-    PyObject *lookahead_o = PyLong_FromLongLong(lookahead);
-    PyObject *needed_o = PyLong_FromLongLong(needs ? num_needed : 0);
-    PyObject *tokens_o = PyLong_FromLongLong(num_tokens);
-    PyObject *one = PyLong_FromLong(1);
-    PyObject *new_tokens = PyLong_FromLongLong(num_tokens + 1);
-    PyObject *new_computed = PyLong_FromLongLong(computed + 1);
-    PyObject *owned[7] = {computed_o, lookahead_o, needed_o, tokens_o, one, new_tokens,
-                          new_computed};
-    int built = 1;
-    for (int j = 0; j < 7; j++)
-        built = built && owned[j] != NULL;
-    if (built) {
-        PyObject *a[20] = {
-            rid, token_bytes, computed_o, one, lookahead_o, needs ? Py_True : Py_False,
-            needed_o, Py_False, tokens_o, computed_o, nulled, t, needs ? Py_False : Py_True,
-            Py_False, Py_False, Py_None, k ? Py_True : Py_False,
-            (lookahead == 0 && k == 0) ? Py_True : Py_False, Py_False, held,
-        };
-        memcpy(args, a, sizeof(a));
-        growth = PyObject_Vectorcall(growth_type, args, 20, NULL);
-        /* The request's new values: counts one up, the growth pending, nothing held. */
-        if (growth != NULL
-            && (PyObject_SetAttr(t, str_num_tokens, new_tokens) < 0
-                || PyObject_SetAttr(t, str_num_computed_tokens, new_computed) < 0
-                || PyObject_SetAttr(t, str_pending, growth) < 0
-                || PyObject_SetAttr(t, str_held, empty_bytes) < 0
-                || PyList_Append(growths, growth) < 0)) {
-            Py_CLEAR(growth);
-        }
-        result = growth != NULL ? 1 : -1;
+    if (holds) {
+        int failed = PyObject_SetAttr(t, str_held, token_bytes) < 0
+                     || PyObject_SetAttr(t, str_num_tokens, new_tokens) < 0
+                     || PyObject_SetAttr(t, str_num_computed_tokens, new_computed) < 0
+                     || PyList_Append(d->held_back, t) < 0;
+        result = failed ? -1 : 1;
+        goto done;
     }
-    for (int j = 0; j < 7; j++)
-        Py_XDECREF(owned[j]);
+    nulled = PyList_New(0);
+    computed_o = PyLong_FromLongLong(computed);
+    lookahead_o = PyLong_FromLongLong(d->lookahead);
+    needed_o = PyLong_FromLongLong(needs ? num_needed : 0);
+    tokens_o = PyLong_FromLongLong(num_tokens);
+    one = PyLong_FromLong(1);
+    if (nulled == NULL || computed_o == NULL || lookahead_o == NULL || needed_o == NULL
+        || tokens_o == NULL || one == NULL)
+        goto done;
+    PyObject *args[20] = {
+        rid, token_bytes, computed_o, one, lookahead_o, needs ? Py_True : Py_False,
+        needed_o, Py_False, tokens_o, computed_o, nulled, t, needs ? Py_False : Py_True,
+        Py_False, Py_False, Py_None, k ? Py_True : Py_False,
+        (d->lookahead == 0 && k == 0) ? Py_True : Py_False, Py_False, held,
+    };
+    growth = PyObject_Vectorcall(d->growth_type, args, 20, NULL);
+    if (growth != NULL
+        && PyObject_SetAttr(t, str_num_tokens, new_tokens) == 0
+        && PyObject_SetAttr(t, str_num_computed_tokens, new_computed) == 0
+        && PyObject_SetAttr(t, str_pending, growth) == 0
+        && PyObject_SetAttr(t, str_held, empty_bytes) == 0
+        && PyList_Append(d->growths, growth) == 0)
+        result = 1;
 done:
     Py_XDECREF(growth);
-    Py_XDECREF(token_bytes);
     Py_XDECREF(nulled);
+    Py_XDECREF(computed_o);
+    Py_XDECREF(lookahead_o);
+    Py_XDECREF(needed_o);
+    Py_XDECREF(tokens_o);
+    Py_XDECREF(one);
+    Py_XDECREF(token_bytes);
+    Py_XDECREF(new_tokens);
+    Py_XDECREF(new_computed);
     Py_DECREF(held);
     return result;
 }
 
+/* The numeric arguments from ``nums`` (start, page_size, max_len, lookahead, alignment)
+ * and the lengths checked, then the rows from ``start`` in order: the index of the first
+ * row left to the caller, or NULL with an exception set. */
+static PyObject *
+decode_rows(DecodeRows *d, PyObject *const *nums)
+{
+    if (arg_ll(nums[0], "start", 0, &d->start) < 0
+        || arg_ll(nums[1], "page_size", 1, &d->page_size) < 0
+        || arg_ll(nums[2], "max_len", 1, &d->max_len) < 0
+        || arg_ll(nums[3], "lookahead", 0, &d->lookahead) < 0
+        || arg_ll(nums[4], "alignment", 0, &d->alignment) < 0)
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(d->tracked);
+    if (PyBytes_GET_SIZE(d->tokens) != 4 * n) {
+        PyErr_Format(PyExc_ValueError, "%zd token bytes for %zd rows",
+                     PyBytes_GET_SIZE(d->tokens), n);
+        return NULL;
+    }
+    if (d->ids != NULL && PyList_GET_SIZE(d->ids) != n) {
+        PyErr_Format(PyExc_ValueError, "%zd ids for %zd rows", PyList_GET_SIZE(d->ids), n);
+        return NULL;
+    }
+    if (d->start > n) {
+        PyErr_SetString(PyExc_ValueError, "start past the last row");
+        return NULL;
+    }
+    const char *token = PyBytes_AS_STRING(d->tokens);
+    Py_ssize_t i = (Py_ssize_t)d->start;
+    /* A row (and its id) is held (a strong reference) while its attributes are read and
+     * set: a descriptor could run code that changes the lists. */
+    for (; i < n && i < PyList_GET_SIZE(d->tracked)
+           && (d->ids == NULL || i < PyList_GET_SIZE(d->ids));
+         i++) {
+        PyObject *t = Py_NewRef(PyList_GET_ITEM(d->tracked, i));
+        PyObject *rid = d->ids == NULL ? NULL : Py_NewRef(PyList_GET_ITEM(d->ids, i));
+        int done = decode_row(d, t, rid, token + 4 * i);
+        Py_DECREF(t);
+        Py_XDECREF(rid);
+        if (done < 0)
+            return NULL;
+        if (!done)
+            break;
+    }
+    return PyLong_FromSsize_t(i);
+}
+
+static PyObject *
+clientops_hold_decodes(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "hold_decodes takes 8 arguments");
+        return NULL;
+    }
+    DecodeRows d = {.tracked = args[0], .tokens = args[1], .held_back = args[7], .hold = 1};
+    if (!PyList_CheckExact(d.tracked) || !PyBytes_CheckExact(d.tokens)
+        || !PyList_CheckExact(d.held_back)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "hold_decodes needs a list of requests, token bytes and a list");
+        return NULL;
+    }
+    return decode_rows(&d, args + 2);
+}
+
+/* plan_decodes(tracked, ids, token_bytes, start, page_size, max_len, lookahead, alignment,
+ *              held_back, growths, growth_type, hold) -> stop
+ *
+ * hold_decodes (only with ``hold``), and the rows it would stop at planned too when they
+ * are decodes of a request whose fields are as expected: a row that needs a page or
+ * completes one to cache (or any row, without ``hold``) becomes ``growth_type(request_id,
+ * token_bytes, computed, 1, lookahead, needs, num_needed, False, num_tokens, computed, [],
+ * t, not needs, False, False, None, bool(held), lookahead == 0 and not held, False,
+ * held)`` (the mirror's _PendingGrowth, positionally; token_bytes is the held tokens then
+ * its own), appended to ``growths``, the request's counts one up, ``pending`` set and
+ * ``held`` emptied: SchedulerState.plan_decodes' loop body. Returns the index of the
+ * first row it leaves to the caller (len(tracked): none). */
 static PyObject *
 clientops_plan_decodes(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -296,56 +272,19 @@ clientops_plan_decodes(PyObject *module, PyObject *const *args, Py_ssize_t nargs
         PyErr_SetString(PyExc_TypeError, "plan_decodes takes 12 arguments");
         return NULL;
     }
-    PyObject *tracked = args[0], *ids = args[1], *tokens = args[2], *held_back = args[8];
-    PyObject *growths = args[9], *growth_type = args[10];
-    int hold = PyObject_IsTrue(args[11]);
-    if (hold < 0)
+    DecodeRows d = {.tracked = args[0], .ids = args[1], .tokens = args[2],
+                    .held_back = args[8], .growths = args[9], .growth_type = args[10]};
+    if ((d.hold = PyObject_IsTrue(args[11])) < 0)
         return NULL;
-    if (!PyList_CheckExact(tracked) || !PyList_CheckExact(ids) || !PyBytes_CheckExact(tokens)
-        || !PyList_CheckExact(held_back) || !PyList_CheckExact(growths)
-        || !PyCallable_Check(growth_type)) {
+    if (!PyList_CheckExact(d.tracked) || !PyList_CheckExact(d.ids)
+        || !PyBytes_CheckExact(d.tokens) || !PyList_CheckExact(d.held_back)
+        || !PyList_CheckExact(d.growths) || !PyCallable_Check(d.growth_type)) {
         PyErr_SetString(PyExc_TypeError,
                         "plan_decodes needs lists of requests and ids, token bytes, two lists "
                         "and the growth type");
         return NULL;
     }
-    long long start, page_size, max_len, lookahead, alignment;
-    if (arg_ll(args[3], "start", 0, &start) < 0 || arg_ll(args[4], "page_size", 1, &page_size) < 0
-        || arg_ll(args[5], "max_len", 1, &max_len) < 0
-        || arg_ll(args[6], "lookahead", 0, &lookahead) < 0
-        || arg_ll(args[7], "alignment", 0, &alignment) < 0)
-        return NULL;
-    Py_ssize_t n = PyList_GET_SIZE(tracked);
-    if (PyBytes_GET_SIZE(tokens) != 4 * n || PyList_GET_SIZE(ids) != n) {
-        PyErr_Format(PyExc_ValueError, "%zd token bytes and %zd ids for %zd rows",
-                     PyBytes_GET_SIZE(tokens), PyList_GET_SIZE(ids), n);
-        return NULL;
-    }
-    if (start > n) {
-        PyErr_SetString(PyExc_ValueError, "start past the last row");
-        return NULL;
-    }
-    const char *token = PyBytes_AS_STRING(tokens);
-    Py_ssize_t i = (Py_ssize_t)start;
-    for (; i < n && i < PyList_GET_SIZE(tracked) && i < PyList_GET_SIZE(ids); i++) {
-        PyObject *t = PyList_GET_ITEM(tracked, i);
-        PyObject *rid = PyList_GET_ITEM(ids, i);
-        Py_INCREF(t);
-        Py_INCREF(rid);
-        int done = hold ? hold_row(t, token + 4 * i, page_size, max_len, lookahead, alignment,
-                                   held_back)
-                        : 0;
-        if (done == 0)
-            done = plan_row(t, rid, token + 4 * i, page_size, max_len, lookahead, growths,
-                            growth_type);
-        Py_DECREF(t);
-        Py_DECREF(rid);
-        if (done < 0)
-            return NULL;
-        if (!done)
-            break;
-    }
-    return PyLong_FromSsize_t(i);
+    return decode_rows(&d, args + 3);
 }
 
 /* check_decodes(request_ids, requests, max_len, lookahead) -> list | int
