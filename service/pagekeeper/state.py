@@ -1679,7 +1679,6 @@ class ServiceState:
         if n == 0:
             return
         ids = cols.request_ids
-        requests = self._requests
         explicit = cols.num_computed_tokens
         num_ids = cols.num_new_token_ids
         lookahead = cols.num_lookahead_tokens
@@ -1697,9 +1696,7 @@ class ServiceState:
             # riding with it (or a client that always sends its mirror's count).
             tracked = self._column_tracked  # the counts the check gathered (int64)
             if tracked is None or tracked.shape != (n,):
-                tracked = np.fromiter(
-                    (requests[r].num_computed_tokens for r in ids), dtype=np.int64, count=n
-                )
+                raise InvariantViolation("growth columns applied without their check's counts")
             plain = one_new & (
                 ((num_ids == 1) & (explicit == -1))
                 | ((num_ids >= 1) & (explicit >= 0) & (explicit == tracked + num_ids - 1))
