@@ -1209,12 +1209,14 @@ class PageManager:
         pretaken: list[int] = []
 
         def take_crossing_pages() -> None:
-            num_rest = len(crossing) - len(pretaken)
+            taken: list[int] | None = None
+            if pretaken:  # the C pass took the first ones' pages; the rest take theirs now
+                num_rest = len(crossing) - len(pretaken)
+                taken = pretaken + pool.allocate_each(num_rest) if num_rest else pretaken
             if len(crossing) < _MIN_BATCHED_CROSSINGS:
-                if pretaken:
-                    pages = pretaken + pool.allocate_each(num_rest) if num_rest else pretaken
+                if taken is not None:
                     append_page, request_rows = group.rows.append_page, group.request_rows
-                    for rid, held, page in zip(crossing, crossing_held, pages, strict=True):
+                    for rid, held, page in zip(crossing, crossing_held, taken, strict=True):
                         append_page(request_rows[rid], held, page)
                         page_counts[rid] = held + 1
                         out[rid] = Allocation(rid, 0, ((page,),))
@@ -1223,8 +1225,8 @@ class PageManager:
                         new_pages = group.allocate_new(rid, (held + 1) * ps)
                         out[rid] = Allocation(rid, 0, (tuple(new_pages),))
             else:
-                if pretaken:
-                    pages = pretaken + pool.allocate_each(num_rest) if num_rest else pretaken
+                if taken is not None:
+                    pages = taken
                     group.place_next_pages(crossing, crossing_held, pages)
                 else:
                     pages = group.allocate_next_pages(crossing, crossing_held)
